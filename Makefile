@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   -- create .venv, install vlens with the right engine, run `vlens demo`
+#   make test   -- the same set-up, then the whole test suite
+# Both are idempotent: the install step re-runs only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.vlens-installed
+# GPU machines get the CUDA build of vLLM, others the CPU build.
+ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# pip pulls CUDA builds of these into a CPU venv; they break `import vllm`
+# (torchcodec) and `from transformers import LlamaConfig` (torchvision).
+CPU_BROKEN := torchvision torchaudio torchcodec triton
+
+.PHONY: demo test lab bench-idle clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(ENGINE),notebook,test]"
+	if [ "$(ENGINE)" = cpu ]; then $(PY) -m pip uninstall --quiet -y $(CPU_BROKEN); fi
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/vlens demo --out vlens-demo.html
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+bench-idle: $(STAMP)
+	$(PY) benchmarks/idle_cost.py
+
+clean:
+	rm -rf $(VENV) vlens-demo.html .pytest_cache

@@ -1,0 +1,101 @@
+"""Shared fixtures: local models made on the spot and engines shared per run.
+
+Engines take seconds to start, so each configuration starts once per test
+session and every test that needs it shares it. vLLM's caches, sockets and
+temp files go to a folder of this run, set before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_RUN_DIR = Path(tempfile.mkdtemp(prefix="vlens-test-"))
+for _var, _sub in (
+    ("VLLM_CACHE_ROOT", "vllm-cache"),
+    ("VLLM_RPC_BASE_PATH", "rpc"),
+    ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+):
+    os.environ.setdefault(_var, str(_RUN_DIR / _sub))
+    Path(os.environ[_var]).mkdir(parents=True, exist_ok=True)
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Small KV caches: tests hold several engines at once.
+KV_BYTES = 64 * 2**20
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_dir) -> Path:
+    from vlens.tiny import make_tiny_model
+
+    return make_tiny_model(models_dir / "llama", "llama", layers=3, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(models_dir) -> Path:
+    from vlens.tiny import make_tiny_model
+
+    return make_tiny_model(models_dir / "qwen2", "qwen2", layers=3, kv_heads=2, seed=2)
+
+
+def _session(path, **kw):
+    import vlens
+
+    kw.setdefault("kv_cache_memory_bytes", KV_BYTES)
+    return vlens.Session(path, **kw)
+
+
+@pytest.fixture(scope="session")
+def llama_session(tiny_llama):
+    """Native Llama, small prefill chunks so long prompts are split."""
+    s = _session(tiny_llama, max_num_batched_tokens=64, max_model_len=512)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def llama_tf_session(tiny_llama):
+    """The same weights through vLLM's Transformers backend ([1, T, H])."""
+    s = _session(
+        tiny_llama, model_impl="transformers", max_num_batched_tokens=64, max_model_len=512
+    )
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def qwen2_session(tiny_qwen2):
+    s = _session(tiny_qwen2, max_model_len=512)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def toy_session():
+    """The bundled toy-world model, as ``vlens.Session()`` gives it."""
+    s = _session(None)
+    yield s
+    s.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run tests that start the Transformers-backend engine last.
+
+    In the engine's own process, vLLM's Transformers backend patches Hugging
+    Face's model class for torch.compile support (LlamaModel gains a base
+    class and a new __init__), after which ``AutoModelForCausalLM`` of that
+    architecture cannot be built in the same process. Tests that load a
+    Hugging Face model in-process must therefore run before it starts.
+    """
+    late = [i for i in items if "llama_tf_session" in getattr(i, "fixturenames", ())]
+    early = [i for i in items if i not in late]
+    items[:] = early + late

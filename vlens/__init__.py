@@ -1,0 +1,47 @@
+"""vlens: look inside a model served by vLLM, from a notebook.
+
+``import vlens`` is cheap: vLLM is imported only when a :class:`Session`
+starts an engine.
+
+    import vlens
+    s = vlens.Session()                    # the bundled toy-world model
+    run = s.trace(["the cat"], layers=[0, 2], sites=["resid_post"])
+    run[0].activations("resid_post")       # [layers, tokens, hidden]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError
+
+if TYPE_CHECKING:
+    from vlens.results import Run, Trace
+    from vlens.session import Session
+
+__all__ = [
+    "ClosedError",
+    "EngineError",
+    "Run",
+    "Session",
+    "TokenAxisError",
+    "Trace",
+    "VlensError",
+    "__version__",
+]
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Session": "vlens.session",
+    "Run": "vlens.results",
+    "Trace": "vlens.results",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vlens' has no attribute {name!r}")

@@ -1,0 +1,237 @@
+"""Which rows of vLLM's flattened batch belong to which request.
+
+vLLM runs many requests in one forward step and lays their tokens back to
+back: a decoder layer sees ``[T, H]`` (native models) or ``[1, T, H]``
+(vLLM's Transformers backend, which keeps Hugging Face's leading batch dim),
+where the T rows are request A's prompt chunk, request B's single decode row,
+and so on, possibly followed by padding rows up to a captured graph size.
+
+This module turns that into per-request row spans and reads / writes those
+rows, and nothing else. It is pure torch and never imports vLLM, so every
+rule here is tested with plain tensors.
+
+The rule that matters (see the project's seed note): never decide "is this
+tensor batched?" by ``shape[0] == T`` alone. On a ``[1, T, H]`` tensor that
+test says "not batched" and the whole step -- every request's rows -- passes
+through. ``token_axis`` finds the axis or raises :class:`TokenAxisError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlens.errors import TokenAxisError
+
+__all__ = [
+    "RowSpan",
+    "StepLayout",
+    "TokenAxisError",
+    "narrow",
+    "token_axis",
+    "widen",
+]
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Rows ``[start, stop)`` of one step that belong to request ``key``.
+
+    ``first_position`` is the position in the request's own sequence of the
+    first of those rows (0 for the first prefill chunk, the number of tokens
+    already computed for a later chunk or a decode row).
+    """
+
+    key: Hashable
+    start: int
+    stop: int
+    first_position: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The row layout of one forward step.
+
+    ``spans`` follow the engine's batch order and cover every request in the
+    step, including requests that carry no vlens plan: their rows still
+    shift everyone after them. ``num_actual`` is the number of real rows;
+    ``num_padded`` (>= ``num_actual``) is the row count the model actually
+    ran, which is larger when the engine pads a step (CUDA graphs).
+    """
+
+    spans: tuple[RowSpan, ...]
+    num_actual: int
+    num_padded: int
+
+    def __post_init__(self) -> None:
+        at = 0
+        for s in self.spans:
+            if s.start != at or s.stop < s.start:
+                raise ValueError(
+                    f"spans must be contiguous and in order: {s} starts at "
+                    f"{s.start}, expected {at}"
+                )
+            at = s.stop
+        if at != self.num_actual:
+            raise ValueError(f"spans cover {at} rows but num_actual is {self.num_actual}")
+        if self.num_padded < self.num_actual:
+            raise ValueError(
+                f"num_padded ({self.num_padded}) < num_actual ({self.num_actual})"
+            )
+
+    @classmethod
+    def from_counts(
+        cls,
+        keys: Sequence[Hashable],
+        counts: Sequence[int],
+        *,
+        first_positions: Sequence[int] | None = None,
+        num_padded: int | None = None,
+    ) -> StepLayout:
+        """Layout from each request's row count, in batch order."""
+        if len(keys) != len(counts):
+            raise ValueError(f"{len(keys)} keys but {len(counts)} counts")
+        if first_positions is None:
+            first_positions = [0] * len(keys)
+        spans, at = [], 0
+        for key, n, p in zip(keys, counts, first_positions):
+            spans.append(RowSpan(key, at, at + int(n), int(p)))
+            at += int(n)
+        return cls(tuple(spans), at, at if num_padded is None else int(num_padded))
+
+    @classmethod
+    def from_query_start_loc(
+        cls,
+        keys: Sequence[Hashable],
+        query_start_loc: Sequence[int],
+        *,
+        first_positions: Sequence[int] | None = None,
+        num_padded: int | None = None,
+    ) -> StepLayout:
+        """Layout from vLLM's cumulative row offsets ``[0, n0, n0+n1, …]``."""
+        if len(query_start_loc) != len(keys) + 1:
+            raise ValueError(
+                f"query_start_loc has {len(query_start_loc)} entries for "
+                f"{len(keys)} requests; expected {len(keys) + 1}"
+            )
+        counts = [int(b) - int(a) for a, b in zip(query_start_loc, query_start_loc[1:])]
+        return cls.from_counts(
+            keys, counts, first_positions=first_positions, num_padded=num_padded
+        )
+
+    def span(self, key: Hashable) -> RowSpan:
+        for s in self.spans:
+            if s.key == key:
+                return s
+        raise KeyError(f"request {key!r} is not in this step")
+
+    def keys(self) -> list[Hashable]:
+        return [s.key for s in self.spans]
+
+    def row_index(self, keys: Iterable[Hashable]) -> torch.Tensor:
+        """Row numbers of the given requests, as one int64 tensor."""
+        wanted = set(keys)
+        parts = [torch.arange(s.start, s.stop) for s in self.spans if s.key in wanted]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+def token_axis(tensor: torch.Tensor, layout: StepLayout, *, site: str = "?") -> int:
+    """The axis of ``tensor`` that runs over the step's tokens.
+
+    * ``[T, …]`` -> 0 (vLLM's native models);
+    * ``[1, T, …]`` -> 1 (the Transformers backend's leading batch dim);
+    * T may be the real or the padded row count.
+
+    A tensor with 3 or more dims whose leading dim is 1 and whose second dim
+    is T is read as ``[1, T, …]``, even when T is 1 too (both readings then
+    select the same elements) or the hidden size happens to equal T. Any
+    other shape raises :class:`TokenAxisError` naming the site: vlens never
+    passes a tensor through whole because it could not place the rows.
+    """
+    sizes = {layout.num_actual, layout.num_padded}
+    shape = tuple(tensor.shape)
+    if len(shape) >= 2 and shape[0] == 1 and shape[1] in sizes:
+        if len(shape) >= 3 or shape[0] not in sizes:
+            return 1
+    if len(shape) >= 1 and shape[0] in sizes:
+        return 0
+    raise TokenAxisError(
+        f"site {site}: cannot find the token axis of a tensor of shape "
+        f"{list(shape)} in a step of {layout.num_actual} tokens"
+        + (f" ({layout.num_padded} with padding)" if layout.num_padded != layout.num_actual else "")
+        + ". vlens expects [tokens, ...] or [1, tokens, ...]; this site's value "
+        "has another layout, so vlens cannot tell which rows belong to which "
+        "request. Read a residual-stream site (resid_pre, resid_post, attn_out, "
+        "mlp_out) instead, or report the model and site."
+    )
+
+
+def _checked_axis(
+    tensor: torch.Tensor, layout: StepLayout, span: RowSpan, axis: int | None, site: str
+) -> int:
+    if axis is None:
+        axis = token_axis(tensor, layout, site=site)
+    elif tensor.dim() <= axis or tensor.shape[axis] not in (layout.num_actual, layout.num_padded):
+        raise TokenAxisError(
+            f"site {site}: axis {axis} of shape {list(tensor.shape)} is not the "
+            f"token axis of a step of {layout.num_actual} tokens"
+        )
+    if not 0 <= span.start <= span.stop <= layout.num_actual:
+        raise TokenAxisError(
+            f"site {site}: rows [{span.start}, {span.stop}) of request "
+            f"{span.key!r} fall outside the step's {layout.num_actual} real rows"
+        )
+    return axis
+
+
+def narrow(
+    tensor: torch.Tensor,
+    layout: StepLayout,
+    span: RowSpan,
+    *,
+    axis: int | None = None,
+    clone: bool = False,
+    site: str = "?",
+) -> torch.Tensor:
+    """One request's rows of ``tensor``, on its token axis.
+
+    The result keeps the tensor's layout (``[n, H]`` or ``[1, n, H]``). It is
+    a view of engine memory unless ``clone`` is true, in which case it is a
+    copy that later kernels cannot overwrite.
+    """
+    axis = _checked_axis(tensor, layout, span, axis, site)
+    rows = tensor.narrow(axis, span.start, span.length)
+    return rows.clone() if clone else rows
+
+
+def widen(
+    tensor: torch.Tensor,
+    layout: StepLayout,
+    span: RowSpan,
+    rows: torch.Tensor,
+    *,
+    axis: int | None = None,
+    site: str = "?",
+) -> torch.Tensor:
+    """Write one request's rows back into the step's ``tensor``, in place.
+
+    ``rows`` must have the shape :func:`narrow` returns for the same span.
+    Other requests' rows and padding rows are left untouched. Returns
+    ``tensor``. The write never depends on ``rows`` aliasing ``tensor``.
+    """
+    axis = _checked_axis(tensor, layout, span, axis, site)
+    target = tensor.narrow(axis, span.start, span.length)
+    if tuple(rows.shape) != tuple(target.shape):
+        raise TokenAxisError(
+            f"site {site}: cannot write rows of shape {list(rows.shape)} for "
+            f"request {span.key!r}; its rows here have shape {list(target.shape)}"
+        )
+    if rows.data_ptr() != target.data_ptr() or rows.stride() != target.stride():
+        target.copy_(rows)
+    return tensor

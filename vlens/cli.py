@@ -1,0 +1,90 @@
+"""``vlens`` on the command line. ``vlens demo`` is the main job: start a
+Session on the bundled model, trace a few prompts, print a per-layer table
+and write a standalone HTML report of plotly figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "demo"]
+
+
+def _default_prompts() -> list[str]:
+    from vlens.models.world import example_prompts
+
+    return example_prompts(4)
+
+
+def demo(model: str | None = None, out: str | Path = "vlens-demo.html",
+         prompts: list[str] | None = None, max_new_tokens: int = 12) -> Path:
+    """Run the demo; return the report's path."""
+    import vlens
+    from vlens.lens import LogitLens
+    from vlens.plots import activation_heatmap, layer_profile, logit_lens_grid
+
+    t0 = time.perf_counter()
+    prompts = prompts or _default_prompts()
+    with vlens.Session(model) as s:
+        started = time.perf_counter() - t0
+        run = s.trace(prompts, sites=["resid_post"], max_new_tokens=max_new_tokens)
+        lens = LogitLens.from_pretrained(s.model)
+        n_layers = s.n_layers
+        print(f"vlens demo: {s.model}")
+        print(f"engine: {s.info['architecture']} ({s.info['impl']}), {n_layers} layers, "
+              f"hidden {s.hidden_size}; started in {started:.1f} s\n")
+        layers = list(range(n_layers))
+        figures = []
+        for t in run:
+            acts = t.activations("resid_post")  # [L, T, H]
+            # logit lens at the last prompt token: what each layer predicts next
+            last = len(t.prompt_token_ids) - 1
+            ids, probs = lens.top(acts[:, last], k=1)
+            print(f"prompt {t.index}: {t.prompt!r}")
+            print(f"  -> {t.text.strip()!r}")
+            print(f"  {'layer':>5}  {'mean |resid|':>12}  top next token (p)")
+            for layer in layers:
+                tok = s.tokenizer.decode([int(ids[layer, 0])]).strip()
+                print(f"  {layer:>5}  {acts[layer].norm(dim=-1).mean():>12.3f}  "
+                      f"{tok!r} ({probs[layer, 0]:.2f})")
+            print()
+            norms = acts.norm(dim=-1)
+            figures.append(activation_heatmap(
+                norms, t.tokens, layers, quantity="|resid_post|",
+                title=f"prompt {t.index}: residual norm by layer and token"))
+            top_ids, top_p = lens.top(acts, k=1)
+            words = [[s.tokenizer.decode([int(i)]).strip() for i in row[:, 0]] for row in top_ids]
+            figures.append(logit_lens_grid(words, top_p[..., 0], t.tokens, layers))
+        mean_norm = sum(t.activations().norm(dim=-1).mean(-1) for t in run) / len(run)
+        figures.insert(0, layer_profile(mean_norm, layers, name="all prompts",
+                                        quantity="mean |resid_post|"))
+    out = Path(out)
+    parts = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures)]
+    out.write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>vlens demo</title></head>"
+        "<body><h1>vlens demo</h1>"
+        + "".join(f"<div>{p}</div>" for p in parts)
+        + "</body></html>"
+    )
+    print(f"report: {out.resolve()} ({len(figures)} figures)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vlens", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="trace the bundled model and write an HTML report")
+    d.add_argument("--model", default=None, help="a local model folder (default: bundled)")
+    d.add_argument("--out", default="vlens-demo.html", help="where to write the report")
+    d.add_argument("--max-new-tokens", type=int, default=12)
+    d.add_argument("prompts", nargs="*", help="prompts (default: a few toy-world stories)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        demo(args.model, args.out, args.prompts or None, args.max_new_tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

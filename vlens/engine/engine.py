@@ -1,0 +1,126 @@
+"""Build and own one ``vllm.LLM`` with vlens's worker extension.
+
+This is the only module that imports vLLM, and only when an Engine is made.
+It chooses settings that make a notebook engine work on the first try (see
+``env.py``), refuses settings under which hooks would silently not fire, and
+speaks to the workers only through ``collective_rpc`` so the same code runs
+in-process and out of process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from vlens.engine.env import apply_env_defaults
+from vlens.errors import ClosedError, VlensError
+
+__all__ = ["Engine", "EXTENSION"]
+
+EXTENSION = "vlens.engine.worker.VlensWorkerExtension"
+
+_REFUSED = {
+    "worker_extension_cls": "vlens sets its own worker extension",
+}
+
+
+def _saved_dtype(model: str) -> str | None:
+    """The dtype a local checkpoint's config.json declares, if any."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = cfg.get("text_config") or {}
+    return cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+
+
+class Engine:
+    """One live vLLM engine with vlens's hooks installed in every worker.
+
+    ``info`` describes the model (``n_layers``, ``hidden_size``, ``impl``
+    "native" or "transformers", ``sites``). ``lock`` serialises runs: vLLM's
+    offline ``LLM`` is not safe to drive from two threads at once.
+    """
+
+    def __init__(self, model: str | Path, **llm_kwargs: Any) -> None:
+        if llm_kwargs.get("enforce_eager", True) is not True:
+            raise VlensError(
+                "enforce_eager=False is not supported: in compiled mode vLLM runs "
+                "a captured graph and vlens's hooks would silently never fire. "
+                "Leave enforce_eager out (vlens sets it to True)."
+            )
+        for key, why in _REFUSED.items():
+            if key in llm_kwargs:
+                raise VlensError(f"{key}= cannot be passed: {why}")
+        compilation = llm_kwargs.get("compilation_config")
+        if compilation not in (None, 0) and not (
+            isinstance(compilation, dict) and compilation.get("mode", 0) in (0, None)
+        ):
+            raise VlensError(
+                f"compilation_config={compilation!r} would compile the model and "
+                "vlens's hooks would not fire; leave it out"
+            )
+        self.model = str(model)
+        self.llm_kwargs = dict(llm_kwargs)
+        if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
+            # vLLM downcasts float32 checkpoints to 16 bits by default; for
+            # looking inside a model the saved precision is the faithful one.
+            self.llm_kwargs["dtype"] = "float32"
+        self.env = apply_env_defaults()
+        self.lock = threading.RLock()
+        self._closed = False
+
+        from vllm import LLM  # heavy: only now
+
+        self.llm = LLM(
+            model=self.model,
+            enforce_eager=True,
+            worker_extension_cls=EXTENSION,
+            **self.llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.info: dict[str, Any] = self.rpc("vlens_setup")[0]
+        cfg = self.llm.llm_engine.model_config
+        self.info["max_model_len"] = int(cfg.max_model_len)
+        self.info["vocab_size"] = int(cfg.get_vocab_size())
+        self.info["device"] = str(self.llm.llm_engine.vllm_config.device_config.device_type)
+
+    # -- state --------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(
+                "this engine has been closed; start a new vlens.Session() to run again"
+            )
+
+    # -- calls into the workers ---------------------------------------------
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every worker; one result per worker, rank 0 first."""
+        self.check_open()
+        return self.llm.collective_rpc(method, args=args)
+
+    def generate(self, prompts: list[Any], params: list[Any]) -> list[Any]:
+        self.check_open()
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def close(self) -> None:
+        """Remove the hooks and shut the engine down. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.rpc("vlens_teardown")
+        finally:
+            self._closed = True
+            llm, self.llm = self.llm, None
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None:
+                core.shutdown()
+            del llm
+            import gc
+
+            gc.collect()

@@ -1,0 +1,60 @@
+"""Logit lens: what would the model predict if it stopped at layer i?
+
+Apply the model's final norm and unembedding to a mid-layer residual stream.
+The weights come straight from the checkpoint (safetensors), in float32, so
+this works on activations a Run already holds, with no engine call. Llama-
+family models (RMSNorm, ``lm_head`` or tied embeddings) are supported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["LogitLens"]
+
+
+@dataclass
+class LogitLens:
+    norm_weight: torch.Tensor  # [hidden]
+    unembed: torch.Tensor  # [vocab, hidden]
+    eps: float
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> LogitLens:
+        from safetensors import safe_open
+
+        path = Path(path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        found: dict[str, torch.Tensor] = {}
+        wanted = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"}
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                for key in wanted & set(st.keys()):
+                    found[key] = st.get_tensor(key).float()
+        unembed = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
+        if unembed is None or "model.norm.weight" not in found:
+            raise ValueError(
+                f"{path} has no model.norm.weight / lm_head.weight: the logit lens "
+                "supports Llama-family checkpoints"
+            )
+        return cls(found["model.norm.weight"], unembed, float(cfg.get("rms_norm_eps", 1e-6)))
+
+    def logits(self, resid: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` residual stream -> ``[..., vocab]`` logits."""
+        x = resid.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        return x @ self.unembed.T
+
+    def top(self, resid: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k token ids and their probabilities, each ``[..., k]``."""
+        probs = self.logits(resid).softmax(-1)
+        p, ids = probs.topk(k, dim=-1)
+        return ids, p

@@ -1,0 +1,165 @@
+"""Named places in a decoder stack where vlens reads (and later writes).
+
+A site name is what a user types (``resid_post``); resolving it means
+knowing, for the architecture and backend vLLM chose, which module to hook,
+whether it is a pre- or post-forward hook, and how to turn the raw hook
+arguments into the canonical value:
+
+* native vLLM decoder layers (Llama, Mistral, Qwen2 …) are called as
+  ``layer(positions, hidden [T, H], residual [T, H] | None)`` and return
+  ``(hidden, residual)`` -- the residual stream is their **sum**;
+* vLLM's Transformers backend runs the Hugging Face layer on
+  ``hidden [1, T, H]`` and returns the full residual stream directly.
+
+Canonical values equal Hugging Face's ``hidden_states``: ``resid_pre`` of
+layer i is ``hidden_states[i]``, ``resid_post`` of layer i is
+``hidden_states[i + 1]`` (before the final norm). No vLLM import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SITES", "SiteSpec", "ModelSites", "resolve_sites", "describe_sites"]
+
+#: site name -> what it is, in words (shown in errors and widgets)
+SITES: dict[str, str] = {
+    "resid_pre": "residual stream entering the layer (HF hidden_states[layer])",
+    "resid_post": "residual stream leaving the layer (HF hidden_states[layer + 1])",
+    "attn_out": "the attention block's output (after o_proj), before it joins the residual",
+    "mlp_out": "the MLP block's output (after down_proj), before it joins the residual",
+}
+
+
+def describe_sites() -> str:
+    return "; ".join(f"{k}: {v}" for k, v in SITES.items())
+
+
+Extractor = Callable[[tuple, dict, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """How to read one site: hook ``module_of(layer)`` before (``pre``) or
+    after its forward, and pull the value out with ``extract(args, kwargs,
+    output)``. ``replicated``: every tensor-parallel rank holds the whole
+    value (true for the residual stream after the all-reduce)."""
+
+    name: str
+    module_of: Callable[[nn.Module], nn.Module]
+    pre: bool
+    extract: Extractor
+    replicated: bool = True
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name)
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _native_resid_pre(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    hidden = _arg(args, kwargs, 1, "hidden_states")
+    residual = _arg(args, kwargs, 2, "residual")
+    return hidden if residual is None else hidden + residual
+
+
+def _native_resid_post(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    if not (isinstance(output, (tuple, list)) and len(output) == 2):
+        raise TypeError(
+            "expected the native decoder layer to return (hidden, residual), got "
+            f"{type(output).__name__}; start the Session with "
+            "model_impl='transformers' for this model"
+        )
+    return output[0] + output[1]
+
+
+def _hf_resid_pre(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    return _arg(args, kwargs, 0, "hidden_states")
+
+
+def _output_value(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    return _first(output)
+
+
+def _self(m: nn.Module) -> nn.Module:
+    return m
+
+
+def _attn(m: nn.Module) -> nn.Module:
+    return m.self_attn
+
+
+def _mlp(m: nn.Module) -> nn.Module:
+    return m.mlp
+
+
+_NATIVE = {
+    "resid_pre": SiteSpec("resid_pre", _self, True, _native_resid_pre),
+    "resid_post": SiteSpec("resid_post", _self, False, _native_resid_post),
+    "attn_out": SiteSpec("attn_out", _attn, False, _output_value),
+    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value),
+}
+_TRANSFORMERS = {
+    "resid_pre": SiteSpec("resid_pre", _self, True, _hf_resid_pre),
+    "resid_post": SiteSpec("resid_post", _self, False, _output_value),
+    "attn_out": SiteSpec("attn_out", _attn, False, _output_value),
+    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value),
+}
+
+
+@dataclass(frozen=True)
+class ModelSites:
+    """The sites of one loaded model."""
+
+    impl: str  # "native" | "transformers"
+    architecture: str
+    layers: tuple[nn.Module, ...]
+    specs: dict[str, SiteSpec]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+def _find_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    for name, mod in model.named_modules():
+        if name.endswith("layers") and isinstance(mod, nn.ModuleList):
+            return mod
+    raise TypeError(
+        f"vlens could not find the decoder layers of {type(model).__name__}: "
+        "expected a ModuleList at model.model.layers"
+    )
+
+
+def resolve_sites(model: nn.Module) -> ModelSites:
+    """Find the layers of a vLLM model and the way to read each site."""
+    layers = tuple(_find_layers(model))
+    impl = "transformers" if type(model).__name__.startswith("Transformers") else "native"
+    for i, layer in enumerate(layers):
+        for part in ("self_attn", "mlp"):
+            if not hasattr(layer, part):
+                raise TypeError(
+                    f"layer {i} ({type(layer).__name__}) has no .{part}: vlens knows "
+                    "Llama-family layers (Llama, Mistral, Qwen2) natively and any "
+                    "model through model_impl='transformers'"
+                )
+    return ModelSites(
+        impl=impl,
+        architecture=type(model).__name__,
+        layers=layers,
+        specs=dict(_TRANSFORMERS if impl == "transformers" else _NATIVE),
+    )
