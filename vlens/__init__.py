@@ -18,12 +18,14 @@ from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError
 if TYPE_CHECKING:
     from vlens.results import Run, Trace
     from vlens.session import Session
+    from vlens.steering import Steer
 
 __all__ = [
     "ClosedError",
     "EngineError",
     "Run",
     "Session",
+    "Steer",
     "TokenAxisError",
     "Trace",
     "VlensError",
@@ -34,6 +36,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Session": "vlens.session",
+    "Steer": "vlens.steering",
     "Run": "vlens.results",
     "Trace": "vlens.results",
 }

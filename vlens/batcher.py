@@ -30,6 +30,7 @@ __all__ = [
     "StepLayout",
     "TokenAxisError",
     "narrow",
+    "add_rows",
     "token_axis",
     "widen",
 ]
@@ -234,4 +235,40 @@ def widen(
         )
     if rows.data_ptr() != target.data_ptr() or rows.stride() != target.stride():
         target.copy_(rows)
+    return tensor
+
+
+def add_rows(
+    tensor: torch.Tensor,
+    layout: StepLayout,
+    rows: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    axis: int | None = None,
+    site: str = "?",
+) -> torch.Tensor:
+    """Add ``delta[i]`` to row ``rows[i]`` of the step's ``tensor``, in place,
+    in one batched operation whatever the number of requests.
+
+    ``rows`` is an int64 index of real rows (duplicates accumulate);
+    ``delta`` is ``[len(rows), *row_shape]``. This is how many requests'
+    steering edits land at one site in one step. Returns ``tensor``.
+    """
+    if axis is None:
+        axis = token_axis(tensor, layout, site=site)
+    elif tensor.dim() <= axis or tensor.shape[axis] not in (layout.num_actual, layout.num_padded):
+        raise TokenAxisError(
+            f"site {site}: axis {axis} of shape {list(tensor.shape)} is not the "
+            f"token axis of a step of {layout.num_actual} tokens"
+        )
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= layout.num_actual):
+        raise TokenAxisError(
+            f"site {site}: row index outside the step's {layout.num_actual} real rows"
+        )
+    if axis == 1:
+        if tensor.shape[0] != 1:
+            raise TokenAxisError(f"site {site}: expected [1, T, ...], got {list(tensor.shape)}")
+        tensor[0].index_add_(0, rows, delta.to(tensor.dtype))
+    else:
+        tensor.index_add_(0, rows, delta.to(tensor.dtype))
     return tensor

@@ -2,14 +2,21 @@
 
 A plan travels from the client to every worker inside
 ``SamplingParams.extra_args["vlens"]``, so it holds only plain data (str,
-int, bool, lists, dicts): vLLM serialises it with msgspec when the engine
-runs in other processes, and tensors cannot cross that way.
+int, float, bool, lists, dicts): vLLM serialises it with msgspec when the
+engine runs in other processes, and tensors cannot cross that way. Steering
+vectors travel once per engine (``vlens_put_vectors``) and plans name them by
+id (a hash of their bytes).
 
-    {"v": 1, "tag": "<session>-<call>-<prompt>", "reads": {"resid_post": [0, 2]}}
+    {"v": 2, "tag": "s0-3-1", "clone": false, "prompt_len": 9,
+     "reads":  [{"site": "resid_post", "layers": [0, 2], "reduce": "full", "k": 0}],
+     "writes": [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
+                 "start": 0, "stop": -1}],
+     "edits":  [{"site": "resid_post", "layer": 2, "fn": "<id>"}]}
 
 ``tag`` names the client-side request: vLLM's internal request ids carry a
 random suffix and ``n > 1`` fans one prompt into several child requests that
-share the tag.
+share the tag. ``start``/``stop`` are token positions in the request's own
+sequence (``stop == -1``: to the end).
 """
 
 from __future__ import annotations
@@ -17,35 +24,134 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PLAN_KEY", "PLAN_VERSION", "Plan", "make_plan", "parse_plan"]
+__all__ = [
+    "PLAN_KEY",
+    "PLAN_VERSION",
+    "REDUCTIONS",
+    "EditContext",
+    "Plan",
+    "Read",
+    "Write",
+    "Edit",
+    "read_key",
+    "parse_plan",
+]
 
 PLAN_KEY = "vlens"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+
+#: what a worker can hand back for each row it reads
+REDUCTIONS = {
+    "full": "the activation itself, [n_tokens, hidden]",
+    "norm": "its L2 norm, [n_tokens]",
+    "lens": "logit lens top-k: final norm + unembedding, [n_tokens, k] ids and probabilities",
+    "logprobs": "logit lens log-probabilities over the whole vocabulary, [n_tokens, vocab]",
+}
+
+
+@dataclass(frozen=True)
+class Read:
+    site: str
+    layers: tuple[int, ...]
+    reduce: str = "full"
+    k: int = 0
+
+    @property
+    def key(self) -> str:
+        return read_key(self.site, self.reduce)
+
+
+@dataclass(frozen=True)
+class Write:
+    site: str
+    layer: int
+    vec: str
+    scale: float
+    start: int = 0
+    stop: int = -1  # -1: to the end of the sequence
+
+
+@dataclass(frozen=True)
+class Edit:
+    site: str
+    layer: int
+    fn: str
 
 
 @dataclass(frozen=True)
 class Plan:
     tag: str
-    reads: dict[str, tuple[int, ...]]
+    reads: tuple[Read, ...] = ()
+    writes: tuple[Write, ...] = ()
+    edits: tuple[Edit, ...] = ()
     clone: bool = False
+    prompt_len: int = 0
+    index: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": PLAN_VERSION,
+            "tag": self.tag,
+            "index": self.index,
+            "clone": self.clone,
+            "prompt_len": self.prompt_len,
+            "reads": [
+                {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k}
+                for r in self.reads
+            ],
+            "writes": [
+                {"site": w.site, "layer": w.layer, "vec": w.vec, "scale": float(w.scale),
+                 "start": w.start, "stop": w.stop}
+                for w in self.writes
+            ],
+            "edits": [{"site": e.site, "layer": e.layer, "fn": e.fn} for e in self.edits],
+        }
 
 
-def make_plan(tag: str, reads: dict[str, list[int]], *, clone: bool = False) -> dict[str, Any]:
-    """The wire form of a plan (plain dict)."""
-    return {
-        "v": PLAN_VERSION,
-        "tag": str(tag),
-        "reads": {str(site): [int(x) for x in layers] for site, layers in reads.items()},
-        "clone": bool(clone),
-    }
+def read_key(site: str, reduce: str) -> str:
+    """How a read is named in results: ``"resid_post"`` for the full value,
+    ``"resid_post:norm"`` for a reduction."""
+    return site if reduce == "full" else f"{site}:{reduce}"
 
 
 def parse_plan(raw: Any) -> Plan:
     """Wire form -> :class:`Plan`. Raises ValueError on a malformed plan."""
     if not isinstance(raw, dict) or raw.get("v") != PLAN_VERSION:
         raise ValueError(f"not a vlens plan (version {PLAN_VERSION}): {raw!r:.200}")
-    reads = {
-        str(site): tuple(int(x) for x in layers)
-        for site, layers in (raw.get("reads") or {}).items()
-    }
-    return Plan(tag=str(raw["tag"]), reads=reads, clone=bool(raw.get("clone", False)))
+    return Plan(
+        tag=str(raw["tag"]),
+        index=int(raw.get("index", 0)),
+        clone=bool(raw.get("clone", False)),
+        prompt_len=int(raw.get("prompt_len", 0)),
+        reads=tuple(
+            Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
+                 int(r.get("k", 0)))
+            for r in raw.get("reads") or ()
+        ),
+        writes=tuple(
+            Write(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
+                  int(w.get("start", 0)), int(w.get("stop", -1)))
+            for w in raw.get("writes") or ()
+        ),
+        edits=tuple(
+            Edit(str(e["site"]), int(e["layer"]), str(e["fn"])) for e in raw.get("edits") or ()
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class EditContext:
+    """What an ``edit=`` function learns about the rows it is given.
+
+    ``prompt`` is the prompt's index in the call, ``positions`` the token
+    positions of the rows (``[n]``), ``clone`` whether the rows are a copy
+    (clone reads on) or a view of engine memory for this step only.
+    """
+
+    prompt: int
+    tag: str
+    site: str
+    layer: int
+    positions: tuple[int, ...]
+    prompt_len: int
+    clone: bool

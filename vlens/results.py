@@ -2,28 +2,23 @@
 
 ``Run`` is a list of ``Trace`` objects, one per engine request (a prompt
 sampled ``n`` times gives ``n`` traces). Activations arrive from the workers
-as raw float32 bytes and are turned into tensors here. Nothing in this
-module touches the engine, so results outlive the Session that made them.
+as raw bytes and are turned into tensors here. Nothing in this module
+touches the engine, so results outlive the Session that made them, and they
+never alias engine memory (every read was copied in the worker before its
+step ended).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from vlens._wire import decode_tensor
+from vlens.plan import read_key
+
 __all__ = ["Run", "Trace", "decode_tensor"]
-
-
-def decode_tensor(payload: dict[str, Any]) -> torch.Tensor:
-    """Rebuild a tensor sent by a worker as ``{"data": bytes, "shape", "dtype"}``."""
-    dtype = getattr(torch, payload["dtype"])
-    data = bytearray(payload["data"])
-    if not data:
-        return torch.empty(payload["shape"], dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).reshape(payload["shape"])
 
 
 @dataclass
@@ -36,7 +31,9 @@ class Trace:
     * ``logprobs`` -- for ``prompt_token_ids + output_token_ids``, the
       logprob of each token under the model (``None`` for the first prompt
       token, which nothing predicts); empty when logprobs were not asked for;
-    * ``activations(site)`` -- ``[n_layers_read, n_tokens, hidden]`` float32.
+    * ``activations(site)`` -- ``[n_layers_read, n_tokens, hidden]`` float32;
+    * ``norms(site)`` -- ``[n_layers_read, n_tokens]``;
+    * ``lens()`` -- logit-lens top-k ids and probabilities, ``[layers, tokens, k]``.
     """
 
     index: int
@@ -47,37 +44,62 @@ class Trace:
     text: str
     token_ids: list[int]
     tokens: list[str]
+    output_tokens: list[str]
     positions: list[int]
     logprobs: list[float | None]
     finish_reason: str | None
     layers: dict[str, list[int]] = field(default_factory=dict)
-    _acts: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _reads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     copied_bytes: int = 0
+    steered_rows: int = 0
 
     @property
     def sites(self) -> list[str]:
-        return list(self._acts)
+        """The read keys: ``"resid_post"`` (full values), ``"resid_post:norm"`` …"""
+        return list(self._reads)
 
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
 
+    def _get(self, key: str, part: str = "value") -> torch.Tensor:
+        try:
+            return self._reads[key][part]
+        except KeyError:
+            site, _, reduce = key.partition(":")
+            hint = f"sites=[{site!r}]" + (f", reduce={reduce!r}" if reduce else "")
+            raise KeyError(
+                f"{key!r} was not read in this run; it has {sorted(self._reads)}. "
+                f"Pass {hint} to trace()."
+            ) from None
+
     def activations(self, site: str = "resid_post") -> torch.Tensor:
         """``[n_layers_read, n_tokens, hidden]`` for ``site`` (float32, CPU)."""
-        try:
-            return self._acts[site]
-        except KeyError:
-            raise KeyError(
-                f"site {site!r} was not read in this run; it has {sorted(self._acts)}. "
-                f"Pass sites=[{site!r}] to trace()."
-            ) from None
+        return self._get(site)
+
+    def norms(self, site: str = "resid_post") -> torch.Tensor:
+        """``[n_layers_read, n_tokens]`` L2 norms (read reduced, or computed)."""
+        key = read_key(site, "norm")
+        if key in self._reads:
+            return self._reads[key]["value"]
+        return self.activations(site).norm(dim=-1)
+
+    def lens(self, site: str = "resid_post") -> tuple[torch.Tensor, torch.Tensor]:
+        """Logit lens computed in the worker: top-k token ids (int64) and
+        probabilities, each ``[n_layers_read, n_tokens, k]``."""
+        key = read_key(site, "lens")
+        return self._get(key, "ids"), self._get(key, "probs")
+
+    def vocab_logprobs(self, site: str = "resid_post") -> torch.Tensor:
+        """Logit-lens log-probabilities over the vocabulary, ``[layers, tokens, vocab]``."""
+        return self._get(read_key(site, "logprobs"))
 
     def layer(self, site: str, layer: int) -> torch.Tensor:
         """``[n_tokens, hidden]`` of one layer."""
         layers = self.layers[site]
         if layer not in layers:
             raise KeyError(f"layer {layer} of {site!r} was not read; read layers: {layers}")
-        return self._acts[site][layers.index(layer)]
+        return self.activations(site)[layers.index(layer)]
 
 
 class Run(Sequence[Trace]):
@@ -99,7 +121,7 @@ class Run(Sequence[Trace]):
         return iter(self._traces)
 
     def __repr__(self) -> str:
-        return f"Run({len(self)} traces, sites={self[0].sites if self._traces else []})"
+        return f"Run({len(self)} traces, reads={self[0].sites if self._traces else []})"
 
     @property
     def texts(self) -> list[str]:
@@ -117,14 +139,17 @@ class Run(Sequence[Trace]):
 
         cols: dict[str, list] = {
             k: []
-            for k in (
-                "request", "sample", "site", "layer", "position", "token_id", "token", "norm"
-            )
+            for k in ("request", "sample", "site", "layer", "position", "token_id", "token", "norm")
         }
         for t in self._traces:
-            for site, layers in t.layers.items():
-                norms = t._acts[site].norm(dim=-1)  # [layers, tokens]
-                for li, layer in enumerate(layers):
+            for key in t.sites:
+                site, _, reduce = key.partition(":")
+                if reduce not in ("", "norm"):
+                    continue
+                if reduce == "" and read_key(site, "norm") in t.sites:
+                    continue
+                norms = t.norms(site)
+                for li, layer in enumerate(t.layers[key]):
                     n = t.n_tokens
                     cols["request"] += [t.index] * n
                     cols["sample"] += [t.sample] * n

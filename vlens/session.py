@@ -17,9 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vlens.errors import ClosedError, EngineError, VlensError
-from vlens.plan import PLAN_KEY, make_plan
-from vlens.results import Run, Trace, decode_tensor
+from vlens.plan import PLAN_KEY, REDUCTIONS, Edit, Plan, Read, Write, read_key
+from vlens._wire import decode_tensor, encode_tensor as encode_vector
+from vlens.results import Run, Trace
+from vlens.steering import Comparison, Steer, Sweep, edit_salt, kl_per_position, vector_id
 
 __all__ = ["Session", "live_engines"]
 
@@ -41,6 +45,14 @@ class _Shared:
 
 _LIVE: dict[tuple, _Shared] = {}
 _LIVE_LOCK = threading.Lock()
+
+
+_FALSY = {"", "0", "false", "no", "off"}
+
+
+def _env_flag(name: str) -> bool:
+    """True unless the variable is unset or one of "", 0, false, no, off."""
+    return os.environ.get(name, "").strip().lower() not in _FALSY
 
 
 def live_engines() -> int:
@@ -102,6 +114,7 @@ class Session:
             shared.users += 1
         self._shared = shared
         self.reused = shared.users > 1
+        self.clone_reads = _env_flag("VLENS_CLONE_READS")
 
     # -- what the model is --------------------------------------------------
     @property
@@ -205,7 +218,7 @@ class Session:
     def _check_sites(self, sites: Any) -> list[str]:
         if isinstance(sites, str):
             sites = [sites]
-        if not isinstance(sites, (list, tuple)) or not sites:
+        if not isinstance(sites, (list, tuple)):
             raise VlensError(f"sites must be a site name or a list of them, got {sites!r}")
         known = self.sites
         for s in sites:
@@ -215,9 +228,96 @@ class Session:
                 )
         return list(dict.fromkeys(sites))
 
-    def _sampling_params(
-        self, max_new_tokens: int, logprobs: bool, plan: dict | None, sampling: dict
-    ):
+    @property
+    def clone_reads(self) -> bool:
+        """Serve copies instead of views of engine memory to code that runs
+        inside the step (``edit=`` functions, worker-side reductions). Takes
+        effect from the next run: the flag travels in each request's plan.
+        Kept results are always copies (see docs/clone-reads.md)."""
+        return self._clone_reads
+
+    @clone_reads.setter
+    def clone_reads(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise VlensError(f"clone_reads must be True or False, got {value!r}")
+        self._clone_reads = value
+
+    def _check_steer(self, st: Any, prompt_len: int, max_new_tokens: int) -> Steer:
+        if not isinstance(st, Steer):
+            raise VlensError(f"steer entries must be vlens.Steer objects, got {type(st).__name__}")
+        n = self.n_layers
+        if not 0 <= st.layer < n:
+            raise VlensError(
+                f"Steer layer {st.layer} does not exist: this model has {n} layers, "
+                f"numbered 0 to {n - 1}"
+            )
+        if st.site not in self._writable():
+            raise VlensError(
+                f"Steer site {st.site!r} cannot be written: use one of {', '.join(self._writable())}"
+            )
+        if st.vector.shape[0] != self.hidden_size:
+            raise VlensError(
+                f"Steer vector has {st.vector.shape[0]} elements but this model's hidden "
+                f"size is {self.hidden_size}: compute it on this model (s.direction)"
+            )
+        if isinstance(st.span, tuple):
+            total = prompt_len + max_new_tokens - 1  # rows the request will run
+            if st.span[1] > total:
+                raise VlensError(
+                    f"Steer span {st.span} reaches past the sequence: this request runs "
+                    f"{total} tokens ({prompt_len} prompt + {max_new_tokens - 1} fed back), "
+                    f"positions 0 to {total - 1}"
+                )
+        return st
+
+    def _writable(self) -> list[str]:
+        from vlens.sites import WRITABLE
+
+        return [x for x in WRITABLE if x in self.sites]
+
+    def _steers_per_prompt(self, steer: Any, n_prompts: int) -> list[list[Steer]]:
+        """One Steer, a list of Steers (all applied to every prompt), or one
+        entry per prompt (a Steer, a list of Steers, or None)."""
+        if steer is None:
+            return [[] for _ in range(n_prompts)]
+        if isinstance(steer, Steer):
+            return [[steer] for _ in range(n_prompts)]
+        if isinstance(steer, (list, tuple)):
+            if all(isinstance(x, Steer) for x in steer):
+                return [list(steer) for _ in range(n_prompts)]
+            if len(steer) != n_prompts:
+                raise VlensError(
+                    f"steer has {len(steer)} per-prompt entries for {n_prompts} prompts: "
+                    "give one entry (a Steer, a list of Steers, or None) per prompt, "
+                    "or one Steer / a list of Steers for all"
+                )
+            out = []
+            for i, x in enumerate(steer):
+                if x is None:
+                    out.append([])
+                elif isinstance(x, Steer):
+                    out.append([x])
+                elif isinstance(x, (list, tuple)) and all(isinstance(y, Steer) for y in x):
+                    out.append(list(x))
+                else:
+                    raise VlensError(f"steer entry {i} is {x!r}: use a Steer, a list of Steers, or None")
+            return out
+        raise VlensError(f"steer must be a vlens.Steer, a list of them, or None; got {type(steer).__name__}")
+
+    def _ship_vectors(self, steers: Iterable[Steer]) -> None:
+        engine = self._engine
+        have = engine.__dict__.setdefault("vector_ids", set())
+        new = {}
+        for st in steers:
+            vid = st.id
+            if vid not in have and vid not in new:
+                new[vid] = encode_vector(st.vector)
+        if new:
+            engine.rpc("vlens_put_vectors", new)
+            have.update(new)
+
+    def _sampling_params(self, max_new_tokens: int, logprobs: bool, plan: Plan | None,
+                         sampling: dict):
         from vllm import SamplingParams
 
         for key, how in _MANAGED.items():
@@ -237,19 +337,61 @@ class Session:
                 "engine dies. Sample without a seed, or run on a GPU."
             )
         args = {"temperature": 0.0, **sampling}
+        needs_rows = plan is not None and bool(plan.reads or plan.edits)
         try:
             return SamplingParams(
                 max_tokens=max_new_tokens,
                 logprobs=0 if logprobs else None,
                 prompt_logprobs=0 if logprobs else None,
-                skip_reading_prefix_cache=True if plan else None,
-                extra_args={PLAN_KEY: plan} if plan else None,
+                # reads need every prompt row; steer-only requests may reuse
+                # KV made under the same edits (their cache_salt)
+                skip_reading_prefix_cache=True if needs_rows else None,
+                extra_args={PLAN_KEY: plan.to_wire()} if plan else None,
                 **args,
             )
         except Exception as exc:  # vLLM's own validation errors vary by version
             raise VlensError(f"bad sampling settings {sampling!r}: {exc}") from None
 
+    def _plan(self, tag: str, index: int, prompt_len: int, reads: list[Read],
+              steers: list[Steer], edit_ids: list[tuple[str, int, str]]) -> Plan | None:
+        writes = tuple(
+            Write(st.site, st.layer, st.id, float(st.scale), *st.positions(prompt_len))
+            for st in steers
+        )
+        edits = tuple(Edit(site, layer, fid) for site, layer, fid in edit_ids)
+        if not reads and not writes and not edits:
+            return None
+        return Plan(tag=tag, reads=tuple(reads), writes=writes, edits=edits,
+                    clone=self._clone_reads, prompt_len=prompt_len, index=index)
+
     # -- running ------------------------------------------------------------
+    def _execute(self, items: list[tuple[list[int], Plan | None, Any]]) -> tuple[list, dict]:
+        """Run ``(prompt ids, plan, SamplingParams)`` items in ONE generate
+        call; return vLLM's outputs and what the workers read, by tag."""
+        engine = self._engine
+        prompts = []
+        for ids, plan, _ in items:
+            p: dict[str, Any] = {"prompt_token_ids": ids}
+            if plan is not None:
+                salt = edit_salt(
+                    [w.__dict__ for w in plan.writes], [e.__dict__ for e in plan.edits]
+                )
+                if salt:
+                    p["cache_salt"] = salt
+            prompts.append(p)
+        tags = [plan.tag for _, plan, _ in items if plan is not None]
+        with engine.lock:
+            try:
+                outputs = engine.generate(prompts, [sp for _, _, sp in items])
+                collected = engine.rpc("vlens_collect", tags)[0] if tags else {}
+            except BaseException:
+                try:
+                    engine.rpc("vlens_drop", tags)
+                except Exception:
+                    pass
+                raise
+        return outputs, collected
+
     def trace(
         self,
         prompts: str | Sequence[str],
@@ -259,55 +401,107 @@ class Session:
         max_new_tokens: int = 16,
         logprobs: bool = True,
         background: Sequence[str] = (),
+        steer: Any = None,
+        edit: Any = None,
+        edit_at: Sequence[tuple[str, int]] | None = None,
+        reduce: str = "full",
+        lens: int = 0,
         **sampling: Any,
     ) -> Run:
         """Generate from each prompt and read ``sites`` at ``layers``.
 
         Greedy unless sampling settings say otherwise (``temperature``,
-        ``top_p``, ``seed``, ``n`` … go to vLLM's ``SamplingParams``). All
-        prompts run in one engine batch; every request reads only its own
+        ``top_p``, ``n`` … go to vLLM's ``SamplingParams``). All prompts run
+        in one engine batch; every request reads and writes only its own
         rows. Returns a :class:`~vlens.results.Run` with one trace per
         request (``n`` per prompt when ``n > 1``).
 
-        ``background`` prompts run in the same engine batch with no plan,
-        as other users' traffic would; their generated texts are in
-        ``run.background_texts``.
+        * ``steer``: a :class:`~vlens.Steer`, a list of them (all applied to
+          every prompt), or one entry per prompt (Steer, list, or None);
+        * ``edit``: ``fn(rows, ctx) -> rows | None`` called with one
+          request's rows (``[n, hidden]`` or ``[1, n, hidden]``) at each
+          ``edit_at`` (site, layer) pair, every step; return the edited
+          tensor (an in-place change that is not returned is an error), or
+          None to only look. The rows are a copy when ``clone_reads`` is on,
+          else a view of engine memory valid only during the call. Runs in
+          the worker (in-process engines; see docs/steering.md);
+        * ``reduce``: ``"full"`` (default) or ``"norm"`` (the worker ships
+          only norms); ``lens=k`` also reads the logit lens top-k of
+          ``resid_post`` at ``layers``, computed in the worker;
+        * ``background``: prompts run in the same batch with no plan, as
+          other users' traffic would (``run.background_texts``).
         """
-        engine = self._engine
         prompts, prompt_ids = self._check_prompts(prompts)
         layers = self._check_layers(layers)
         sites = self._check_sites(sites)
-        reads = {site: layers for site in sites}
+        reads = self._reads(sites, layers, reduce, lens)
+        per_prompt = self._steers_per_prompt(steer, len(prompts))
+        for ids, steers in zip(prompt_ids, per_prompt):
+            for st in steers:
+                self._check_steer(st, len(ids), max_new_tokens)
+        edit_ids = self._register_edit(edit, edit_at)
+        self._ship_vectors(st for steers in per_prompt for st in steers)
         call = f"{self._name}-{next(self._calls)}"
-        tags = [f"{call}-{i}" for i in range(len(prompts))]
-        params = [
-            self._sampling_params(max_new_tokens, logprobs, make_plan(tag, reads), sampling)
-            for tag in tags
-        ]
-        engine_prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        items = []
+        for i, (ids, steers) in enumerate(zip(prompt_ids, per_prompt)):
+            plan = self._plan(f"{call}-{i}", i, len(ids), reads, steers, edit_ids)
+            if plan is None:  # nothing to read or write: still traced for tokens
+                plan = Plan(tag=f"{call}-{i}", clone=self._clone_reads,
+                            prompt_len=len(ids), index=i)
+            items.append((ids, plan, self._sampling_params(max_new_tokens, logprobs, plan, sampling)))
         if background:
             _, bg_ids = self._check_prompts(list(background))
             plain = self._sampling_params(max_new_tokens, False, None, sampling)
-            params += [plain] * len(bg_ids)
-            engine_prompts += [{"prompt_token_ids": ids} for ids in bg_ids]
-        with engine.lock:
-            try:
-                outputs = engine.generate(engine_prompts, params)
-                collected = engine.rpc("vlens_collect", tags)[0]
-            except BaseException:
-                try:
-                    engine.rpc("vlens_drop", tags)
-                except Exception:
-                    pass
-                raise
-        run = self._build_run(prompts, prompt_ids, tags, outputs, collected, logprobs)
-        run.background_texts = [o.outputs[0].text for o in outputs[len(prompts) :]]
+            items += [(ids, None, plain) for ids in bg_ids]
+        try:
+            outputs, collected = self._execute(items)
+        finally:
+            if edit_ids:
+                self._engine.rpc("vlens_drop_edits", list({f for *_, f in edit_ids}))
+        run = self._build_run(prompts, prompt_ids, [it[1] for it in items[: len(prompts)]],
+                              outputs, collected, logprobs)
+        run.background_texts = [o.outputs[0].text for o in outputs[len(prompts):]]
         return run
 
-    def _build_run(self, prompts, prompt_ids, tags, outputs, collected, logprobs) -> Run:
+    def _reads(self, sites: list[str], layers: list[int], reduce: str, lens: int) -> list[Read]:
+        if reduce not in ("full", "norm"):
+            raise VlensError(f"reduce must be 'full' or 'norm', got {reduce!r}")
+        if not isinstance(lens, int) or isinstance(lens, bool) or lens < 0:
+            raise VlensError(f"lens must be a non-negative int (top-k), got {lens!r}")
+        reads = [Read(site, tuple(layers), reduce) for site in sites]
+        if lens:
+            vocab = self._engine.info["vocab_size"]
+            if lens > vocab:
+                raise VlensError(f"lens={lens} is more than the vocabulary ({vocab} tokens)")
+            reads.append(Read("resid_post", tuple(layers), "lens", lens))
+        return reads
+
+    def _register_edit(self, edit: Any, edit_at: Any) -> list[tuple[str, int, str]]:
+        if edit is None:
+            if edit_at is not None:
+                raise VlensError("edit_at= given without edit=: pass the function too")
+            return []
+        if not callable(edit):
+            raise VlensError(f"edit must be a function fn(rows, ctx), got {type(edit).__name__}")
+        if not edit_at:
+            raise VlensError("edit= needs edit_at=[(site, layer), ...]: where to call it")
+        pairs = []
+        for pair in edit_at:
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise VlensError(f"edit_at entries are (site, layer) pairs, got {pair!r}")
+            site, layer = pair
+            if site not in self.sites:
+                raise VlensError(f"unknown edit site {site!r}: this model has {', '.join(self.sites)}")
+            self._check_layers([layer])
+            pairs.append((site, int(layer)))
+        fid = f"fn-{uuid.uuid4().hex[:12]}"
+        self._engine.rpc("vlens_put_edits", {fid: edit})
+        return [(site, layer, fid) for site, layer in pairs]
+
+    def _build_run(self, prompts, prompt_ids, plans, outputs, collected, logprobs) -> Run:
         traces = []
-        for i, (prompt, ids, tag, out) in enumerate(zip(prompts, prompt_ids, tags, outputs)):
-            records = list(collected.get(tag, []))
+        for i, (prompt, ids, plan, out) in enumerate(zip(prompts, prompt_ids, plans, outputs)):
+            records = list(collected.get(plan.tag, [])) if plan is not None else []
             for comp in sorted(out.outputs, key=lambda c: c.index):
                 expected = list(ids) + list(comp.token_ids[:-1])
                 match = next((r for r in records if r["token_ids"] == expected), None)
@@ -323,7 +517,17 @@ class Session:
                     raise EngineError(
                         f"prompt {i} ({prompt[:40]!r}): " + "; ".join(match["errors"])
                     )
-                acts = {site: decode_tensor(p) for site, p in match["reads"].items()}
+                if plan.writes and match["steered_rows"] == 0:
+                    raise EngineError(
+                        f"prompt {i}: its steering edits landed on no token (span "
+                        f"{[(w.start, w.stop) for w in plan.writes]} of a request of "
+                        f"{len(expected)} tokens): widen the span"
+                    )
+                reads = {
+                    key: {part: decode_tensor(v) for part, v in p.items()
+                          if isinstance(v, dict)}
+                    for key, p in match["reads"].items()
+                }
                 traces.append(
                     Trace(
                         index=i,
@@ -334,15 +538,140 @@ class Session:
                         text=comp.text,
                         token_ids=match["token_ids"],
                         tokens=self.token_strings(match["token_ids"]),
+                        output_tokens=self.token_strings(comp.token_ids),
                         positions=match["positions"],
                         logprobs=_token_logprobs(out, comp, ids) if logprobs else [],
                         finish_reason=comp.finish_reason,
-                        layers={s: p["layers"] for s, p in match["reads"].items()},
-                        _acts=acts,
+                        layers={key: p["layers"] for key, p in match["reads"].items()},
+                        _reads=reads,
                         copied_bytes=match["copied_bytes"],
+                        steered_rows=match["steered_rows"],
                     )
                 )
         return Run(traces, prompts=prompts)
+
+    # -- steering -------------------------------------------------------------
+    def direction(
+        self,
+        positive: Sequence[str],
+        negative: Sequence[str],
+        *,
+        layer: int,
+        site: str = "resid_post",
+        position: str = "last",
+    ) -> torch.Tensor:
+        """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
+        at ``layer``, ``[hidden]`` float32. ``position="last"`` takes each
+        prompt's last token, ``"mean"`` the mean over its tokens (the BOS row,
+        the same for every prompt, left out)."""
+        if position not in ("last", "mean"):
+            raise VlensError(f"position must be 'last' or 'mean', got {position!r}")
+        for name, group in (("positive", positive), ("negative", negative)):
+            if isinstance(group, str) or not isinstance(group, (list, tuple)) or not group:
+                raise VlensError(f"{name} must be a non-empty list of prompt strings")
+        layer = self._check_layers([layer])[0]
+        self._check_sites([site])
+        run = self.trace(list(positive) + list(negative), layers=[layer], sites=[site],
+                         max_new_tokens=1, logprobs=False)
+        bos = self.tokenizer.bos_token_id
+        means = []
+        for t in run:
+            rows = t.activations(site)[0]  # [prompt tokens, hidden]
+            if position == "last":
+                means.append(rows[-1])
+            else:
+                skip = 1 if bos is not None and t.token_ids[0] == bos and len(rows) > 1 else 0
+                means.append(rows[skip:].mean(0))
+        stacked = torch.stack(means)
+        k = len(positive)
+        return stacked[:k].mean(0) - stacked[k:].mean(0)
+
+    def compare(
+        self,
+        prompts: str | Sequence[str],
+        *,
+        steer: Any,
+        max_new_tokens: int = 16,
+        **sampling: Any,
+    ) -> Comparison:
+        """Baseline and steered generations of the same prompts in ONE engine
+        batch: both texts, per-token logprobs, KL per position, first
+        divergence."""
+        prompts, prompt_ids = self._check_prompts(prompts)
+        per_prompt = self._steers_per_prompt(steer, len(prompts))
+        if not any(per_prompt):
+            raise VlensError("compare needs a steer= (nothing would differ)")
+        for ids, steers in zip(prompt_ids, per_prompt):
+            for st in steers:
+                self._check_steer(st, len(ids), max_new_tokens)
+        self._ship_vectors(st for steers in per_prompt for st in steers)
+        last = self.n_layers - 1
+        reads = [Read("resid_post", (last,), "logprobs")]
+        call = f"{self._name}-{next(self._calls)}"
+        items = []
+        for arm, steers_list in (("b", [[] for _ in prompts]), ("s", per_prompt)):
+            for i, (ids, steers) in enumerate(zip(prompt_ids, steers_list)):
+                plan = self._plan(f"{call}-{arm}{i}", i, len(ids), reads, steers, [])
+                items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
+        outputs, collected = self._execute(items)
+        n = len(prompts)
+        plans = [it[1] for it in items]
+        base = self._build_run(prompts, prompt_ids, plans[:n], outputs[:n], collected, True)
+        steered = self._build_run(prompts, prompt_ids, plans[n:], outputs[n:], collected, True)
+        kl = [self._generated_kl(b, s_) for b, s_ in zip(base, steered)]
+        return Comparison(base, steered, kl)
+
+    @staticmethod
+    def _generated_kl(base: Trace, steered: Trace) -> torch.Tensor:
+        """KL at each generated position: the distributions that chose each
+        generated token (rows prompt_len - 1 onwards)."""
+        start = len(base.prompt_token_ids) - 1
+        b = base.vocab_logprobs()[0, start:]
+        s_ = steered.vocab_logprobs()[0, start:]
+        return kl_per_position(b, s_)
+
+    def sweep(
+        self,
+        prompt: str,
+        *,
+        steer: Steer,
+        scales: Sequence[float],
+        max_new_tokens: int = 16,
+        **sampling: Any,
+    ) -> Sweep:
+        """``steer`` at each of ``scales`` on one prompt, all in ONE batch
+        (plus an unsteered baseline when 0 is not among the scales)."""
+        if not isinstance(prompt, str):
+            raise VlensError("sweep takes one prompt string")
+        if not isinstance(steer, Steer):
+            raise VlensError("sweep takes one vlens.Steer as steer=")
+        if not isinstance(scales, (list, tuple)) or not scales:
+            raise VlensError("scales must be a non-empty list of numbers")
+        variants = [steer.with_scale(float(x)) for x in scales]  # validates each
+        _, (ids,) = self._check_prompts([prompt])
+        self._check_steer(steer, len(ids), max_new_tokens)
+        self._ship_vectors([steer])
+        last = self.n_layers - 1
+        reads = [Read("resid_post", (last,), "logprobs")]
+        call = f"{self._name}-{next(self._calls)}"
+        has_zero = any(float(x) == 0.0 for x in scales)
+        items = []
+        for j, st in enumerate(variants):
+            steers = [] if st.scale == 0 else [st]
+            plan = self._plan(f"{call}-{j}", 0, len(ids), reads, steers, [])
+            items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
+        if not has_zero:
+            plan = self._plan(f"{call}-base", 0, len(ids), reads, [], [])
+            items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
+        outputs, collected = self._execute(items)
+        plans = [it[1] for it in items]
+        run = self._build_run([prompt] * len(items), [ids] * len(items), plans, outputs,
+                              collected, True)
+        traces = list(run)
+        baseline = traces[[float(x) for x in scales].index(0.0)] if has_zero else traces[-1]
+        steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
+        kl = [self._generated_kl(baseline, t) for t in steered]
+        return Sweep(prompt, [float(x) for x in scales], steered, baseline, kl)
 
     def generate(
         self, prompts: str | Sequence[str], *, max_new_tokens: int = 16, **sampling: Any

@@ -25,7 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SITES", "SiteSpec", "ModelSites", "resolve_sites", "describe_sites"]
+__all__ = [
+    "SITES",
+    "WRITABLE",
+    "SiteSpec",
+    "ModelSites",
+    "resolve_sites",
+    "describe_sites",
+    "lens_logits",
+]
 
 #: site name -> what it is, in words (shown in errors and widgets)
 SITES: dict[str, str] = {
@@ -33,6 +41,8 @@ SITES: dict[str, str] = {
     "resid_post": "residual stream leaving the layer (HF hidden_states[layer + 1])",
     "attn_out": "the attention block's output (after o_proj), before it joins the residual",
     "mlp_out": "the MLP block's output (after down_proj), before it joins the residual",
+    "positions": "the token positions the layer is given (read-only; an engine buffer "
+    "that is rewritten every step, used to show what clone reads protect)",
 }
 
 
@@ -48,12 +58,18 @@ class SiteSpec:
     """How to read one site: hook ``module_of(layer)`` before (``pre``) or
     after its forward, and pull the value out with ``extract(args, kwargs,
     output)``. ``replicated``: every tensor-parallel rank holds the whole
-    value (true for the residual stream after the all-reduce)."""
+    value (true for the residual stream after the all-reduce).
+
+    ``target(args, kwargs, output)`` is the tensor to add to, in place, so
+    that the canonical value changes by the same amount (for a native
+    ``resid_post`` that is the residual half of ``(hidden, residual)``);
+    ``None`` for read-only sites."""
 
     name: str
     module_of: Callable[[nn.Module], nn.Module]
     pre: bool
     extract: Extractor
+    target: Extractor | None = None
     replicated: bool = True
 
 
@@ -83,6 +99,24 @@ def _native_resid_post(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     return output[0] + output[1]
 
 
+def _native_resid_pre_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    residual = _arg(args, kwargs, 2, "residual")
+    return _arg(args, kwargs, 1, "hidden_states") if residual is None else residual
+
+
+def _native_resid_post_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    _native_resid_post(args, kwargs, output)  # checks the output's shape
+    return output[1]
+
+
+def _native_positions(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    return _arg(args, kwargs, 0, "positions")
+
+
+def _hf_positions(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    return kwargs["position_ids"]
+
+
 def _hf_resid_pre(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     return _arg(args, kwargs, 0, "hidden_states")
 
@@ -104,17 +138,24 @@ def _mlp(m: nn.Module) -> nn.Module:
 
 
 _NATIVE = {
-    "resid_pre": SiteSpec("resid_pre", _self, True, _native_resid_pre),
-    "resid_post": SiteSpec("resid_post", _self, False, _native_resid_post),
-    "attn_out": SiteSpec("attn_out", _attn, False, _output_value),
-    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value),
+    "resid_pre": SiteSpec("resid_pre", _self, True, _native_resid_pre, _native_resid_pre_target),
+    "resid_post": SiteSpec(
+        "resid_post", _self, False, _native_resid_post, _native_resid_post_target
+    ),
+    "attn_out": SiteSpec("attn_out", _attn, False, _output_value, _output_value),
+    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value, _output_value),
+    "positions": SiteSpec("positions", _self, True, _native_positions),
 }
 _TRANSFORMERS = {
-    "resid_pre": SiteSpec("resid_pre", _self, True, _hf_resid_pre),
-    "resid_post": SiteSpec("resid_post", _self, False, _output_value),
-    "attn_out": SiteSpec("attn_out", _attn, False, _output_value),
-    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value),
+    "resid_pre": SiteSpec("resid_pre", _self, True, _hf_resid_pre, _hf_resid_pre),
+    "resid_post": SiteSpec("resid_post", _self, False, _output_value, _output_value),
+    "attn_out": SiteSpec("attn_out", _attn, False, _output_value, _output_value),
+    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value, _output_value),
+    "positions": SiteSpec("positions", _self, True, _hf_positions),
 }
+
+#: sites that can be written (steered / edited)
+WRITABLE = ("resid_pre", "resid_post", "attn_out", "mlp_out")
 
 
 @dataclass(frozen=True)
@@ -163,3 +204,16 @@ def resolve_sites(model: nn.Module) -> ModelSites:
         layers=layers,
         specs=dict(_TRANSFORMERS if impl == "transformers" else _NATIVE),
     )
+
+
+def lens_logits(model: nn.Module, resid: torch.Tensor) -> torch.Tensor:
+    """Logit lens with the model's own modules: final norm, then the
+    unembedding (``compute_logits``). ``resid`` is ``[n, hidden]``; returns
+    ``[n, vocab]`` float32. On tensor-parallel engines every rank must call
+    this together (the unembedding gathers across ranks)."""
+    norm = model.model.norm
+    normed = norm(resid)
+    if isinstance(normed, tuple):
+        normed = normed[0]
+    logits = model.compute_logits(normed)
+    return logits.float()

@@ -71,6 +71,7 @@ class Engine:
         self.env = apply_env_defaults()
         self.lock = threading.RLock()
         self._closed = False
+        self.generate_calls = 0  # how many engine batches this engine has run
 
         from vllm import LLM  # heavy: only now
 
@@ -106,6 +107,7 @@ class Engine:
 
     def generate(self, prompts: list[Any], params: list[Any]) -> list[Any]:
         self.check_open()
+        self.generate_calls += 1
         return self.llm.generate(prompts, params, use_tqdm=False)
 
     def close(self) -> None:

@@ -12,15 +12,19 @@ Per forward step:
 1. a pre-hook on the whole model reads the runner's batch (request order,
    each request's row count, the padded row count) and each request's plan
    from ``SamplingParams.extra_args["vlens"]`` and builds a
-   :class:`~vlens.batcher.StepLayout`. Steps where no request carries a plan
-   cost one list scan;
-2. one hook per (site, layer), installed once, narrows each planned
-   request's rows through the batcher and stores a float32 CPU copy;
+   :class:`~vlens.batcher.StepLayout` plus, per (site, layer), the rows to
+   read and one batched write (row index, vector index, scale). Steps where
+   no request carries a plan cost one list scan;
+2. one hook per (site, layer), installed once: first the batched steering
+   add (``add_rows``: one ``index_add_`` for all requests), then ``edit=``
+   functions per request (written back through ``widen``), then reads
+   (``narrow``, reduced if asked, copied to float32 CPU);
 3. ``vlens_collect`` hands the stored rows back as bytes and forgets them.
 
-Errors inside a hook (a tensor whose token axis cannot be found, an
-unexpected layer output) are recorded on the requests concerned and raised
-by the client when it collects them; they never abort the engine's step.
+Every rank runs the same hooks (writes must land on every tensor-parallel
+rank); only rank 0 keeps what it reads. Errors inside a hook are recorded on
+the requests concerned and raised by the client when it collects them; they
+never abort the engine's step.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from typing import Any
 
 import torch
 
-from vlens.batcher import StepLayout, narrow, token_axis
-from vlens.plan import PLAN_KEY, parse_plan
-from vlens.sites import ModelSites, resolve_sites
+from vlens._wire import decode_tensor, encode_tensor
+from vlens.batcher import StepLayout, add_rows, narrow, token_axis, widen
+from vlens.plan import PLAN_KEY, EditContext, Plan, parse_plan
+from vlens.sites import ModelSites, lens_logits, resolve_sites
 
 __all__ = ["VlensWorkerExtension"]
 
@@ -67,45 +72,51 @@ _avoid_logprob_compile()
 class _Record:
     """Everything read for one engine request (one sample)."""
 
-    tag: str
+    plan: Plan
     req_id: str
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    chunks: dict[tuple[str, int], list[torch.Tensor]] = field(
+    # (read key, part, layer) -> row chunks in step order
+    chunks: dict[tuple[str, str, int], list[torch.Tensor]] = field(
         default_factory=lambda: defaultdict(list)
     )
     errors: list[str] = field(default_factory=list)
     copied_bytes: int = 0
+    steered_rows: int = 0
 
-    def pack(self, plan_reads: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-        reads = {}
-        for site, layers in plan_reads.items():
-            per_layer = []
-            for layer in layers:
-                parts = self.chunks.get((site, layer), [])
-                if not parts:
-                    per_layer = None
-                    self.errors.append(
-                        f"site {site}, layer {layer}: the hook never saw this request"
-                    )
+    def error(self, msg: str) -> None:
+        if msg not in self.errors:
+            self.errors.append(msg)
+
+    def pack(self) -> dict[str, Any]:
+        reads: dict[str, dict[str, Any]] = {}
+        for read in self.plan.reads:
+            parts = sorted({p for (k, p, _) in self.chunks if k == read.key}) or ["value"]
+            out: dict[str, Any] = {"layers": list(read.layers), "site": read.site,
+                                   "reduce": read.reduce}
+            ok = True
+            for part in parts:
+                per_layer = []
+                for layer in read.layers:
+                    got = self.chunks.get((read.key, part, layer))
+                    if not got:
+                        self.error(f"site {read.site}, layer {layer}: the hook never saw this request")
+                        ok = False
+                        break
+                    per_layer.append(torch.cat(got, 0))
+                if not ok:
                     break
-                per_layer.append(torch.cat(parts, 0))
-            if per_layer is None:
-                continue
-            lengths = {t.shape[0] for t in per_layer}
-            if len(lengths) != 1 or lengths != {len(self.token_ids)}:
-                self.errors.append(
-                    f"site {site}: layers read {sorted(lengths)} rows but the "
-                    f"request processed {len(self.token_ids)} tokens"
-                )
-                continue
-            value = torch.stack(per_layer).contiguous()
-            reads[site] = {
-                "layers": list(layers),
-                "shape": list(value.shape),
-                "dtype": "float32",
-                "data": value.numpy().tobytes(),
-            }
+                lengths = {t.shape[0] for t in per_layer}
+                if lengths != {len(self.token_ids)}:
+                    self.error(
+                        f"site {read.site}: layers read {sorted(lengths)} rows but the "
+                        f"request processed {len(self.token_ids)} tokens"
+                    )
+                    ok = False
+                    break
+                out[part] = encode_tensor(torch.stack(per_layer))
+            if ok:
+                reads[read.key] = out
         return {
             "req_id": self.req_id,
             "token_ids": self.token_ids,
@@ -113,14 +124,31 @@ class _Record:
             "reads": reads,
             "errors": self.errors,
             "copied_bytes": self.copied_bytes,
+            "steered_rows": self.steered_rows,
         }
+
+
+@dataclass
+class _Write:
+    """One batched write at a (site, layer) in one step."""
+
+    rows: torch.Tensor  # [n] int64 row numbers
+    vec_index: torch.Tensor  # [n] int64 rows of the vector matrix
+    scale: torch.Tensor  # [n] float32
+    records: list  # the requests concerned (None on non-reading ranks)
 
 
 @dataclass
 class _Step:
     layout: StepLayout
-    # (site, layer) -> [(record, span)]
-    targets: dict[tuple[str, int], list]
+    # (site, layer) -> [(record, span, read)]
+    reads: dict[tuple[str, int], list]
+    writes: dict[tuple[str, int], _Write]
+    # (site, layer) -> [(record or None, span, edit, positions)]
+    edits: dict[tuple[str, int], list]
+
+    def wants(self, key: tuple[str, int]) -> bool:
+        return key in self.reads or key in self.writes or key in self.edits
 
 
 class _Hooks:
@@ -133,13 +161,18 @@ class _Hooks:
         self.sites: ModelSites = resolve_sites(self.model)
         self.reader = int(getattr(worker, "rank", 0)) == 0
         self.handles: list[Any] = []
-        self.plans: dict[str, Any] = {}  # req_id -> parsed plan or None
+        self.plans: dict[str, Plan | None] = {}  # req_id -> parsed plan (cache)
         self.records: dict[str, _Record] = {}
         self.step: _Step | None = None
+        # steering vectors: id -> row of one matrix on the model's device
+        self.vec_ids: dict[str, int] = {}
+        self.vec_matrix: torch.Tensor | None = None
+        self.edit_fns: dict[str, Any] = {}
         self.hook_errors = 0
         self.steps_seen = 0
         self.steps_planned = 0
         self.layout_ns = 0
+        self.hook_ns = 0
 
     # -- installation -------------------------------------------------------
     def install(self) -> None:
@@ -165,8 +198,25 @@ class _Hooks:
         self.handles.clear()
         self.step = None
 
+    # -- vectors and edit functions ------------------------------------------
+    def put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
+        new = {k: v for k, v in payloads.items() if k not in self.vec_ids}
+        if not new:
+            return len(self.vec_ids)
+        param = next(self.model.parameters())
+        rows = [decode_tensor(p).to(param.device, torch.float32) for p in new.values()]
+        for t, key in zip(rows, new):
+            if t.dim() != 1:
+                raise ValueError(f"vector {key} has shape {list(t.shape)}; expected [hidden]")
+        stacked = torch.stack(rows)
+        base = 0 if self.vec_matrix is None else self.vec_matrix.shape[0]
+        self.vec_matrix = stacked if self.vec_matrix is None else torch.cat([self.vec_matrix, stacked])
+        for i, key in enumerate(new):
+            self.vec_ids[key] = base + i
+        return len(self.vec_ids)
+
     # -- per step -----------------------------------------------------------
-    def _plan_for(self, req_id: str) -> Any:
+    def _plan_for(self, req_id: str) -> Plan | None:
         try:
             return self.plans[req_id]
         except KeyError:
@@ -185,15 +235,13 @@ class _Hooks:
     def _begin_step(self, module: Any, args: tuple, kwargs: dict) -> None:
         self.step = None
         self.steps_seen += 1
-        if not self.reader:
-            return
         batch = self.runner.input_batch
         n = batch.num_reqs
         if n == 0:
             return
         req_ids = batch.req_ids[:n]
         plans = [self._plan_for(r) for r in req_ids]
-        if not any(p is not None and p.reads for p in plans):
+        if not any(plans):
             return
         t0 = time.perf_counter_ns()
         self.steps_planned += 1
@@ -207,23 +255,58 @@ class _Hooks:
             first_positions=batch.num_computed_tokens_cpu[:n].tolist(),
             num_padded=num_padded,
         )
-        targets: dict[tuple[str, int], list] = defaultdict(list)
-        ids_list = input_ids.tolist() if input_ids is not None else None
-        pos_list = positions.reshape(-1, positions.shape[-1])[0].tolist() if positions is not None else None
+        reads: dict[tuple[str, int], list] = defaultdict(list)
+        edits: dict[tuple[str, int], list] = defaultdict(list)
+        w_rows: dict[tuple[str, int], list] = defaultdict(list)
+        ids_list = input_ids.tolist() if input_ids is not None and self.reader else None
+        pos_list = (
+            positions.reshape(-1, positions.shape[-1])[0].tolist()
+            if positions is not None and self.reader
+            else None
+        )
         for req_id, plan, span in zip(req_ids, plans, layout.spans):
-            if plan is None or not plan.reads:
+            if plan is None or span.length == 0:
                 continue
-            rec = self.records.get(req_id)
-            if rec is None:
-                rec = self.records[req_id] = _Record(plan.tag, req_id)
-            if ids_list is not None:
-                rec.token_ids.extend(ids_list[span.start : span.stop])
-            if pos_list is not None:
-                rec.positions.extend(pos_list[span.start : span.stop])
-            for site, layers in plan.reads.items():
-                for layer in layers:
-                    targets[(site, layer)].append((rec, span))
-        self.step = _Step(layout, dict(targets))
+            rec = None
+            if self.reader:
+                rec = self.records.get(req_id)
+                if rec is None:
+                    rec = self.records[req_id] = _Record(plan, req_id)
+                if ids_list is not None:
+                    rec.token_ids.extend(ids_list[span.start : span.stop])
+                if pos_list is not None:
+                    rec.positions.extend(pos_list[span.start : span.stop])
+                for read in plan.reads:
+                    for layer in read.layers:
+                        reads[(read.site, layer)].append((rec, span, read))
+            p0 = span.first_position
+            for w in plan.writes:
+                stop = p0 + span.length if w.stop < 0 else min(w.stop, p0 + span.length)
+                start = max(w.start, p0)
+                if start >= stop:
+                    continue
+                vec = self.vec_ids.get(w.vec)
+                if vec is None:
+                    if rec is not None:
+                        rec.error(f"site {w.site}, layer {w.layer}: steering vector {w.vec} "
+                                  "never reached this worker")
+                    continue
+                first = span.start + (start - p0)
+                w_rows[(w.site, w.layer)].append((first, stop - start, vec, w.scale, rec))
+                if rec is not None:
+                    rec.steered_rows += stop - start
+            for e in plan.edits:
+                positions_here = tuple(range(p0, p0 + span.length))
+                edits[(e.site, e.layer)].append((rec, span, e, plan, positions_here))
+        writes = {}
+        for key, parts in w_rows.items():
+            rows = torch.cat([torch.arange(f, f + m) for f, m, *_ in parts])
+            vec_index = torch.cat([torch.full((m,), v, dtype=torch.long) for _, m, v, *_ in parts])
+            scale = torch.cat([torch.full((m,), s, dtype=torch.float32) for _, m, _, s, _ in parts])
+            dev = self.vec_matrix.device
+            writes[key] = _Write(rows.to(dev), vec_index.to(dev), scale.to(dev),
+                                 [p[-1] for p in parts])
+        self.step = _Step(layout, dict(reads), writes, dict(edits))
         self.layout_ns += time.perf_counter_ns() - t0
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
@@ -232,54 +315,124 @@ class _Hooks:
 
     def _make_hook(self, spec: Any, layer: int):
         key = (spec.name, layer)
-        extract = spec.extract
 
         if spec.pre:
 
             def hook(module, args, kwargs):
                 step = self.step
-                if step is not None and key in step.targets:
-                    self._read(step, key, extract, args, kwargs, None)
+                if step is not None and step.wants(key):
+                    self._visit(step, key, spec, args, kwargs, None)
 
         else:
 
             def hook(module, args, kwargs, output):
                 step = self.step
-                if step is not None and key in step.targets:
-                    self._read(step, key, extract, args, kwargs, output)
+                if step is not None and step.wants(key):
+                    self._visit(step, key, spec, args, kwargs, output)
 
         return hook
 
-    def _read(self, step: _Step, key, extract, args, kwargs, output) -> None:
+    def _fail(self, records, key, exc: BaseException) -> None:
+        self.hook_errors += 1
         site, layer = key
-        targets = step.targets[key]
-        try:
-            value = extract(args, kwargs, output)
-            axis = token_axis(value, step.layout, site=f"{site}[{layer}]")
-            for rec, span in targets:
-                rows = narrow(value, step.layout, span, axis=axis, site=site)
-                if axis == 1:
-                    rows = rows.squeeze(0)
-                # Kept across steps, so always a copy: a view would be
-                # overwritten by the engine's next use of the buffer.
-                kept = rows.to(device="cpu", dtype=torch.float32, copy=True)
-                rec.chunks[key].append(kept)
-                rec.copied_bytes += kept.numel() * kept.element_size()
-        except Exception as exc:  # reported to the client, never swallowed
-            self.hook_errors += 1
-            msg = f"site {site}, layer {layer}: {type(exc).__name__}: {exc}"
-            for rec, _ in targets:
-                if msg not in rec.errors:
-                    rec.errors.append(msg)
+        msg = f"site {site}, layer {layer}: {type(exc).__name__}: {exc}"
+        for rec in records:
+            if rec is not None:
+                rec.error(msg)
+
+    def _visit(self, step: _Step, key, spec, args, kwargs, output) -> None:
+        t0 = time.perf_counter_ns()
+        site, layer = key
+        label = f"{site}[{layer}]"
+        write = step.writes.get(key)
+        if write is not None:
+            try:
+                target = spec.target(args, kwargs, output)
+                delta = self.vec_matrix.index_select(0, write.vec_index) * write.scale[:, None]
+                add_rows(target, step.layout, write.rows, delta, site=label)
+            except Exception as exc:  # the requests concerned get the error
+                self._fail(write.records, key, exc)
+        for rec, span, edit, plan, positions in step.edits.get(key, []):
+            try:
+                self._run_edit(step, spec, args, kwargs, output, span, edit, plan, positions, label)
+            except Exception as exc:
+                self._fail([rec], key, exc)
+        targets = step.reads.get(key)
+        if targets and self.reader:
+            try:
+                value = spec.extract(args, kwargs, output)
+                axis = token_axis(value, step.layout, site=label)
+                for rec, span, read in targets:
+                    rows = narrow(value, step.layout, span, axis=axis, site=label)
+                    if axis == 1:
+                        rows = rows.squeeze(0)
+                    for part, kept in self._reduce(rows, read).items():
+                        rec.chunks[(read.key, part, layer)].append(kept)
+                        rec.copied_bytes += kept.numel() * kept.element_size()
+            except Exception as exc:  # reported to the client, never swallowed
+                self._fail([r for r, *_ in targets], key, exc)
+        self.hook_ns += time.perf_counter_ns() - t0
+
+    def _reduce(self, rows: torch.Tensor, read) -> dict[str, torch.Tensor]:
+        # Kept across steps, so always a copy (`.to(..., copy=True)`): a view
+        # would be overwritten by the engine's next use of the buffer.
+        if read.reduce == "full":
+            return {"value": rows.to(device="cpu", dtype=torch.float32, copy=True)}
+        if read.reduce == "norm":
+            return {"value": rows.float().norm(dim=-1).cpu()}
+        logits = lens_logits(self.model, rows)
+        logprobs = logits.log_softmax(-1)
+        if read.reduce == "logprobs":
+            return {"value": logprobs.cpu()}
+        if read.reduce == "lens":
+            p, ids = logprobs.exp().topk(max(1, read.k), dim=-1)
+            return {"ids": ids.cpu(), "probs": p.cpu()}
+        raise ValueError(f"unknown reduction {read.reduce!r}")
+
+    def _run_edit(self, step, spec, args, kwargs, output, span, edit, plan, positions, label):
+        fn = self.edit_fns.get(edit.fn)
+        if fn is None:
+            raise LookupError(f"edit function {edit.fn} never reached this worker")
+        value = spec.extract(args, kwargs, output)
+        axis = token_axis(value, step.layout, site=label)
+        rows = narrow(value, step.layout, span, axis=axis, clone=plan.clone, site=label)
+        before = rows.clone()
+        ctx = EditContext(plan.index, plan.tag, spec.name, edit.layer,
+                          positions, plan.prompt_len, plan.clone)
+        result = fn(rows, ctx)
+        if result is None:
+            if not torch.equal(rows, before):
+                raise ValueError(
+                    "the edit function changed the tensor it was given in place and "
+                    "returned None; vlens writes edits back only from what the "
+                    "function returns: return the edited tensor"
+                )
+            return
+        if spec.target is None:
+            raise ValueError(
+                f"site {spec.name} is read-only: an edit function there may look "
+                "(return None) but not return a new value"
+            )
+        if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(before.shape):
+            raise ValueError(
+                f"the edit function returned {type(result).__name__}"
+                f"{list(getattr(result, 'shape', []))}; return a tensor of the shape it was "
+                f"given, {list(before.shape)}"
+            )
+        target = spec.target(args, kwargs, output)
+        t_rows = narrow(target, step.layout, span, axis=axis, site=label)
+        # the canonical value may be a sum (native resid_post): add the change
+        widen(target, step.layout, span, t_rows + (result.to(t_rows.dtype) - before.to(t_rows.dtype)),
+              axis=axis, site=label)
 
     # -- client-facing ------------------------------------------------------
     def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
         wanted = set(tags)
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
-        for req_id in [r for r, rec in self.records.items() if rec.tag in wanted]:
+        for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
             rec = self.records.pop(req_id)
-            plan = self.plans.pop(req_id, None)
-            out[rec.tag].append(rec.pack(plan.reads if plan else {}))
+            self.plans.pop(req_id, None)
+            out[rec.plan.tag].append(rec.pack())
         return out
 
     def drop(self, tags: list[str] | None) -> int:
@@ -289,7 +442,7 @@ class _Hooks:
             self.plans.clear()
             return n
         wanted = set(tags)
-        gone = [r for r, rec in self.records.items() if rec.tag in wanted]
+        gone = [r for r, rec in self.records.items() if rec.plan.tag in wanted]
         for r in gone:
             del self.records[r]
             self.plans.pop(r, None)
@@ -300,17 +453,21 @@ class _Hooks:
             "hooks": len(self.handles),
             "records": len(self.records),
             "plans_cached": len(self.plans),
+            "vectors": len(self.vec_ids),
+            "edit_fns": len(self.edit_fns),
             "hook_errors": self.hook_errors,
             "steps_seen": self.steps_seen,
             "steps_planned": self.steps_planned,
             "layout_ns": self.layout_ns,
+            "hook_ns": self.hook_ns,
         }
 
 
 class VlensWorkerExtension:
     """Mixed into vLLM's worker by ``worker_extension_cls``; call its methods
-    with ``llm.collective_rpc("vlens_setup")`` and so on. Every argument and
-    result is plain data (dicts, lists, str, bytes)."""
+    with ``llm.collective_rpc("vlens_setup")`` and so on. Arguments and
+    results are plain data (dicts, lists, str, bytes), except ``edit=``
+    functions, which cross as Python objects."""
 
     def _vlens(self) -> _Hooks:
         hooks = getattr(self, "_vlens_hooks", None)
@@ -334,6 +491,21 @@ class VlensWorkerExtension:
             "rank": int(getattr(self, "rank", 0)),
             "hooks": len(hooks.handles),
         }
+
+    def vlens_put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
+        """Store steering vectors (``{id: encoded tensor}``); returns how many
+        this worker holds."""
+        return self._vlens().put_vectors(payloads)
+
+    def vlens_put_edits(self, fns: dict[str, Any]) -> int:
+        self._vlens().edit_fns.update(fns)
+        return len(self._vlens().edit_fns)
+
+    def vlens_drop_edits(self, ids: list[str]) -> int:
+        hooks = self._vlens()
+        for i in ids:
+            hooks.edit_fns.pop(i, None)
+        return len(hooks.edit_fns)
 
     def vlens_collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
         """Hand back (and forget) what was read for requests with these tags."""

@@ -1,0 +1,216 @@
+"""Steering: add a direction to the residual stream of some requests.
+
+``Steer`` says what to add where: a vector ``[hidden]``, a layer, a site, a
+scale and a token span. The Session checks it against the model, ships the
+vector to the workers once (named by a hash of its bytes), and puts a small
+write entry in each request's plan; the workers apply every request's
+writes at a site in one batched ``index_add_``.
+
+``Comparison`` and ``Sweep`` hold the results of ``Session.compare`` and
+``Session.sweep`` and turn them into tidy frames. Nothing here touches the
+engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlens.errors import VlensError
+from vlens.results import Run
+
+__all__ = ["Steer", "Comparison", "Sweep", "vector_id", "edit_salt", "kl_per_position"]
+
+SPANS = ("all", "prompt", "generated")
+
+
+def vector_id(vector: torch.Tensor) -> str:
+    """A stable id for a vector: the hash of its float32 bytes."""
+    data = vector.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return "v" + hashlib.sha1(data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Steer:
+    """Add ``scale * vector`` at ``site`` of ``layer``, over ``span``.
+
+    ``span``: ``"all"`` (every token), ``"prompt"`` (the prompt's tokens),
+    ``"generated"`` (tokens the model generated, as they are fed back), or
+    ``(start, stop)`` token positions (``stop`` exclusive).
+    """
+
+    vector: torch.Tensor
+    layer: int
+    scale: float = 1.0
+    site: str = "resid_post"
+    span: str | tuple[int, int] = "all"
+
+    def __post_init__(self) -> None:
+        v = self.vector
+        if not isinstance(v, torch.Tensor):
+            raise VlensError(
+                f"Steer vector must be a torch.Tensor of shape [hidden], got {type(v).__name__}"
+            )
+        if v.dim() != 1:
+            raise VlensError(f"Steer vector must have shape [hidden], got {list(v.shape)}")
+        if not v.is_floating_point():
+            raise VlensError(f"Steer vector must be floating point, got {v.dtype}")
+        if not bool(torch.isfinite(v).all()):
+            raise VlensError("Steer vector holds NaN or inf: compute it again from finite data")
+        if not isinstance(self.layer, int) or isinstance(self.layer, bool):
+            raise VlensError(f"Steer layer must be an int, got {self.layer!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise VlensError(f"Steer scale must be a number, got {self.scale!r}")
+        if not torch.isfinite(torch.tensor(float(self.scale))):
+            raise VlensError(f"Steer scale must be finite, got {self.scale!r}")
+        span = self.span
+        if isinstance(span, str):
+            if span not in SPANS:
+                raise VlensError(f"Steer span {span!r} is unknown: use one of {SPANS} or (start, stop)")
+        elif (
+            isinstance(span, (tuple, list))
+            and len(span) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+        ):
+            if not 0 <= span[0] < span[1]:
+                raise VlensError(
+                    f"Steer span {tuple(span)} is empty or negative: give (start, stop) "
+                    "token positions with 0 <= start < stop"
+                )
+            object.__setattr__(self, "span", (int(span[0]), int(span[1])))
+        else:
+            raise VlensError(f"Steer span must be one of {SPANS} or (start, stop), got {span!r}")
+        object.__setattr__(self, "vector", v.detach().to("cpu", torch.float32).contiguous())
+
+    def with_scale(self, scale: float) -> Steer:
+        return Steer(self.vector, self.layer, scale, self.site, self.span)
+
+    @property
+    def id(self) -> str:
+        return vector_id(self.vector)
+
+    def positions(self, prompt_len: int) -> tuple[int, int]:
+        """The span as token positions ``[start, stop)``; stop -1 = the end."""
+        if self.span == "all":
+            return 0, -1
+        if self.span == "prompt":
+            return 0, prompt_len
+        if self.span == "generated":
+            return prompt_len, -1
+        return self.span  # type: ignore[return-value]
+
+
+def edit_salt(writes: list[dict[str, Any]], edits: list[dict[str, Any]]) -> str | None:
+    """The prefix-cache salt of a request with these edits (None: no edits).
+
+    Same edits -> same salt, so identical steered requests still share KV
+    blocks; anything else keeps its steered KV apart from everyone else's."""
+    if not writes and not edits:
+        return None
+    canon = json.dumps({"w": writes, "e": edits}, sort_keys=True)
+    return "vlens-" + hashlib.sha1(canon.encode()).hexdigest()[:20]
+
+
+def kl_per_position(base_lp: torch.Tensor, steer_lp: torch.Tensor) -> torch.Tensor:
+    """KL(base || steered) of two ``[n, vocab]`` log-probability tables,
+    position by position: ``[n]``."""
+    n = min(base_lp.shape[0], steer_lp.shape[0])
+    p = base_lp[:n]
+    return (p.exp() * (p - steer_lp[:n])).sum(-1).clamp_min(0)
+
+
+def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class Comparison:
+    """Baseline and steered runs of the same prompts, made in one batch.
+
+    ``kl[i]`` is KL(baseline || steered) of the next-token distributions at
+    each generated position of prompt ``i`` (each run on its own prefix, so
+    after the first divergence it also reflects the different text).
+    ``first_divergence[i]``: index of the first generated token that differs
+    (None when the texts are identical).
+    """
+
+    baseline: Run
+    steered: Run
+    kl: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def first_divergence(self) -> list[int | None]:
+        return [
+            _first_divergence(b.output_token_ids, s.output_token_ids)
+            for b, s in zip(self.baseline, self.steered)
+        ]
+
+    @property
+    def texts(self) -> list[tuple[str, str]]:
+        return [(b.text, s.text) for b, s in zip(self.baseline, self.steered)]
+
+    def to_frame(self):
+        """One row per (prompt, generated position): both tokens, both
+        logprobs, the KL at that position."""
+        import pandas as pd
+
+        rows = []
+        for i, (b, s) in enumerate(zip(self.baseline, self.steered)):
+            nb, ns = len(b.prompt_token_ids), len(s.prompt_token_ids)
+            n = max(len(b.output_token_ids), len(s.output_token_ids))
+            kl = self.kl[i] if i < len(self.kl) else torch.empty(0)
+            for j in range(n):
+                tb = b.output_token_ids[j] if j < len(b.output_token_ids) else None
+                ts = s.output_token_ids[j] if j < len(s.output_token_ids) else None
+                rows.append({
+                    "prompt": i,
+                    "position": nb + j,
+                    "token_base": None if tb is None else b.output_tokens[j],
+                    "token_steered": None if ts is None else s.output_tokens[j],
+                    "logprob_base": b.logprobs[nb + j] if tb is not None and b.logprobs else None,
+                    "logprob_steered": s.logprobs[ns + j] if ts is not None and s.logprobs else None,
+                    "kl": float(kl[j]) if j < len(kl) else None,
+                })
+        return pd.DataFrame(rows)
+
+
+@dataclass
+class Sweep:
+    """One prompt steered at several scales, all in one batch."""
+
+    prompt: str
+    scales: list[float]
+    runs: Run  # one trace per scale, in ``scales`` order
+    baseline: Any  # the Trace at scale 0 (run alongside when 0 is not a scale)
+    kl: list[torch.Tensor] = field(default_factory=list)
+
+    def to_frame(self):
+        """Tidy: one row per scale with the text, the mean logprob of the
+        generated tokens, mean and first-position KL from the baseline, and
+        the first generated position that differs from it."""
+        import pandas as pd
+
+        rows = []
+        for scale, t, kl in zip(self.scales, self.runs, self.kl):
+            n = len(t.prompt_token_ids)
+            gen = [x for x in t.logprobs[n:] if x is not None]
+            rows.append({
+                "scale": scale,
+                "text": t.text,
+                "n_generated": len(t.output_token_ids),
+                "mean_logprob": sum(gen) / len(gen) if gen else float("nan"),
+                "kl_first": float(kl[0]) if len(kl) else float("nan"),
+                "kl_mean": float(kl.mean()) if len(kl) else float("nan"),
+                "first_divergence": _first_divergence(
+                    self.baseline.output_token_ids, t.output_token_ids
+                ),
+            })
+        return pd.DataFrame(rows)
