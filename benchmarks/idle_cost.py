@@ -25,8 +25,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
 
-    import vlens
     from vllm import SamplingParams
+
+    import vlens
 
     s = vlens.Session(args.model)
     engine = s._engine

@@ -17,13 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from vlens._checks import InputChecks
+from vlens._steering_api import SteeringMethods
+from vlens._wire import decode_tensor
+from vlens._wire import encode_tensor as encode_vector
 from vlens.errors import ClosedError, EngineError, VlensError
-from vlens.plan import PLAN_KEY, REDUCTIONS, Edit, Plan, Read, Write, read_key
-from vlens._wire import decode_tensor, encode_tensor as encode_vector
+from vlens.plan import PLAN_KEY, Edit, Plan, Read, Write
 from vlens.results import Run, Trace
-from vlens.steering import Comparison, Steer, Sweep, edit_salt, kl_per_position, vector_id
+from vlens.steering import (
+    Steer,
+    edit_salt,
+)
 
 __all__ = ["Session", "live_engines"]
 
@@ -79,7 +83,7 @@ def _resolve_model(model: str | os.PathLike | None) -> str:
     )
 
 
-class Session:
+class Session(InputChecks, SteeringMethods):
     """A live vLLM engine with vlens's hooks, from a notebook.
 
     ``Session()`` loads the bundled toy-world model; ``Session(path, **kw)``
@@ -162,72 +166,6 @@ class Session:
         tok = self.tokenizer
         return [tok.decode([int(i)]) for i in ids]
 
-    # -- input checks -------------------------------------------------------
-    def _check_prompts(self, prompts: Any) -> tuple[list[str], list[list[int]]]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise VlensError(
-                f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
-            )
-        if not prompts:
-            raise VlensError("prompts is empty: pass at least one prompt string")
-        ids = []
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise VlensError(
-                    f"prompt {i} is a {type(p).__name__}, not a string: pass text"
-                )
-            if not p.strip():
-                raise VlensError(f"prompt {i} is empty: give it at least one word")
-            toks = self.tokenize(p)
-            if len(toks) >= self.max_model_len:
-                raise VlensError(
-                    f"prompt {i} is {len(toks)} tokens long but the engine's "
-                    f"max_model_len is {self.max_model_len}: shorten it to under "
-                    f"{self.max_model_len} tokens, or start the Session with a larger "
-                    "max_model_len="
-                )
-            ids.append(toks)
-        return list(prompts), ids
-
-    def _check_layers(self, layers: Any) -> list[int]:
-        n = self.n_layers
-        if layers is None:
-            return list(range(n))
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            layers = [layers]
-        if isinstance(layers, range):
-            layers = list(layers)
-        if not isinstance(layers, (list, tuple)) or not all(
-            isinstance(x, int) and not isinstance(x, bool) for x in layers
-        ):
-            raise VlensError(
-                f"layers must be None (all), an int or a list of ints, got {layers!r}"
-            )
-        if not layers:
-            raise VlensError(f"layers is empty: pick from 0 to {n - 1}, or None for all")
-        bad = [x for x in layers if not 0 <= x < n]
-        if bad:
-            raise VlensError(
-                f"layer {bad[0]} does not exist: this model has {n} layers, "
-                f"numbered 0 to {n - 1}"
-            )
-        return list(dict.fromkeys(layers))
-
-    def _check_sites(self, sites: Any) -> list[str]:
-        if isinstance(sites, str):
-            sites = [sites]
-        if not isinstance(sites, (list, tuple)):
-            raise VlensError(f"sites must be a site name or a list of them, got {sites!r}")
-        known = self.sites
-        for s in sites:
-            if s not in known:
-                raise VlensError(
-                    f"unknown site {s!r}: this model has {', '.join(known)}"
-                )
-        return list(dict.fromkeys(sites))
-
     @property
     def clone_reads(self) -> bool:
         """Serve copies instead of views of engine memory to code that runs
@@ -241,68 +179,6 @@ class Session:
         if not isinstance(value, bool):
             raise VlensError(f"clone_reads must be True or False, got {value!r}")
         self._clone_reads = value
-
-    def _check_steer(self, st: Any, prompt_len: int, max_new_tokens: int) -> Steer:
-        if not isinstance(st, Steer):
-            raise VlensError(f"steer entries must be vlens.Steer objects, got {type(st).__name__}")
-        n = self.n_layers
-        if not 0 <= st.layer < n:
-            raise VlensError(
-                f"Steer layer {st.layer} does not exist: this model has {n} layers, "
-                f"numbered 0 to {n - 1}"
-            )
-        if st.site not in self._writable():
-            raise VlensError(
-                f"Steer site {st.site!r} cannot be written: use one of {', '.join(self._writable())}"
-            )
-        if st.vector.shape[0] != self.hidden_size:
-            raise VlensError(
-                f"Steer vector has {st.vector.shape[0]} elements but this model's hidden "
-                f"size is {self.hidden_size}: compute it on this model (s.direction)"
-            )
-        if isinstance(st.span, tuple):
-            total = prompt_len + max_new_tokens - 1  # rows the request will run
-            if st.span[1] > total:
-                raise VlensError(
-                    f"Steer span {st.span} reaches past the sequence: this request runs "
-                    f"{total} tokens ({prompt_len} prompt + {max_new_tokens - 1} fed back), "
-                    f"positions 0 to {total - 1}"
-                )
-        return st
-
-    def _writable(self) -> list[str]:
-        from vlens.sites import WRITABLE
-
-        return [x for x in WRITABLE if x in self.sites]
-
-    def _steers_per_prompt(self, steer: Any, n_prompts: int) -> list[list[Steer]]:
-        """One Steer, a list of Steers (all applied to every prompt), or one
-        entry per prompt (a Steer, a list of Steers, or None)."""
-        if steer is None:
-            return [[] for _ in range(n_prompts)]
-        if isinstance(steer, Steer):
-            return [[steer] for _ in range(n_prompts)]
-        if isinstance(steer, (list, tuple)):
-            if all(isinstance(x, Steer) for x in steer):
-                return [list(steer) for _ in range(n_prompts)]
-            if len(steer) != n_prompts:
-                raise VlensError(
-                    f"steer has {len(steer)} per-prompt entries for {n_prompts} prompts: "
-                    "give one entry (a Steer, a list of Steers, or None) per prompt, "
-                    "or one Steer / a list of Steers for all"
-                )
-            out = []
-            for i, x in enumerate(steer):
-                if x is None:
-                    out.append([])
-                elif isinstance(x, Steer):
-                    out.append([x])
-                elif isinstance(x, (list, tuple)) and all(isinstance(y, Steer) for y in x):
-                    out.append(list(x))
-                else:
-                    raise VlensError(f"steer entry {i} is {x!r}: use a Steer, a list of Steers, or None")
-            return out
-        raise VlensError(f"steer must be a vlens.Steer, a list of them, or None; got {type(steer).__name__}")
 
     def _ship_vectors(self, steers: Iterable[Steer]) -> None:
         engine = self._engine
@@ -549,129 +425,6 @@ class Session:
                     )
                 )
         return Run(traces, prompts=prompts)
-
-    # -- steering -------------------------------------------------------------
-    def direction(
-        self,
-        positive: Sequence[str],
-        negative: Sequence[str],
-        *,
-        layer: int,
-        site: str = "resid_post",
-        position: str = "last",
-    ) -> torch.Tensor:
-        """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
-        at ``layer``, ``[hidden]`` float32. ``position="last"`` takes each
-        prompt's last token, ``"mean"`` the mean over its tokens (the BOS row,
-        the same for every prompt, left out)."""
-        if position not in ("last", "mean"):
-            raise VlensError(f"position must be 'last' or 'mean', got {position!r}")
-        for name, group in (("positive", positive), ("negative", negative)):
-            if isinstance(group, str) or not isinstance(group, (list, tuple)) or not group:
-                raise VlensError(f"{name} must be a non-empty list of prompt strings")
-        layer = self._check_layers([layer])[0]
-        self._check_sites([site])
-        run = self.trace(list(positive) + list(negative), layers=[layer], sites=[site],
-                         max_new_tokens=1, logprobs=False)
-        bos = self.tokenizer.bos_token_id
-        means = []
-        for t in run:
-            rows = t.activations(site)[0]  # [prompt tokens, hidden]
-            if position == "last":
-                means.append(rows[-1])
-            else:
-                skip = 1 if bos is not None and t.token_ids[0] == bos and len(rows) > 1 else 0
-                means.append(rows[skip:].mean(0))
-        stacked = torch.stack(means)
-        k = len(positive)
-        return stacked[:k].mean(0) - stacked[k:].mean(0)
-
-    def compare(
-        self,
-        prompts: str | Sequence[str],
-        *,
-        steer: Any,
-        max_new_tokens: int = 16,
-        **sampling: Any,
-    ) -> Comparison:
-        """Baseline and steered generations of the same prompts in ONE engine
-        batch: both texts, per-token logprobs, KL per position, first
-        divergence."""
-        prompts, prompt_ids = self._check_prompts(prompts)
-        per_prompt = self._steers_per_prompt(steer, len(prompts))
-        if not any(per_prompt):
-            raise VlensError("compare needs a steer= (nothing would differ)")
-        for ids, steers in zip(prompt_ids, per_prompt):
-            for st in steers:
-                self._check_steer(st, len(ids), max_new_tokens)
-        self._ship_vectors(st for steers in per_prompt for st in steers)
-        last = self.n_layers - 1
-        reads = [Read("resid_post", (last,), "logprobs")]
-        call = f"{self._name}-{next(self._calls)}"
-        items = []
-        for arm, steers_list in (("b", [[] for _ in prompts]), ("s", per_prompt)):
-            for i, (ids, steers) in enumerate(zip(prompt_ids, steers_list)):
-                plan = self._plan(f"{call}-{arm}{i}", i, len(ids), reads, steers, [])
-                items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
-        outputs, collected = self._execute(items)
-        n = len(prompts)
-        plans = [it[1] for it in items]
-        base = self._build_run(prompts, prompt_ids, plans[:n], outputs[:n], collected, True)
-        steered = self._build_run(prompts, prompt_ids, plans[n:], outputs[n:], collected, True)
-        kl = [self._generated_kl(b, s_) for b, s_ in zip(base, steered)]
-        return Comparison(base, steered, kl)
-
-    @staticmethod
-    def _generated_kl(base: Trace, steered: Trace) -> torch.Tensor:
-        """KL at each generated position: the distributions that chose each
-        generated token (rows prompt_len - 1 onwards)."""
-        start = len(base.prompt_token_ids) - 1
-        b = base.vocab_logprobs()[0, start:]
-        s_ = steered.vocab_logprobs()[0, start:]
-        return kl_per_position(b, s_)
-
-    def sweep(
-        self,
-        prompt: str,
-        *,
-        steer: Steer,
-        scales: Sequence[float],
-        max_new_tokens: int = 16,
-        **sampling: Any,
-    ) -> Sweep:
-        """``steer`` at each of ``scales`` on one prompt, all in ONE batch
-        (plus an unsteered baseline when 0 is not among the scales)."""
-        if not isinstance(prompt, str):
-            raise VlensError("sweep takes one prompt string")
-        if not isinstance(steer, Steer):
-            raise VlensError("sweep takes one vlens.Steer as steer=")
-        if not isinstance(scales, (list, tuple)) or not scales:
-            raise VlensError("scales must be a non-empty list of numbers")
-        variants = [steer.with_scale(float(x)) for x in scales]  # validates each
-        _, (ids,) = self._check_prompts([prompt])
-        self._check_steer(steer, len(ids), max_new_tokens)
-        self._ship_vectors([steer])
-        last = self.n_layers - 1
-        reads = [Read("resid_post", (last,), "logprobs")]
-        call = f"{self._name}-{next(self._calls)}"
-        has_zero = any(float(x) == 0.0 for x in scales)
-        items = []
-        for j, st in enumerate(variants):
-            steers = [] if st.scale == 0 else [st]
-            plan = self._plan(f"{call}-{j}", 0, len(ids), reads, steers, [])
-            items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
-        if not has_zero:
-            plan = self._plan(f"{call}-base", 0, len(ids), reads, [], [])
-            items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
-        outputs, collected = self._execute(items)
-        plans = [it[1] for it in items]
-        run = self._build_run([prompt] * len(items), [ids] * len(items), plans, outputs,
-                              collected, True)
-        traces = list(run)
-        baseline = traces[[float(x) for x in scales].index(0.0)] if has_zero else traces[-1]
-        steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
-        kl = [self._generated_kl(baseline, t) for t in steered]
-        return Sweep(prompt, [float(x) for x in scales], steered, baseline, kl)
 
     def generate(
         self, prompts: str | Sequence[str], *, max_new_tokens: int = 16, **sampling: Any

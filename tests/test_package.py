@@ -1,0 +1,45 @@
+"""`import vlens` is cheap and side-effect free; the pure leaves load alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _modules_after(code: str) -> dict:
+    probe = code + "\nimport json, os, sys\nprint(json.dumps({'mods': sorted(sys.modules), 'env': dict(os.environ)}))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_vlens_imports_neither_vllm_nor_torch_nor_changes_env():
+    before = dict(os.environ)
+    got = _modules_after("import vlens; vlens.VlensError; vlens.__version__")
+    mods = set(got["mods"])
+    assert "vllm" not in mods
+    assert "torch" not in mods
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"):
+        assert got["env"].get(key) == before.get(key)
+
+
+def test_pure_modules_load_without_vllm():
+    got = _modules_after(
+        "import vlens.batcher, vlens.plots, vlens.results, vlens.steering, vlens.lens, vlens.plan"
+    )
+    assert "vllm" not in set(got["mods"])
+
+
+def test_session_and_steer_are_reachable_lazily():
+    import vlens
+
+    assert vlens.Session.__name__ == "Session"
+    assert vlens.Steer.__name__ == "Steer"
+    assert set(vlens.__all__) >= {"Session", "Steer", "Run", "Trace", "VlensError"}
+    try:
+        vlens.Nonexistent  # noqa: B018
+    except AttributeError as exc:
+        assert "Nonexistent" in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("unknown attribute did not raise")
