@@ -22,6 +22,19 @@ for _var, _sub in (
     os.environ.setdefault(_var, str(_RUN_DIR / _sub))
     Path(os.environ[_var]).mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+# VLENS_TEST_ENGINE picks how the shared engines run (tests/test_scale_out.py
+# re-runs the isolation, parity and steering tests in each mode):
+#   inproc (default) -- the engine core in this process, as in a notebook
+#   mp               -- the engine core and worker in other processes
+#   tp2              -- tensor_parallel_size=2, two worker processes
+ENGINE_MODE = os.environ.get("VLENS_TEST_ENGINE", "inproc")
+if ENGINE_MODE in ("mp", "tp2"):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+if ENGINE_MODE == "tp2":
+    # vLLM's automatic CPU binding wants one NUMA node per rank; give each
+    # rank one core instead
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Small KV caches: tests hold several engines at once.
@@ -51,6 +64,8 @@ def _session(path, **kw):
     import vlens
 
     kw.setdefault("kv_cache_memory_bytes", KV_BYTES)
+    if ENGINE_MODE == "tp2":
+        kw.setdefault("tensor_parallel_size", 2)
     return vlens.Session(path, **kw)
 
 

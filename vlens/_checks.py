@@ -146,3 +146,30 @@ class InputChecks:
             return out
         raise VlensError(f"steer must be a vlens.Steer, a list of them, or None; got {type(steer).__name__}")
 
+
+    def _check_budget(self, items: list) -> None:
+        """Refuse a call whose reads would exceed ``self.read_budget`` bytes,
+        before it runs, with the estimate and how to shrink it."""
+        width = {"full": self.hidden_size, "norm": 1, "logprobs": self._engine.info["vocab_size"]}
+        total = 0
+        biggest = ""
+        for ids, plan, params in items:
+            if plan is None or not plan.reads:
+                continue
+            rows = (len(ids) + params.max_tokens - 1) * max(1, params.n)
+            for read in plan.reads:
+                w = 1 if read.site == "positions" else width.get(read.reduce, 3 * read.k)
+                size = rows * len(read.layers) * w * 4
+                total += size
+                if read.reduce == "full" and size * 2 > total:
+                    biggest = read.site
+        if total > self.read_budget:
+            gib = total / 2**30
+            raise VlensError(
+                f"this call would read about {gib:.2f} GiB of activations, over the "
+                f"session's read budget of {self.read_budget / 2**30:.2f} GiB. "
+                "Reduce it: reduce='norm' (the worker ships one number per token), "
+                "fewer layers=, fewer sites=, fewer or shorter prompts, smaller "
+                "max_new_tokens=; or raise s.read_budget (bytes)"
+                + (f" (most of it is the full {biggest} reads)" if biggest else "")
+            )

@@ -31,6 +31,7 @@ class SteeringMethods:
         layer: int,
         site: str = "resid_post",
         position: str = "last",
+        progress: Any = None,
     ) -> torch.Tensor:
         """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
         at ``layer``, ``[hidden]`` float32. ``position="last"`` takes each
@@ -44,7 +45,7 @@ class SteeringMethods:
         layer = self._check_layers([layer])[0]
         self._check_sites([site])
         run = self.trace(list(positive) + list(negative), layers=[layer], sites=[site],
-                         max_new_tokens=1, logprobs=False)
+                         max_new_tokens=1, logprobs=False, progress=progress)
         bos = self.tokenizer.bos_token_id
         means = []
         for t in run:
@@ -64,6 +65,7 @@ class SteeringMethods:
         *,
         steer: Any,
         max_new_tokens: int = 16,
+        progress: Any = None,
         **sampling: Any,
     ) -> Comparison:
         """Baseline and steered generations of the same prompts in ONE engine
@@ -85,7 +87,7 @@ class SteeringMethods:
             for i, (ids, steers) in enumerate(zip(prompt_ids, steers_list)):
                 plan = self._plan(f"{call}-{arm}{i}", i, len(ids), reads, steers, [])
                 items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
-        outputs, collected = self._execute(items)
+        outputs, collected = self._execute(items, progress)
         n = len(prompts)
         plans = [it[1] for it in items]
         base = self._build_run(prompts, prompt_ids, plans[:n], outputs[:n], collected, True)
@@ -109,6 +111,7 @@ class SteeringMethods:
         steer: Steer,
         scales: Sequence[float],
         max_new_tokens: int = 16,
+        progress: Any = None,
         **sampling: Any,
     ) -> Sweep:
         """``steer`` at each of ``scales`` on one prompt, all in ONE batch
@@ -119,6 +122,9 @@ class SteeringMethods:
             raise VlensError("sweep takes one vlens.Steer as steer=")
         if not isinstance(scales, (list, tuple)) or not scales:
             raise VlensError("scales must be a non-empty list of numbers")
+        bad = [x for x in scales if isinstance(x, bool) or not isinstance(x, (int, float))]
+        if bad:
+            raise VlensError(f"scales must be numbers; {bad[0]!r} is not")
         variants = [steer.with_scale(float(x)) for x in scales]  # validates each
         _, (ids,) = self._check_prompts([prompt])
         self._check_steer(steer, len(ids), max_new_tokens)
@@ -135,7 +141,7 @@ class SteeringMethods:
         if not has_zero:
             plan = self._plan(f"{call}-base", 0, len(ids), reads, [], [])
             items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
-        outputs, collected = self._execute(items)
+        outputs, collected = self._execute(items, progress)
         plans = [it[1] for it in items]
         run = self._build_run([prompt] * len(items), [ids] * len(items), plans, outputs,
                               collected, True)

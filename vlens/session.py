@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vlens._checks import InputChecks
+from vlens._progress import progress_factory
 from vlens._steering_api import SteeringMethods
 from vlens._wire import decode_tensor
 from vlens._wire import encode_tensor as encode_vector
@@ -119,6 +120,8 @@ class Session(InputChecks, SteeringMethods):
         self._shared = shared
         self.reused = shared.users > 1
         self.clone_reads = _env_flag("VLENS_CLONE_READS")
+        #: the most bytes of activations one call may read (refused above it)
+        self.read_budget = int(float(os.environ.get("VLENS_READ_BUDGET_MB", "2048")) * 2**20)
 
     # -- what the model is --------------------------------------------------
     @property
@@ -241,10 +244,18 @@ class Session(InputChecks, SteeringMethods):
                     clone=self._clone_reads, prompt_len=prompt_len, index=index)
 
     # -- running ------------------------------------------------------------
-    def _execute(self, items: list[tuple[list[int], Plan | None, Any]]) -> tuple[list, dict]:
+    def _execute(self, items: list[tuple[list[int], Plan | None, Any]],
+                 progress: Any = None) -> tuple[list, dict]:
         """Run ``(prompt ids, plan, SamplingParams)`` items in ONE generate
-        call; return vLLM's outputs and what the workers read, by tag."""
+        call; return vLLM's outputs and what the workers read, by tag.
+
+        Runs are serialised per engine (two widget callbacks at once queue,
+        they do not interleave). If the run is interrupted or fails, the
+        engine aborts what is left and the workers forget this call's
+        records, then the exception goes on."""
         engine = self._engine
+        self._check_budget(items)
+        factory = progress_factory(progress)
         prompts = []
         for ids, plan, _ in items:
             p: dict[str, Any] = {"prompt_token_ids": ids}
@@ -258,7 +269,7 @@ class Session(InputChecks, SteeringMethods):
         tags = [plan.tag for _, plan, _ in items if plan is not None]
         with engine.lock:
             try:
-                outputs = engine.generate(prompts, [sp for _, _, sp in items])
+                outputs = engine.generate(prompts, [sp for _, _, sp in items], factory)
                 collected = engine.rpc("vlens_collect", tags)[0] if tags else {}
             except BaseException:
                 try:
@@ -282,6 +293,7 @@ class Session(InputChecks, SteeringMethods):
         edit_at: Sequence[tuple[str, int]] | None = None,
         reduce: str = "full",
         lens: int = 0,
+        progress: Any = None,
         **sampling: Any,
     ) -> Run:
         """Generate from each prompt and read ``sites`` at ``layers``.
@@ -305,7 +317,9 @@ class Session(InputChecks, SteeringMethods):
           only norms); ``lens=k`` also reads the logit lens top-k of
           ``resid_post`` at ``layers``, computed in the worker;
         * ``background``: prompts run in the same batch with no plan, as
-          other users' traffic would (``run.background_texts``).
+          other users' traffic would (``run.background_texts``);
+        * ``progress``: True for a progress bar, or ``fn(done, total)``
+          called as requests finish (raising in it stops the run cleanly).
         """
         prompts, prompt_ids = self._check_prompts(prompts)
         layers = self._check_layers(layers)
@@ -330,7 +344,7 @@ class Session(InputChecks, SteeringMethods):
             plain = self._sampling_params(max_new_tokens, False, None, sampling)
             items += [(ids, None, plain) for ids in bg_ids]
         try:
-            outputs, collected = self._execute(items)
+            outputs, collected = self._execute(items, progress)
         finally:
             if edit_ids:
                 self._engine.rpc("vlens_drop_edits", list({f for *_, f in edit_ids}))
@@ -359,6 +373,13 @@ class Session(InputChecks, SteeringMethods):
             return []
         if not callable(edit):
             raise VlensError(f"edit must be a function fn(rows, ctx), got {type(edit).__name__}")
+        if not self._engine.in_process and not _env_flag("VLLM_ALLOW_INSECURE_SERIALIZATION"):
+            raise VlensError(
+                "edit= functions run inside the workers and this engine runs in other "
+                "processes: use an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                "the default), or set VLLM_ALLOW_INSECURE_SERIALIZATION=1 before starting "
+                "it and pass a picklable function; a Steer needs neither"
+            )
         if not edit_at:
             raise VlensError("edit= needs edit_at=[(site, layer), ...]: where to call it")
         pairs = []

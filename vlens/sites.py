@@ -209,11 +209,13 @@ def resolve_sites(model: nn.Module) -> ModelSites:
 def lens_logits(model: nn.Module, resid: torch.Tensor) -> torch.Tensor:
     """Logit lens with the model's own modules: final norm, then the
     unembedding (``compute_logits``). ``resid`` is ``[n, hidden]``; returns
-    ``[n, vocab]`` float32. On tensor-parallel engines every rank must call
+    ``[n, vocab]`` float32 (None on ranks that do not receive the gathered
+    logits). On tensor-parallel engines every rank must call
     this together (the unembedding gathers across ranks)."""
     norm = model.model.norm
     normed = norm(resid)
     if isinstance(normed, tuple):
         normed = normed[0]
     logits = model.compute_logits(normed)
-    return logits.float()
+    # ranks other than the driver may get None back from the gather
+    return None if logits is None else logits.float()

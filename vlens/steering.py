@@ -58,6 +58,8 @@ class Steer:
             )
         if v.dim() != 1:
             raise VlensError(f"Steer vector must have shape [hidden], got {list(v.shape)}")
+        if v.device.type == "meta":
+            raise VlensError("Steer vector is on the meta device (it holds no data): pass real values")
         if not v.is_floating_point():
             raise VlensError(f"Steer vector must be floating point, got {v.dtype}")
         if not bool(torch.isfinite(v).all()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ class Engine:
         self.info["max_model_len"] = int(cfg.max_model_len)
         self.info["vocab_size"] = int(cfg.get_vocab_size())
         self.info["device"] = str(self.llm.llm_engine.vllm_config.device_config.device_type)
+        _OPEN.add(self)
 
     # -- state --------------------------------------------------------------
     @property
@@ -105,10 +107,37 @@ class Engine:
         self.check_open()
         return self.llm.collective_rpc(method, args=args)
 
-    def generate(self, prompts: list[Any], params: list[Any]) -> list[Any]:
+    def generate(self, prompts: list[Any], params: list[Any], progress: Any = None) -> list[Any]:
+        """Run one engine batch. ``progress``: a :class:`Progress` (or None).
+
+        If anything interrupts the run (the notebook's stop button raises
+        KeyboardInterrupt between steps), every request still in the engine
+        is aborted before the exception goes on, so the next call starts
+        from an empty engine instead of finishing this call's leftovers."""
         self.check_open()
         self.generate_calls += 1
-        return self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            return self.llm.generate(prompts, params, use_tqdm=progress or False)
+        except BaseException:
+            self.abort_all()
+            raise
+
+    def unfinished(self) -> int:
+        """Requests still in the engine (0 between calls)."""
+        return int(self.llm.llm_engine.get_num_unfinished_requests())
+
+    def abort_all(self) -> int:
+        """Abort every request still in the engine; returns how many."""
+        engine = self.llm.llm_engine
+        ids = list(engine.output_processor.request_states)
+        if ids:
+            engine.abort_request(ids, internal=True)
+        # let the engine core retire them (bounded: never spin forever)
+        for _ in range(1000):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        return len(ids)
 
     def close(self) -> None:
         """Remove the hooks and shut the engine down. Safe to call twice."""
@@ -118,11 +147,43 @@ class Engine:
             self.rpc("vlens_teardown")
         finally:
             self._closed = True
+            _OPEN.discard(self)
             llm, self.llm = self.llm, None
-            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if core is not None:
-                core.shutdown()
-            del llm
+            client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if client is not None:
+                _shutdown(client, last=not any(e.in_process for e in _OPEN))
+            del llm, client
             import gc
 
             gc.collect()
+
+    @property
+    def in_process(self) -> bool:
+        return self.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+# Engines open in this process. vLLM's in-process shutdown also tears down
+# the process-wide torch.distributed state, which other in-process engines
+# still use; only the last one may do that.
+_OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _shutdown(client: Any, *, last: bool) -> None:
+    core = getattr(client, "engine_core", None)  # in-process: the EngineCore itself
+    finalizer = getattr(client, "_finalizer", None)
+    if last or core is None or finalizer is None or not hasattr(core, "scheduler"):
+        client.shutdown()
+        return
+    if finalizer.detach() is None:  # already shut down
+        return
+    # EngineCore.shutdown minus cleanup_dist_env_and_memory()
+    manager = getattr(core, "structured_output_manager", None)
+    if manager is not None:
+        manager.clear_backend()
+    if core.model_executor:
+        core.model_executor.shutdown()
+    if core.scheduler:
+        core.scheduler.shutdown()
+    import gc
+
+    gc.unfreeze()

@@ -160,6 +160,8 @@ class _Hooks:
         self.model = self.runner.model
         self.sites: ModelSites = resolve_sites(self.model)
         self.reader = int(getattr(worker, "rank", 0)) == 0
+        cfg = self.runner.model_config.hf_config
+        self.hidden = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
         self.handles: list[Any] = []
         self.plans: dict[str, Plan | None] = {}  # req_id -> parsed plan (cache)
         self.records: dict[str, _Record] = {}
@@ -276,7 +278,10 @@ class _Hooks:
                     rec.token_ids.extend(ids_list[span.start : span.stop])
                 if pos_list is not None:
                     rec.positions.extend(pos_list[span.start : span.stop])
-                for read in plan.reads:
+            for read in plan.reads:
+                # other ranks keep nothing, but must join reductions that
+                # gather across tensor-parallel ranks (the unembedding)
+                if self.reader or read.reduce in ("lens", "logprobs"):
                     for layer in read.layers:
                         reads[(read.site, layer)].append((rec, span, read))
             p0 = span.first_position
@@ -358,15 +363,24 @@ class _Hooks:
             except Exception as exc:
                 self._fail([rec], key, exc)
         targets = step.reads.get(key)
-        if targets and self.reader:
+        if targets:
             try:
                 value = spec.extract(args, kwargs, output)
                 axis = token_axis(value, step.layout, site=label)
+                if spec.name != "positions" and value.shape[-1] != self.hidden:
+                    raise ValueError(
+                        f"its value has width {value.shape[-1]}, not the hidden size "
+                        f"{self.hidden}: it is sharded across tensor-parallel ranks, "
+                        "and vlens does not return one rank's shard"
+                    )
                 for rec, span, read in targets:
                     rows = narrow(value, step.layout, span, axis=axis, site=label)
                     if axis == 1:
                         rows = rows.squeeze(0)
-                    for part, kept in self._reduce(rows, read).items():
+                    parts = self._reduce(rows, read)
+                    if rec is None:  # a non-reading rank joined a collective
+                        continue
+                    for part, kept in parts.items():
                         rec.chunks[(read.key, part, layer)].append(kept)
                         rec.copied_bytes += kept.numel() * kept.element_size()
             except Exception as exc:  # reported to the client, never swallowed
@@ -381,6 +395,8 @@ class _Hooks:
         if read.reduce == "norm":
             return {"value": rows.float().norm(dim=-1).cpu()}
         logits = lens_logits(self.model, rows)
+        if logits is None:  # a non-driver tensor-parallel rank
+            return {}
         logprobs = logits.log_softmax(-1)
         if read.reduce == "logprobs":
             return {"value": logprobs.cpu()}
@@ -426,13 +442,22 @@ class _Hooks:
               axis=axis, site=label)
 
     # -- client-facing ------------------------------------------------------
+    def _forget_plans(self, wanted: set[str]) -> None:
+        """Drop cached plans of these tags, and no-plan entries of requests
+        that have left the runner."""
+        live = self.runner.requests
+        self.plans = {
+            r: p for r, p in self.plans.items()
+            if (p is not None and p.tag not in wanted) or (p is None and r in live)
+        }
+
     def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
         wanted = set(tags)
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
         for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
             rec = self.records.pop(req_id)
-            self.plans.pop(req_id, None)
             out[rec.plan.tag].append(rec.pack())
+        self._forget_plans(wanted)
         return out
 
     def drop(self, tags: list[str] | None) -> int:
@@ -440,19 +465,20 @@ class _Hooks:
             n = len(self.records)
             self.records.clear()
             self.plans.clear()
+            self.edit_fns.clear()
             return n
         wanted = set(tags)
         gone = [r for r, rec in self.records.items() if rec.plan.tag in wanted]
         for r in gone:
             del self.records[r]
-            self.plans.pop(r, None)
+        self._forget_plans(wanted)
         return len(gone)
 
     def status(self) -> dict[str, Any]:
         return {
             "hooks": len(self.handles),
             "records": len(self.records),
-            "plans_cached": len(self.plans),
+            "plans": sum(p is not None for p in self.plans.values()),
             "vectors": len(self.vec_ids),
             "edit_fns": len(self.edit_fns),
             "hook_errors": self.hook_errors,
