@@ -13,7 +13,9 @@ ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # (torchcodec) and `from transformers import LlamaConfig` (torchvision).
 CPU_BROKEN := torchvision torchaudio torchcodec triton
 
-.PHONY: demo test lab bench-idle clean
+BROWSER_STAMP := $(VENV)/.vlens-browser
+
+.PHONY: demo test lab bench-idle bench-widgets clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,17 +24,25 @@ $(STAMP): pyproject.toml
 	if [ "$(ENGINE)" = cpu ]; then $(PY) -m pip uninstall --quiet -y $(CPU_BROKEN); fi
 	touch $(STAMP)
 
+# Debian's Chromium for the real-browser test (apt; Playwright never downloads one)
+$(BROWSER_STAMP): $(STAMP) scripts/setup_browser.sh
+	VENV=$(VENV) bash scripts/setup_browser.sh
+	touch $@
+
 demo: $(STAMP)
 	$(VENV)/bin/vlens demo --out vlens-demo.html
 
-test: $(STAMP)
+test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/01_tour.ipynb
 
 bench-idle: $(STAMP)
 	$(PY) benchmarks/idle_cost.py
+
+bench-widgets: $(STAMP)
+	$(PY) benchmarks/widget_latency.py
 
 clean:
 	rm -rf $(VENV) vlens-demo.html .pytest_cache

@@ -458,6 +458,13 @@ class Session(InputChecks, SteeringMethods):
             outs = engine.generate([{"prompt_token_ids": i} for i in prompt_ids], params)
         return [o.outputs[0].text for o in outs]
 
+    def explore(self, prompt: str, **kwargs: Any):
+        """An explorer widget on ``prompt``: layer and span pickers, heatmap,
+        logit lens and steering panel sharing one selection (ipywidgets)."""
+        from vlens.widgets import explore
+
+        return explore(self, prompt, **kwargs)
+
     def status(self) -> dict[str, Any]:
         """The workers' hook state (rank 0): hooks, pending records, steps."""
         return self._engine.rpc("vlens_status")[0]

@@ -1,0 +1,77 @@
+"""How long the widgets take to answer, on the real engine.
+
+Prints two medians:
+
+* **re-plot after a layer change** -- an ActivationView holding a cached
+  trace redraws its heatmap and token strip (goal: < 50 ms). No engine call.
+* **steering re-run** -- a SteeringPanel with its direction computed re-runs
+  baseline vs steered for one prompt x 16 new tokens after a scale change
+  (goal: < 1 s). One ``session.compare`` call plus the redraw.
+
+Both are measured from Python with no browser attached: what the kernel
+spends before the figure message leaves. Usage::
+
+    python benchmarks/widget_latency.py [--model PATH] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a local model folder (default: bundled)")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+
+    import vlens
+    from vlens.models.world import example_prompts, sentiment_prompts
+    from vlens.widgets import ActivationView, SteeringPanel
+
+    t0 = time.perf_counter()
+    with vlens.Session(args.model) as s:
+        print(f"engine: {s.model} ({s.n_layers} layers, hidden {s.hidden_size}), "
+              f"started in {time.perf_counter() - t0:.1f} s")
+        prompt = example_prompts(1)[0]
+
+        view = ActivationView(s, prompt, max_new_tokens=16)
+        if view.error:
+            raise SystemExit(f"activation view failed: {view.error}")
+        layers = list(range(s.n_layers))
+        replot = []
+        for i in range(args.repeats * 2):
+            target = layers[(layers.index(view.layer) + 1) % len(layers)]
+            t = time.perf_counter()
+            view.layer = target
+            replot.append(time.perf_counter() - t)
+        assert view.error == "", view.error
+        n_tokens = view.run[0].n_tokens
+        print(f"re-plot after a layer change ({n_tokens} tokens x {s.n_layers} layers, "
+              f"from the cached run): median {_median_ms(replot):.1f} ms "
+              f"(goal < 50 ms; {len(replot)} changes)")
+
+        happy, sad = sentiment_prompts(16)
+        panel = SteeringPanel(s, prompt, positive=happy, negative=sad,
+                              layer=s.n_layers // 2, max_new_tokens=16)
+        panel.run_comparison()  # computes and caches the direction
+        steer = []
+        for i in range(args.repeats):
+            t = time.perf_counter()
+            panel.scale = 2.0 + (i % 4)  # the released slider: one compare + redraw
+            steer.append(time.perf_counter() - t)
+        assert panel.error == "", panel.error
+        print(f"steering re-run (1 prompt x 16 new tokens, baseline + steered in one batch): "
+              f"median {_median_ms(steer):.0f} ms (goal < 1000 ms; {len(steer)} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""A real browser drives the explorer in JupyterLab.
+
+Starts JupyterLab on loopback (a free port, a random token) over a copy of
+``notebooks/01_tour.ipynb``, opens it in Debian's Chromium through Python
+Playwright, runs every cell, moves the explorer's layer slider and
+shift-clicks two token chips, then checks in the page (the heatmap's marks)
+and in the kernel (``ex.layer``, ``ex.span``) that both took effect.
+Screenshots go to ``test-artifacts/``.
+
+Needs ``scripts/setup_browser.sh`` (apt's chromium, pip's playwright);
+skipped, visibly, without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+RUN_ALL_TIMEOUT_MS = 300_000  # engine start + every cell, on a busy machine
+
+pytestmark = pytest.mark.engine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _prepare(tmp: Path) -> Path:
+    """A copy of the tour with its parameters set, and lab settings that
+    keep JupyterLab quiet (no news, no update checks: no network)."""
+    import nbformat
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_notebooks import _model_override, _set_parameters
+
+    model = _model_override()  # skips when there is no model to run on
+    book = nbformat.read(ROOT / "notebooks" / "01_tour.ipynb", as_version=4)
+    _set_parameters(book, model)
+    work = tmp / "work"
+    work.mkdir()
+    nbformat.write(book, work / "01_tour.ipynb")
+    settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    return work
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """(url, token) of a JupyterLab server on 127.0.0.1, stopped afterwards."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: run scripts/setup_browser.sh")
+    pytest.importorskip("playwright.sync_api", reason="run scripts/setup_browser.sh")
+    pytest.importorskip("jupyterlab")
+    work = _prepare(tmp_path)
+    ARTIFACTS.mkdir(exist_ok=True)
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ)
+    env.update(
+        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab-workspaces"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "jupyter.log", "w") as log:
+        server = subprocess.Popen(
+            [
+                sys.executable, "-m", "jupyter", "lab", "--no-browser",
+                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+                "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={work}",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                "--LabApp.extension_manager=readonly",  # no extension index look-ups
+                *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
+            ],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
+                        break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        log.flush()
+                        pytest.fail("JupyterLab did not start:\n"
+                                    + (tmp_path / "jupyter.log").read_text()[-3000:])
+                    time.sleep(0.5)
+            yield url, token
+        finally:
+            server.terminate()  # the server shuts its kernels (and their engines) down
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    shutil.copy(tmp_path / "jupyter.log", ARTIFACTS / "jupyter.log")
+
+
+def _run_cell_and_read(page, code: str, marker: str) -> str:
+    """Append a cell at the end of the notebook, run it, return its output."""
+    last = page.locator(".jp-Notebook .jp-Cell").last
+    last.click(position={"x": 5, "y": 5})  # select the cell (its prompt area)
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")  # new cell below, in command mode
+    page.keyboard.press("Enter")  # edit it
+    page.keyboard.type(code)
+    page.keyboard.press("Shift+Enter")
+    out = page.locator(".jp-RenderedText", has_text=re.compile(re.escape(marker))).last
+    out.wait_for(timeout=60_000)
+    return out.inner_text()
+
+
+def _shape_count(figure) -> int:
+    return figure.locator(".shapelayer path").count()
+
+
+def test_explorer_in_a_real_browser(lab):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                    headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        console: list[str] = []
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        try:
+            page.goto(f"{url}/lab/tree/01_tour.ipynb?token={token}")
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
+            # a fresh lab may ask which kernel to start: the notebook's own
+            accept = page.locator(".jp-Dialog .jp-mod-accept")
+            try:
+                accept.wait_for(timeout=10_000)
+                accept.click()
+            except PlaywrightTimeout:
+                pass
+            page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(
+                timeout=120_000)
+            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel",
+                         has_text=re.compile(r"^Run All Cells$")).click()
+
+            # the explorer's chips appear once the engine started and every cell ran
+            chips = page.locator(".vlens-chip:visible")
+            chips.first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            page.locator(".jp-OutputArea-output", has_text="layer:").last.wait_for(
+                timeout=RUN_ALL_TIMEOUT_MS)
+            explorer = page.locator(".jp-OutputArea-output", has=chips.first).last
+            explorer.scroll_into_view_if_needed()
+            heatmap = explorer.locator(".js-plotly-plot").first
+            heatmap.wait_for(timeout=60_000)
+            time.sleep(1)
+            page.screenshot(path=str(ARTIFACTS / "01-explorer.png"), full_page=False)
+            explorer.screenshot(path=str(ARTIFACTS / "01-explorer-widget.png"))
+            shapes_before = _shape_count(heatmap)
+
+            # -- move the layer slider of the activation view (keyboard on its handle)
+            slider = explorer.locator(".widget-slider:visible").first
+            readout = slider.locator(".widget-readout")
+            before = readout.inner_text()
+            handle = slider.locator(".noUi-handle")
+            handle.focus()
+            page.keyboard.press("ArrowLeft")
+            page.wait_for_function(
+                "([el, v]) => el.innerText !== v",
+                arg=[readout.element_handle(), before], timeout=30_000,
+            )
+            layer_after = int(readout.inner_text())
+
+            # -- click a token, shift-click another: a span
+            n_chips = chips.count()
+            assert n_chips >= 4
+            chips.nth(1).click()
+            chips.nth(3).click(modifiers=["Shift"])
+            selected = explorer.locator(".vlens-chip.selected")
+            page.wait_for_function("n => document.querySelectorAll("
+                                   "'.vlens-chip.selected').length === n", arg=3,
+                                   timeout=30_000)
+            assert selected.count() == 3
+            # the heatmap redraws with the span outlined (one more shape)
+            page.wait_for_function(
+                "([el, n]) => el.querySelectorAll('.shapelayer path').length > n",
+                arg=[heatmap.element_handle(), shapes_before], timeout=30_000,
+            )
+            time.sleep(1)
+            explorer.screenshot(path=str(ARTIFACTS / "02-layer-and-span.png"))
+
+            # -- the kernel saw both: traits and the figure's data
+            text = _run_cell_and_read(
+                page,
+                "print('VLENS-CHECK:', ex.layer, tuple(ex.span), ex.activations.span, "
+                "[s.name for s in ex.activations.heatmap.layout.shapes], repr(ex.error))",
+                "VLENS-CHECK:",
+            )
+            page.screenshot(path=str(ARTIFACTS / "03-kernel-check.png"))
+
+            # -- the other tabs render too: the logit lens, and a steering run
+            explorer.scroll_into_view_if_needed()
+            explorer.locator(".lm-TabBar-tab", has_text="logit lens").click()
+            explorer.locator(".js-plotly-plot:visible").first.wait_for(timeout=30_000)
+            time.sleep(1)
+            explorer.screenshot(path=str(ARTIFACTS / "04-logit-lens.png"))
+            explorer.locator(".lm-TabBar-tab", has_text="steering").click()
+            explorer.locator(".widget-button:visible", has_text="run").first.click()
+            # the comparison figure's title names the scale once the run is back
+            explorer.locator(".js-plotly-plot:visible .gtitle", has_text="scale").first.wait_for(
+                timeout=120_000)
+            time.sleep(1)
+            explorer.screenshot(path=str(ARTIFACTS / "05-steering.png"))
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"))
+            (ARTIFACTS / "console.log").write_text("\n".join(console))
+            raise
+        finally:
+            (ARTIFACTS / "console.log").write_text("\n".join(console))
+            browser.close()
+
+    fields = text.split("VLENS-CHECK:", 1)[1].split()
+    assert int(fields[0]) == layer_after, text
+    assert "(1, 4) (1, 4)" in text, text  # explorer and view: tokens 1, 2, 3
+    assert "'span'" in text and "'layer'" in text, text
+    assert text.rstrip().endswith("''"), text  # no widget error

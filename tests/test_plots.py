@@ -1,0 +1,230 @@
+"""Plot builders: plain tensors and frames in, figures out; assert on data,
+axes and labels. No engine, no display."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from vlens import plots
+
+TOKENS = ["<s>", "the", "cat", "the", "dog"]
+
+
+def _shape(fig, name):
+    return [s for s in fig.layout.shapes if s.name == name]
+
+
+# -- reductions ---------------------------------------------------------------
+
+
+def test_activation_values_quantities():
+    g = torch.Generator().manual_seed(0)
+    acts = torch.randn(3, 5, 8, generator=g)  # [layers, tokens, hidden]
+    d = torch.randn(8, generator=g)
+    norm = plots.activation_values(acts, "norm")
+    assert norm.shape == (3, 5) and torch.allclose(norm, acts.norm(dim=-1))
+    proj = plots.activation_values(acts, "projection", direction=d)
+    assert torch.allclose(proj, acts @ (d / d.norm()), atol=1e-6)
+    cos = plots.activation_values(acts, "cosine", direction=d * 7)
+    assert torch.allclose(cos, torch.nn.functional.cosine_similarity(acts, d, dim=-1),
+                          atol=1e-6)
+    assert float(cos.abs().max()) <= 1 + 1e-6
+    assert torch.equal(plots.activation_values(acts, "neuron", neuron=3), acts[..., 3])
+    # one layer [tokens, hidden] works the same
+    assert plots.activation_values(acts[0], "norm").shape == (5,)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"quantity": "projection"}, "direction"),
+        ({"quantity": "cosine", "direction": torch.ones(3)}, "hidden size 8"),
+        ({"quantity": "neuron"}, "neuron="),
+        ({"quantity": "neuron", "neuron": 8}, "between 0 and 7"),
+        ({"quantity": "mean"}, "norm, projection, cosine, neuron"),
+    ],
+)
+def test_activation_values_say_what_is_missing(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plots.activation_values(torch.zeros(2, 4, 8), **kwargs)
+
+
+def test_plain_text_escapes_plotly_markup():
+    assert plots.plain_text("<s>") == "&lt;s&gt;"
+    assert plots.plain_text("a&b <br>") == "a&amp;b &lt;br&gt;"
+    fig = plots.logit_lens_grid([["</s>"]], torch.tensor([[0.5]]), ["<s>"], [0])
+    assert fig.data[0].text[0][0] == "&lt;/s&gt;" and fig.data[0].x[0] == "0:&lt;s&gt;"
+
+
+def test_first_divergence():
+    assert plots.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert plots.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert plots.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert plots.first_divergence([], []) is None
+
+
+def test_pca_2d_finds_the_spread_axis_with_a_fixed_sign():
+    g = torch.Generator().manual_seed(1)
+    x = torch.zeros(40, 6)
+    x[:, 2] = torch.linspace(-5, 5, 40)  # the main axis
+    x[:, 4] = 0.1 * torch.randn(40, generator=g)
+    coords, explained = plots.pca_2d(x)
+    assert coords.shape == (40, 2)
+    assert explained[0] > 0.99 and explained.sum() <= 1 + 1e-6
+    assert torch.allclose(coords[:, 0], x[:, 2] - x[:, 2].mean(), atol=1e-2)
+    flipped, _ = plots.pca_2d(-x)  # signs fixed by the loadings, not the data
+    assert torch.allclose(flipped[:, 0], -coords[:, 0], atol=1e-4)
+    one, ex1 = plots.pca_2d(torch.ones(1, 6))  # degenerate: zeros, no NaN
+    assert torch.equal(one, torch.zeros(1, 2)) and torch.equal(ex1, torch.zeros(2))
+
+
+# -- figures ------------------------------------------------------------------
+
+
+def test_activation_heatmap_axes_labels_and_marks():
+    values = torch.arange(15, dtype=torch.float32).reshape(3, 5)
+    fig = plots.activation_heatmap(values, TOKENS, [0, 2, 4], quantity="norm",
+                                   layer=2, span=(1, 3), n_prompt=4)
+    assert isinstance(fig, go.Figure)
+    (heat,) = fig.data
+    assert heat.type == "heatmap"
+    # unique (no merged "the") and literal: "<s>" would be read as strike-through markup
+    assert list(heat.x) == ["0:&lt;s&gt;", "1:the", "2:cat", "3:the", "4:dog"]
+    assert list(heat.y) == ["layer 0", "layer 2", "layer 4"]
+    assert [list(r) for r in heat.z] == values.tolist()
+    assert fig.layout.xaxis.title.text == "token" and fig.layout.yaxis.title.text == "layer"
+    assert fig.layout.yaxis.autorange == "reversed"  # layer 0 on top
+    assert heat.colorbar.title.text == "norm"
+    (span,) = _shape(fig, "span")
+    assert (span.x0, span.x1) == (0.5, 2.5)
+    (row,) = _shape(fig, "layer")
+    assert (row.y0, row.y1) == (0.5, 1.5)  # layer 2 is the second row
+    (line,) = _shape(fig, "prompt|generated")
+    assert line.x0 == 3.5
+
+
+def test_activation_heatmap_checks_the_shape_and_keeps_the_old_call():
+    with pytest.raises(ValueError, match=r"\[3 layers, 5 tokens\]"):
+        plots.activation_heatmap(torch.zeros(5, 3), TOKENS, [0, 1, 2])
+    fig = plots.activation_heatmap(torch.zeros(1, 5), TOKENS, [0], quantity="|x|", title="t")
+    assert fig.layout.title.text == "t" and fig.layout.shapes == ()
+
+
+def test_token_strip_wraps_and_marks_generated_tokens():
+    vals = torch.tensor([0.5, -1.0, 2.0, 3.0, 4.0])
+    fig = plots.token_strip(vals, TOKENS, n_prompt=3, width=2, quantity="proj", span=(2, 4))
+    (heat,) = fig.data
+    assert [list(r) for r in heat.z] == [[0.5, -1.0], [2.0, 3.0], [4.0, None]]
+    assert [list(r) for r in heat.text] == [["&lt;s&gt;", "the"], ["cat", "<i>the</i>"],
+                                            ["<i>dog</i>", ""]]
+    assert heat.customdata[2][0][0] == 4 and heat.customdata[2][0][1] == "generated"
+    assert heat.zmid == 0  # negative values: a diverging scale centred on 0
+    unsigned = plots.token_strip(vals.abs(), TOKENS).data[0]
+    assert unsigned.zmid is None and unsigned.colorscale[0][1] != heat.colorscale[0][1]
+    assert heat.colorbar.title.text == "proj"
+    spans = _shape(fig, "span")
+    assert [(s.x0, s.y0) for s in spans] == [(-0.5, 0.5), (0.5, 0.5)]  # tokens 2 and 3
+    assert fig.layout.yaxis.autorange == "reversed"
+    with pytest.raises(ValueError, match="4 values for 5 tokens"):
+        plots.token_strip(vals[:4], TOKENS)
+
+
+def test_layer_profile():
+    fig = plots.layer_profile(torch.tensor([1.0, 2.0, 4.0]), [0, 1, 2], name="all")
+    (line,) = fig.data
+    assert list(line.x) == [0, 1, 2] and list(line.y) == [1.0, 2.0, 4.0]
+    assert line.name == "all" and fig.layout.xaxis.title.text == "layer"
+
+
+def test_logit_lens_grid():
+    words = [["a", "b", "c", "d", "e"], ["f", "g", "h", "i", "j"]]
+    probs = torch.tensor([[0.1] * 5, [0.9] * 5])
+    fig = plots.logit_lens_grid(words, probs, TOKENS, [3, 7], span=(0, 1))
+    (heat,) = fig.data
+    assert [list(r) for r in heat.text] == words
+    assert heat.z[1][0] == pytest.approx(0.9)
+    assert (heat.zmin, heat.zmax) == (0, 1)
+    assert list(heat.y) == ["layer 3", "layer 7"] and heat.x[2] == "2:cat"
+    assert fig.layout.xaxis.title.text == "input token"
+    assert len(_shape(fig, "span")) == 1
+    with pytest.raises(ValueError, match="expected"):
+        plots.logit_lens_grid(words, probs[:1], TOKENS, [3, 7])
+
+
+def test_dose_response_one_line_sorted_by_scale():
+    frame = pd.DataFrame({"scale": [4.0, -4.0, 0.0], "text": ["x", "y", "z"],
+                          "kl_mean": [1.5, 2.0, 0.0], "mean_logprob": [-2, -3, -1]})
+    fig = plots.dose_response(frame)
+    (line,) = fig.data
+    assert list(line.x) == [-4.0, 0.0, 4.0] and list(line.y) == [2.0, 0.0, 1.5]
+    assert list(line.text) == ["y", "z", "x"]
+    assert fig.layout.xaxis.title.text == "scale" and fig.layout.yaxis.title.text == "kl_mean"
+    fig = plots.dose_response(frame, "mean_logprob", title="t")
+    assert list(fig.data[0].y) == [-3, -1, -2] and fig.layout.title.text == "t"
+    with pytest.raises(ValueError, match="no column 'kl'"):
+        plots.dose_response(frame, "kl")
+
+
+def test_dose_response_one_line_per_group():
+    frame = pd.DataFrame({"scale": [0, 1, 0, 1], "layer": [2, 2, 5, 5],
+                          "p": [0.1, 0.2, 0.3, 0.4]})
+    fig = plots.dose_response(frame, "p", by="layer")
+    assert [t.name for t in fig.data] == ["layer 2", "layer 5"]
+    assert list(fig.data[1].y) == [0.3, 0.4] and fig.layout.showlegend
+
+
+def test_baseline_vs_steered_deltas_and_first_divergence():
+    fig = plots.baseline_vs_steered(
+        ["a", "b", "c", "d"], ["a", "b", "x", "y"],
+        [None, -1.0, -2.0, -1.0], [None, -1.5, -0.5, -1.0],
+        positions=[5, 6, 7, 8], n_prompt=6,
+    )
+    bars, tokens = fig.data
+    assert bars.type == "bar" and tokens.type == "heatmap"
+    assert list(bars.x) == [5, 6, 7, 8]
+    assert math.isnan(bars.y[0]) and list(bars.y[1:]) == [-0.5, 1.5, 0.0]
+    assert list(tokens.y) == ["baseline", "steered"]
+    assert [list(r) for r in tokens.text] == [["a", "b", "c", "d"], ["a", "b", "x", "y"]]
+    (div,) = _shape(fig, "first divergence")
+    assert (div.x0, div.x1) == (6.5, 7.5)  # position 7, the first "x"
+    assert "position 7" in fig.layout.title.text
+    assert len(_shape(fig, "prompt|generated")) == 2
+    assert fig.layout.yaxis.title.text == "Δ logprob"
+
+
+def test_baseline_vs_steered_identical_and_ragged():
+    same = plots.baseline_vs_steered(["a", "b"], ["a", "b"], [-1, -1], [-1, -1])
+    assert _shape(same, "first divergence") == [] and "no divergence" in same.layout.title.text
+    ragged = plots.baseline_vs_steered(["a"], ["a", "b"], [-1], [-1, -2])
+    assert [list(r) for r in ragged.data[1].text] == [["a", ""], ["a", "b"]]
+    assert _shape(ragged, "first divergence")[0].x0 == 0.5
+
+
+def test_activation_pca_one_trace_per_prompt():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(4, 6, generator=g) + 5
+    b = torch.randn(3, 6, generator=g) - 5
+    fig = plots.activation_pca(torch.cat([a, b]), ["p0"] * 4 + ["p1"] * 3,
+                               hover=list("abcdefg"), layer=3)
+    assert [t.name for t in fig.data] == ["p0", "p1"]
+    assert len(fig.data[0].x) == 4 and len(fig.data[1].x) == 3
+    assert list(fig.data[1].text) == ["e", "f", "g"]
+    assert fig.layout.xaxis.title.text.startswith("PC1 (") and "layer 3" in fig.layout.title.text
+    # the two clusters separate along PC1
+    assert max(fig.data[1].x) < min(fig.data[0].x) or max(fig.data[0].x) < min(fig.data[1].x)
+    with pytest.raises(ValueError, match="one group per point"):
+        plots.activation_pca(a, ["p0"])
+
+
+def test_builders_do_not_display(monkeypatch):
+    shown = []
+    monkeypatch.setattr(go.Figure, "show", lambda self, *a, **k: shown.append(self))
+    plots.activation_heatmap(torch.zeros(1, 2), ["a", "b"], [0])
+    plots.token_strip([1.0, 2.0], ["a", "b"])
+    plots.baseline_vs_steered(["a"], ["b"], [-1], [-2])
+    assert shown == []

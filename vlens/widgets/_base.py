@@ -1,0 +1,125 @@
+"""What every vlens widget shares: an error area, a progress row, and
+in-place figure updates.
+
+Callbacks run inside the kernel's comm handler, where an exception would
+only reach a log nobody reads. :meth:`Panel._guard` catches it, shows the
+message (and the traceback, folded) in the widget, and keeps the widget
+working; the next successful callback clears it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+import traitlets
+
+__all__ = ["Panel", "figure_widget", "show_figure"]
+
+
+def figure_widget(height: int | None = None) -> go.FigureWidget:
+    """An empty plotly FigureWidget to be filled by :func:`show_figure`."""
+    fw = go.FigureWidget()
+    if height:
+        fw.layout.height = height
+    return fw
+
+
+def show_figure(target: go.FigureWidget, fig: go.Figure) -> None:
+    """Replace ``target``'s traces and layout with ``fig``'s, in one message
+    to the browser (the widget object, and so its place on the page, stays)."""
+    with target.batch_update():
+        target.data = []
+        target.add_traces(list(fig.data))
+        target.layout = fig.layout
+
+
+class Panel(widgets.VBox):
+    """A VBox with an error line, a folded traceback and a progress row.
+
+    Subclasses build their controls, then call ``super().__init__(children)``.
+    ``error`` holds the message of the last failed callback ("" when the last
+    one succeeded); ``busy`` is true while the engine runs.
+    """
+
+    error = traitlets.Unicode("", help="message of the last failed callback")
+    busy = traitlets.Bool(False, help="true while an engine call runs")
+
+    def __init__(self, children: list[widgets.Widget]) -> None:
+        self._error_label = widgets.Label(style={"text_color": "#b00020"})
+        self._traceback = widgets.Output()
+        self._details = widgets.Accordion(
+            children=[self._traceback], titles=("traceback",), selected_index=None
+        )
+        self._progress = widgets.IntProgress(
+            value=0, min=0, max=1, bar_style="info", layout={"width": "160px"}
+        )
+        self._progress_label = widgets.Label()
+        self._progress_row = widgets.HBox(
+            [self._progress, self._progress_label], layout={"display": "none"}
+        )
+        self._details.layout.display = "none"
+        super().__init__(
+            children=[*children, self._progress_row, self._error_label, self._details]
+        )
+
+    # -- errors ----------------------------------------------------------------
+    def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` wrapped for use as a callback: errors are shown, not raised."""
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 -- shown in the widget, which keeps working
+                self._show_error(exc)
+                return None
+            self._clear_error()
+            return result
+
+        guarded.__name__ = getattr(fn, "__name__", "callback")
+        guarded.__doc__ = fn.__doc__
+        return guarded
+
+    def _show_error(self, exc: BaseException) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        self._error_label.value = self.error
+        self._traceback.outputs = ()
+        self._traceback.append_stderr("".join(traceback.format_exception(exc)))
+        self._details.layout.display = ""
+
+    def _clear_error(self) -> None:
+        if self.error:
+            self.error = ""
+            self._error_label.value = ""
+            self._traceback.outputs = ()
+            self._details.layout.display = "none"
+
+    # -- progress --------------------------------------------------------------
+    @contextmanager
+    def _working(self, what: str) -> Iterator[Callable[[int, int], None]]:
+        """Show a progress row saying ``what`` while the engine runs.
+
+        Yields ``report(done, total)``, to pass as the Session's
+        ``progress=``: the bar moves as requests finish (each update is sent
+        to the browser at once, while the kernel is still busy)."""
+        self.busy = True
+        self._progress.max = 1
+        self._progress.value = 0
+        self._progress_label.value = what
+        self._progress_row.layout.display = ""
+
+        def report(done: int, total: int) -> None:
+            self._progress.max = max(1, int(total))
+            self._progress.value = min(int(done), self._progress.max)
+            self._progress_label.value = f"{what} {done}/{total}"
+
+        try:
+            yield report
+        finally:
+            self._progress_row.layout.display = "none"
+            self._progress_label.value = ""
+            self.busy = False

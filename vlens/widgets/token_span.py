@@ -1,0 +1,76 @@
+"""The prompt as clickable token chips; the selection is a token span.
+
+Click a chip to select that token; shift-click another to extend the
+selection to the span between them. The selection is the synced trait
+``selection = (start, stop)`` (stop exclusive; ``(0, 0)`` is "nothing"),
+so Python sees every click and can set the selection too. The front end is
+``token_span.js`` beside this file; Python never builds HTML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import anywidget
+import traitlets
+
+__all__ = ["TokenSpanPicker"]
+
+_HERE = Path(__file__).parent
+
+
+class TokenSpanPicker(anywidget.AnyWidget):
+    """Clickable tokens; ``selection`` is ``(start, stop)``.
+
+    ``n_prompt`` marks where generation starts (chips from there on are
+    drawn as generated); ``-1`` means every token is prompt.
+    """
+
+    _esm = _HERE / "token_span.js"
+    _css = _HERE / "token_span.css"
+
+    tokens = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    selection = traitlets.Tuple(
+        traitlets.Int(), traitlets.Int(), default_value=(0, 0)
+    ).tag(sync=True)
+    n_prompt = traitlets.Int(-1).tag(sync=True)
+
+    def __init__(
+        self,
+        tokens: Sequence[str] = (),
+        *,
+        selection: tuple[int, int] = (0, 0),
+        n_prompt: int = -1,
+    ) -> None:
+        super().__init__(tokens=[str(t) for t in tokens], n_prompt=int(n_prompt))
+        self.selection = tuple(selection)
+
+    @traitlets.validate("selection")
+    def _check_selection(self, proposal):
+        start, stop = (int(x) for x in proposal["value"])
+        n = len(self.tokens)
+        if not 0 <= start <= stop <= n:
+            raise traitlets.TraitError(
+                f"selection ({start}, {stop}) does not fit {n} tokens: "
+                f"need 0 <= start <= stop <= {n}"
+            )
+        return (start, stop)
+
+    @traitlets.observe("tokens")
+    def _tokens_changed(self, change) -> None:
+        # A new token list invalidates a selection that no longer fits.
+        if self.selection[1] > len(change["new"]):
+            self.selection = (0, 0)
+
+    def select(self, start: int, stop: int | None = None) -> None:
+        """Select token ``start`` (or ``[start, stop)``) from Python."""
+        self.selection = (start, start + 1 if stop is None else stop)
+
+    def clear(self) -> None:
+        self.selection = (0, 0)
+
+    @property
+    def selected_tokens(self) -> list[str]:
+        start, stop = self.selection
+        return list(self.tokens[start:stop])
