@@ -18,6 +18,16 @@ def _default_prompts() -> list[str]:
     return example_prompts(4)
 
 
+def _telling_position(trace) -> int:
+    """The first generated 'was' (the toy world's "the wind was ___", where
+    the mood decides the next word), else the last prompt token."""
+    start = len(trace.prompt_token_ids) - 1
+    for i in range(start, trace.n_tokens):
+        if trace.tokens[i].strip() == "was":
+            return i
+    return start
+
+
 def demo(model: str | None = None, out: str | Path = "vlens-demo.html",
          prompts: list[str] | None = None, max_new_tokens: int = 12) -> Path:
     """Run the demo; return the report's path."""
@@ -39,12 +49,13 @@ def demo(model: str | None = None, out: str | Path = "vlens-demo.html",
         figures = []
         for t in run:
             acts = t.activations("resid_post")  # [L, T, H]
-            # logit lens at the last prompt token: what each layer predicts next
-            last = len(t.prompt_token_ids) - 1
-            ids, probs = lens.top(acts[:, last], k=1)
+            # logit lens where the story's mood shows first: what each layer
+            # predicts next there
+            at = _telling_position(t)
+            ids, probs = lens.top(acts[:, at], k=1)
             print(f"prompt {t.index}: {t.prompt!r}")
             print(f"  -> {t.text.strip()!r}")
-            print(f"  {'layer':>5}  {'mean |resid|':>12}  top next token (p)")
+            print(f"  {'layer':>5}  {'mean |resid|':>12}  top next token after {t.tokens[at].strip()!r} (p)")
             for layer in layers:
                 tok = s.tokenizer.decode([int(ids[layer, 0])]).strip()
                 print(f"  {layer:>5}  {acts[layer].norm(dim=-1).mean():>12.3f}  "
