@@ -15,7 +15,7 @@ CPU_BROKEN := torchvision torchaudio torchcodec triton
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench-idle bench-widgets clean
+.PHONY: demo test lab bench bench-idle bench-widgets clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: $(STAMP) $(BROWSER_STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/01_tour.ipynb
 
+# the performance benchmark: rewrites docs/performance.md and benchmarks/results.json
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
 bench-idle: $(STAMP)
 	$(PY) benchmarks/idle_cost.py
 
@@ -46,4 +50,4 @@ bench-widgets: $(STAMP)
 	$(PY) benchmarks/widget_latency.py
 
 clean:
-	rm -rf $(VENV) vlens-demo.html .pytest_cache
+	rm -rf $(VENV) vlens-demo.html .pytest_cache benchmarks/.venv-nnsight benchmarks/.models

@@ -31,6 +31,7 @@ __all__ = [
     "TokenAxisError",
     "narrow",
     "add_rows",
+    "gather",
     "token_axis",
     "widen",
 ]
@@ -272,3 +273,29 @@ def add_rows(
     else:
         tensor.index_add_(0, rows, delta.to(tensor.dtype))
     return tensor
+
+
+def gather(
+    tensor: torch.Tensor,
+    layout: StepLayout,
+    spans: list[RowSpan],
+    *,
+    axis: int | None = None,
+    site: str = "?",
+) -> torch.Tensor:
+    """The rows of several requests at once, as one new tensor.
+
+    Returns ``[sum of span lengths, *row_shape]`` (the token axis first,
+    whatever the layout), the spans' rows one after another: split it with
+    ``torch.split(result, [s.length for s in spans])``. Always a copy, so
+    it never aliases engine memory.
+    """
+    if not spans:
+        raise ValueError("gather needs at least one span")
+    for span in spans:
+        axis = _checked_axis(tensor, layout, span, axis, site)
+    flat = tensor[0] if axis == 1 else tensor
+    if axis == 1 and tensor.shape[0] != 1:
+        raise TokenAxisError(f"site {site}: expected [1, T, ...], got {list(tensor.shape)}")
+    index = torch.cat([torch.arange(s.start, s.stop) for s in spans]).to(flat.device)
+    return flat.index_select(0, index)

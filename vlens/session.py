@@ -120,6 +120,7 @@ class Session(InputChecks, SteeringMethods):
         self._shared = shared
         self.reused = shared.users > 1
         self.clone_reads = _env_flag("VLENS_CLONE_READS")
+        self._token_text: dict[int, str] = {}
         #: the most bytes of activations one call may read (refused above it)
         self.read_budget = int(float(os.environ.get("VLENS_READ_BUDGET_MB", "2048")) * 2**20)
 
@@ -165,9 +166,15 @@ class Session(InputChecks, SteeringMethods):
         return list(self.tokenizer(text)["input_ids"])
 
     def token_strings(self, ids: Iterable[int]) -> list[str]:
-        """Each id as readable text (decoded one by one)."""
-        tok = self.tokenizer
-        return [tok.decode([int(i)]) for i in ids]
+        """Each id as readable text (decoded one by one, cached per id)."""
+        cache = self._token_text
+        out = []
+        for i in ids:
+            text = cache.get(i)
+            if text is None:
+                text = cache[i] = self.tokenizer.decode([int(i)])
+            out.append(text)
+        return out
 
     @property
     def clone_reads(self) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from vlens._wire import decode_tensor, encode_tensor
-from vlens.batcher import StepLayout, add_rows, narrow, token_axis, widen
+from vlens.batcher import StepLayout, add_rows, gather, narrow, token_axis, widen
 from vlens.plan import PLAN_KEY, EditContext, Plan, parse_plan
 from vlens.sites import ModelSites, lens_logits, resolve_sites
 
@@ -139,10 +139,24 @@ class _Write:
 
 
 @dataclass
+class _ReadGroup:
+    """Requests reading one (site, layer) the same way in one step: their
+    rows are gathered and reduced together, then split per request."""
+
+    read: Any  # a representative Read (same key and k for the whole group)
+    spans: list
+    records: list  # None on ranks that only join a collective reduction
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.spans]
+
+
+@dataclass
 class _Step:
     layout: StepLayout
-    # (site, layer) -> [(record, span, read)]
-    reads: dict[tuple[str, int], list]
+    # (site, layer) -> read groups
+    reads: dict[tuple[str, int], list[_ReadGroup]]
     writes: dict[tuple[str, int], _Write]
     # (site, layer) -> [(record or None, span, edit, positions)]
     edits: dict[tuple[str, int], list]
@@ -305,13 +319,31 @@ class _Hooks:
                 edits[(e.site, e.layer)].append((rec, span, e, plan, positions_here))
         writes = {}
         for key, parts in w_rows.items():
-            rows = torch.cat([torch.arange(f, f + m) for f, m, *_ in parts])
-            vec_index = torch.cat([torch.full((m,), v, dtype=torch.long) for _, m, v, *_ in parts])
-            scale = torch.cat([torch.full((m,), s, dtype=torch.float32) for _, m, _, s, _ in parts])
+            rows: list[int] = []
+            vec_index: list[int] = []
+            scale: list[float] = []
+            for first, m, vec, sc, _ in parts:
+                rows.extend(range(first, first + m))
+                vec_index.extend([vec] * m)
+                scale.extend([sc] * m)
             dev = self.vec_matrix.device
-            writes[key] = _Write(rows.to(dev), vec_index.to(dev), scale.to(dev),
-                                 [p[-1] for p in parts])
-        self.step = _Step(layout, dict(reads), writes, dict(edits))
+            writes[key] = _Write(
+                torch.tensor(rows, dtype=torch.long, device=dev),
+                torch.tensor(vec_index, dtype=torch.long, device=dev),
+                torch.tensor(scale, dtype=torch.float32, device=dev),
+                [p[-1] for p in parts],
+            )
+        groups: dict[tuple[str, int], list[_ReadGroup]] = {}
+        for key, members in reads.items():
+            by_kind: dict[tuple[str, int], _ReadGroup] = {}
+            for rec, span, read in members:
+                g = by_kind.get((read.key, read.k))
+                if g is None:
+                    g = by_kind[(read.key, read.k)] = _ReadGroup(read, [], [])
+                g.spans.append(span)
+                g.records.append(rec)
+            groups[key] = list(by_kind.values())
+        self.step = _Step(layout, groups, writes, dict(edits))
         self.layout_ns += time.perf_counter_ns() - t0
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
@@ -359,11 +391,12 @@ class _Hooks:
                 self._fail(write.records, key, exc)
         for rec, span, edit, plan, positions in step.edits.get(key, []):
             try:
-                self._run_edit(step, spec, args, kwargs, output, span, edit, plan, positions, label)
+                self._run_edit(step, spec, args, kwargs, output, rec, span, edit, plan,
+                               positions, label)
             except Exception as exc:
                 self._fail([rec], key, exc)
-        targets = step.reads.get(key)
-        if targets:
+        groups = step.reads.get(key)
+        if groups:
             try:
                 value = spec.extract(args, kwargs, output)
                 axis = token_axis(value, step.layout, site=label)
@@ -373,45 +406,49 @@ class _Hooks:
                         f"{self.hidden}: it is sharded across tensor-parallel ranks, "
                         "and vlens does not return one rank's shard"
                     )
-                for rec, span, read in targets:
-                    rows = narrow(value, step.layout, span, axis=axis, site=label)
-                    if axis == 1:
-                        rows = rows.squeeze(0)
-                    parts = self._reduce(rows, read)
-                    if rec is None:  # a non-reading rank joined a collective
-                        continue
-                    for part, kept in parts.items():
-                        rec.chunks[(read.key, part, layer)].append(kept)
-                        rec.copied_bytes += kept.numel() * kept.element_size()
+                for g in groups:
+                    # one gather and one reduction for every request in the step
+                    rows = gather(value, step.layout, g.spans, axis=axis, site=label)
+                    parts = self._reduce(rows, g.read)
+                    split = {part: t.split(g.lengths) for part, t in parts.items()}
+                    for i, rec in enumerate(g.records):
+                        if rec is None:  # a non-reading rank joined a collective
+                            continue
+                        for part, chunks in split.items():
+                            kept = chunks[i]
+                            rec.chunks[(g.read.key, part, layer)].append(kept)
+                            rec.copied_bytes += kept.numel() * kept.element_size()
             except Exception as exc:  # reported to the client, never swallowed
-                self._fail([r for r, *_ in targets], key, exc)
+                self._fail([r for g in groups for r in g.records], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
 
     def _reduce(self, rows: torch.Tensor, read) -> dict[str, torch.Tensor]:
-        # Kept across steps, so always a copy (`.to(..., copy=True)`): a view
-        # would be overwritten by the engine's next use of the buffer.
+        """``rows`` is a gathered copy ([n, ...]); kept values never alias
+        engine buffers that later kernels or steps overwrite."""
         if read.reduce == "full":
-            return {"value": rows.to(device="cpu", dtype=torch.float32, copy=True)}
+            return {"value": rows.to(device="cpu", dtype=torch.float32)}
         if read.reduce == "norm":
             return {"value": rows.float().norm(dim=-1).cpu()}
         logits = lens_logits(self.model, rows)
         if logits is None:  # a non-driver tensor-parallel rank
             return {}
-        logprobs = logits.log_softmax(-1)
         if read.reduce == "logprobs":
-            return {"value": logprobs.cpu()}
+            return {"value": logits.log_softmax(-1).cpu()}
         if read.reduce == "lens":
-            p, ids = logprobs.exp().topk(max(1, read.k), dim=-1)
-            return {"ids": ids.cpu(), "probs": p.cpu()}
+            top, ids = logits.topk(max(1, read.k), dim=-1)
+            probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+            return {"ids": ids.cpu(), "probs": probs.cpu()}
         raise ValueError(f"unknown reduction {read.reduce!r}")
 
-    def _run_edit(self, step, spec, args, kwargs, output, span, edit, plan, positions, label):
+    def _run_edit(self, step, spec, args, kwargs, output, rec, span, edit, plan, positions, label):
         fn = self.edit_fns.get(edit.fn)
         if fn is None:
             raise LookupError(f"edit function {edit.fn} never reached this worker")
         value = spec.extract(args, kwargs, output)
         axis = token_axis(value, step.layout, site=label)
         rows = narrow(value, step.layout, span, axis=axis, clone=plan.clone, site=label)
+        if plan.clone and rec is not None:
+            rec.copied_bytes += rows.numel() * rows.element_size()
         before = rows.clone()
         ctx = EditContext(plan.index, plan.tag, spec.name, edit.layer,
                           positions, plan.prompt_len, plan.clone)

