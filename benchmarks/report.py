@@ -70,36 +70,29 @@ DEV = {
 }
 
 LAYOUT_FIX = (
-    "`_Hooks._begin_step` (vlens/engine/worker.py) rebuilds the batched write index of "
-    "every (site, layer) every step from three small tensors per request "
-    "(`torch.arange`, `torch.full` twice, then `torch.cat` and `.to()` of each): "
-    "about 100 tensor operations per written site per decode step of 32 requests. "
-    "Building `rows`, `vec_index` and `scale` as Python lists and making one tensor "
-    "of each (`torch.tensor(rows, device=dev)`) cut the layout time of (d) from "
-    f"{DEV['d_layout_s'][0]:.3f} s to {DEV['d_layout_s'][1]:.3f} s per run in a "
-    "prototype (same tokens). Further: share one index between layers whose writes "
-    "are the same (all of (d)), and keep it across decode steps (a decode step's "
-    "rows only move when the batch changes)."
+    "Done: `_Hooks._begin_step` (vlens/engine/worker.py) builds each (site, layer)'s "
+    "batched write index (`rows`, `vec_index`, `scale`) as Python lists and makes one "
+    "tensor of each, where it first made three small tensors per request and "
+    "concatenated them (about 100 tensor operations per written site per decode step "
+    "of 32 requests); in a prototype that cut the layout time of (d) from "
+    f"{DEV['d_layout_s'][0]:.3f} s to {DEV['d_layout_s'][1]:.3f} s per run. Left: share "
+    "one index between layers whose writes are the same (all of (d)), and keep it "
+    "across decode steps (a decode step's rows only move when the batch changes)."
 )
 CLIENT_FIX = (
-    "On the client, `Session._build_run` (vlens/session.py) turns every token into "
-    "text one at a time (`Session.token_strings`: `tokenizer.decode([id])` for each "
-    "of `token_ids` and `output_token_ids`): "
-    f"{DEV['token_strings_ms']} ms for one run's {DEV['tokens']:,} tokens, against "
-    f"{DEV['convert_ids_ms']} ms for `convert_ids_to_tokens`. A per-session cache "
-    "`{id: text}` (the vocabulary is finite; the result is the same) or a lazy "
-    "`Trace.tokens` removes it. On the toy model a whole run takes ~0.3–0.4 s, so "
-    "those 27 ms alone are ~8 %."
+    "Done: `Session.token_strings` (vlens/session.py) caches each token's text per "
+    "session. Decoding tokens one by one had cost "
+    f"{DEV['token_strings_ms']} ms for one run's {DEV['tokens']:,} tokens (against "
+    f"{DEV['convert_ids_ms']} ms for `convert_ids_to_tokens`), ~8 % of a toy-model run."
 )
 READS_FIX = (
-    "`_Hooks._visit` (vlens/engine/worker.py) handles reads request by request: for "
-    "each of the 32 requests, at each read layer, every step, it narrows the rows, "
-    "reduces them (`_reduce`: a copy, a norm, or a logit lens) and appends a chunk to "
-    "that request's record. Do it once per (site, layer) per step instead: gather the "
-    "reading requests' rows with one `index_select`, reduce that once, and split the "
-    "result by span lengths (`Tensor.split`: views of the one new tensor, safe to keep). "
-    "Better still, keep one tensor per (site, layer, step) and cut it per request in "
-    "`collect`, after the run, instead of inside the forward pass."
+    "Done: `_Hooks._visit` (vlens/engine/worker.py) gathers the rows of every request "
+    "reading a (site, layer) in a step with one `index_select` (`vlens.batcher.gather`), "
+    "reduces them once (a copy, a norm, or one logit-lens matrix product) and splits the "
+    "result by span (`Tensor.split`: views of the one new tensor, safe to keep). It "
+    "used to narrow, reduce and copy request by request. Left: keep one tensor per "
+    "(site, layer, step) and cut it per request in `collect`, after the run, instead "
+    "of inside the forward pass."
 )
 
 
@@ -147,47 +140,44 @@ def _analysis(key: str, r: dict) -> str | None:
             "only when a plan first asks for that site (and remove them after a while "
             "idle), so an idle engine runs vLLM's own fast path.")
     elif key in ("c", "d", "e"):
-        text.append("Where it goes: the write index built every step, and the client "
-                    "turning tokens into text (both below, under *What to change*). The "
-                    "write itself (`add_rows`: `index_select` of the vectors, a multiply, "
-                    "one `index_add_`) is small.")
+        text.append("Where it goes: the step layout and the write index built every step "
+                    "(now one tensor each; below), and Python work between the model's "
+                    "small kernels. The write itself (`add_rows`: `index_select` of the "
+                    "vectors, a multiply, one `index_add_`) is small.")
         if key == "c":
             text.append("")
             text.append(
                 "On the toy model every traced call pays a fixed price before it steers "
-                "anything: a `trace` whose plan reads and writes nothing cost "
-                f"{DEV['t0']:.3f} × (a) in ten interleaved repetitions, {DEV['t0_cached']:.3f} "
-                "with token text cached (a patch in the benchmark process); (c) cost "
-                f"{DEV['c']:.3f}, and {DEV['c_cached']:.3f} with the cache. Of what remains, "
+                "anything: before token text was cached, a `trace` whose plan reads and "
+                f"writes nothing cost {DEV['t0']:.3f} × (a) in ten interleaved repetitions, "
+                f"{DEV['t0_cached']:.3f} with the cache (then a patch in the benchmark "
+                f"process, now in vlens); (c) cost {DEV['c']:.3f}, and {DEV['c_cached']:.3f} "
+                "with the cache. Of what remains, "
                 "the step layout and the write index are most; a last few percent could not "
                 "be pinned on any vlens function (in profiles the model's own kernels ran "
                 "slightly longer in planned runs: on a model whose kernels take microseconds, "
                 "Python work between them costs more than its own samples show).")
     elif key == "f":
-        text.append("Where it goes: reads handled request by request in the hook, and the "
-                    "client turning tokens into text (both below).")
+        text.append("Where it goes: the per-step gather and copy of the rows read, and "
+                    "collecting them after the run (below).")
     elif key == "g":
         text.append(
-            "Where it goes: reads handled request by request in the hook (below). For "
-            "norms that per-request work is most of the cost: layers × 32 requests small "
-            "norms, `.cpu()` calls and list appends per step, where one "
-            "`value.float().norm(dim=-1)` over the step per layer, split by span, does "
-            "the same arithmetic.")
+            "Where it goes: a gather, a norm and a split per layer per step (reads are now "
+            "batched over requests; below), plus appending each request's chunk. On the toy "
+            "model a decode step is a few milliseconds, so even these small operations at "
+            "every layer show.")
     elif key == "h":
         text.append(
-            "Most of it is `lens_logits` (vlens/sites.py) called from `_Hooks._reduce` "
-            "once per request per layer per step: in a decode step each request has one "
-            "row, so the unembedding runs as 32 matrix-vector products, each reading the "
-            "whole unembedding matrix, instead of one matrix product over the 32 rows "
-            "(py-spy: ~60 % of all samples of (h) in the `onednn_mm` of `compute_logits`). "
-            "A prototype that gathers the rows of every reading request, runs the lens "
-            "once per (site, layer) per step, takes the top-k from the logits "
-            "(`logits.topk(k)`, probabilities `exp(top - logsumexp(logits))`, instead of "
-            "`log_softmax` and `exp` of the whole vocabulary) and splits the result by "
-            f"span cut the hook time of (h) from {DEV['h_hook_s'][0]} s to "
-            f"{DEV['h_hook_s'][1]} s and the run from {DEV['h_run_s'][0]} s to "
-            f"{DEV['h_run_s'][1]} s (ratio ~2.9 → ~1.75) with the same top-5 ids and "
-            "probabilities within 2e-9. What is left is the floor above: the lens at "
+            "The lens (`lens_logits`, vlens/sites.py) first ran once per request per layer "
+            "per step: in a decode step the unembedding ran as 32 matrix-vector products, "
+            "each reading the whole unembedding matrix (py-spy: ~60 % of all samples of (h) "
+            "in the `onednn_mm` of `compute_logits`). It now runs once per (site, layer) per "
+            "step over the gathered rows of every reading request, and takes the top-k from "
+            "the logits (`logits.topk(k)`, probabilities `exp(top - logsumexp(logits))`) "
+            "instead of a softmax of the whole vocabulary; in a prototype that cut the hook "
+            f"time of (h) from {DEV['h_hook_s'][0]} s to {DEV['h_hook_s'][1]} s and the run "
+            f"from {DEV['h_run_s'][0]} s to {DEV['h_run_s'][1]} s (ratio ~2.9 → ~1.75) with "
+            "the same top-5 ids. What is left is the floor above: the lens at "
             "every layer is arithmetic the model itself does not do, and for a vocabulary "
             "8× the hidden size it adds ~60 % of the model's multiply-adds (on the toy "
             "model, whose unembedding is tiny, the per-request overhead is all of it). "
@@ -502,10 +492,10 @@ def render(cpu: dict | None, gpu: dict | None) -> str:
         missed = _missed(cpu)
         if missed:
             out += ["## Where the time goes (goals missed)", "",
-                    ("For each missed goal: the run's figures, what the profiles showed, and "
-                    "what in vlens would change it. (Profiles: py-spy on a run of each "
-                    "condition; the prototype figures are from a scratch patch of the worker "
-                    "made while writing this benchmark, not from the code measured above.)"),
+                    ("For each missed goal: the run's figures, what the profiles showed, what "
+                    "was changed, and what is left. (Profiles: py-spy on a run of each "
+                    "condition. The changes marked done are in the code measured above; "
+                    "'prototype' figures were taken on a scratch patch before they landed.)"),
                     ""]
             for key in missed:
                 text = _analysis(key, cpu)
@@ -515,11 +505,11 @@ def render(cpu: dict | None, gpu: dict | None) -> str:
             if set(missed) & {"c", "d", "e"}:
                 themes += ["**The write index, every step.** " + LAYOUT_FIX, ""]
             if set(missed) & {"f", "g", "h"}:
-                themes += ["**Reads, request by request.** " + READS_FIX, ""]
+                themes += ["**Reads, batched per step.** " + READS_FIX, ""]
             if set(missed) & {"c", "d", "e", "f", "g"}:
-                themes += ["**Tokens as text, one by one.** " + CLIENT_FIX, ""]
+                themes += ["**Tokens as text, cached.** " + CLIENT_FIX, ""]
             if themes:
-                out += ["### What to change", ""] + themes
+                out += ["### What was changed, and what is left", ""] + themes
         out += [CLONE_TEXT, ""]
         out += ["## CPU figures", ""] + _section(cpu, gpu=False)
         out += _extras(cpu)
