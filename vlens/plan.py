@@ -10,7 +10,7 @@ id (a hash of their bytes).
     {"v": 2, "tag": "s0-3-1", "clone": false, "prompt_len": 9,
      "reads":  [{"site": "resid_post", "layers": [0, 2], "reduce": "full", "k": 0}],
      "writes": [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
-                 "start": 0, "stop": -1}],
+                 "start": 0, "stop": -1, "relative": false}],
      "edits":  [{"site": "resid_post", "layer": 2, "fn": "<id>"}]}
 
 ``tag`` names the client-side request: vLLM's internal request ids carry a
@@ -69,6 +69,7 @@ class Write:
     scale: float
     start: int = 0
     stop: int = -1  # -1: to the end of the sequence
+    relative: bool = False  # scale by each token's activation norm
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Plan:
             ],
             "writes": [
                 {"site": w.site, "layer": w.layer, "vec": w.vec, "scale": float(w.scale),
-                 "start": w.start, "stop": w.stop}
+                 "start": w.start, "stop": w.stop, "relative": w.relative}
                 for w in self.writes
             ],
             "edits": [{"site": e.site, "layer": e.layer, "fn": e.fn} for e in self.edits],
@@ -130,7 +131,8 @@ def parse_plan(raw: Any) -> Plan:
         ),
         writes=tuple(
             Write(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
-                  int(w.get("start", 0)), int(w.get("stop", -1)))
+                  int(w.get("start", 0)), int(w.get("stop", -1)),
+                  bool(w.get("relative", False)))
             for w in raw.get("writes") or ()
         ),
         edits=tuple(

@@ -241,7 +241,8 @@ class Session(InputChecks, SteeringMethods):
     def _plan(self, tag: str, index: int, prompt_len: int, reads: list[Read],
               steers: list[Steer], edit_ids: list[tuple[str, int, str]]) -> Plan | None:
         writes = tuple(
-            Write(st.site, st.layer, st.id, float(st.scale), *st.positions(prompt_len))
+            Write(st.site, st.layer, st.id, float(st.scale), *st.positions(prompt_len),
+                  relative=st.relative)
             for st in steers
         )
         edits = tuple(Edit(site, layer, fid) for site, layer, fid in edit_ids)

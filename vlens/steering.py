@@ -42,6 +42,11 @@ class Steer:
     ``span``: ``"all"`` (every token), ``"prompt"`` (the prompt's tokens),
     ``"generated"`` (tokens the model generated, as they are fed back), or
     ``(start, stop)`` token positions (``stop`` exclusive).
+
+    ``relative=True`` scales the push by each token's own activation norm:
+    at token t it adds ``scale * |x_t| * vector / |vector|``, so ``scale``
+    reads as "this fraction of the residual stream" whatever the layer
+    (the bundled toy-world model's sentiment recipe: layer 3, scale 1.5).
     """
 
     vector: torch.Tensor
@@ -49,6 +54,7 @@ class Steer:
     scale: float = 1.0
     site: str = "resid_post"
     span: str | tuple[int, int] = "all"
+    relative: bool = False
 
     def __post_init__(self) -> None:
         v = self.vector
@@ -87,10 +93,18 @@ class Steer:
             object.__setattr__(self, "span", (int(span[0]), int(span[1])))
         else:
             raise VlensError(f"Steer span must be one of {SPANS} or (start, stop), got {span!r}")
-        object.__setattr__(self, "vector", v.detach().to("cpu", torch.float32).contiguous())
+        if not isinstance(self.relative, bool):
+            raise VlensError(f"Steer relative must be True or False, got {self.relative!r}")
+        v = v.detach().to("cpu", torch.float32).contiguous()
+        if self.relative:
+            norm = float(v.norm())
+            if norm == 0.0:
+                raise VlensError("a relative Steer needs a non-zero vector (its direction is used)")
+            v = v / norm
+        object.__setattr__(self, "vector", v)
 
     def with_scale(self, scale: float) -> Steer:
-        return Steer(self.vector, self.layer, scale, self.site, self.span)
+        return Steer(self.vector, self.layer, scale, self.site, self.span, self.relative)
 
     @property
     def id(self) -> str:

@@ -136,6 +136,7 @@ class _Write:
     vec_index: torch.Tensor  # [n] int64 rows of the vector matrix
     scale: torch.Tensor  # [n] float32
     records: list  # the requests concerned (None on non-reading ranks)
+    relative: torch.Tensor | None = None  # [n] bool: scale by the row's norm
 
 
 @dataclass
@@ -311,7 +312,8 @@ class _Hooks:
                                   "never reached this worker")
                     continue
                 first = span.start + (start - p0)
-                w_rows[(w.site, w.layer)].append((first, stop - start, vec, w.scale, rec))
+                w_rows[(w.site, w.layer)].append((first, stop - start, vec, w.scale, rec,
+                                                  w.relative))
                 if rec is not None:
                     rec.steered_rows += stop - start
             for e in plan.edits:
@@ -322,16 +324,19 @@ class _Hooks:
             rows: list[int] = []
             vec_index: list[int] = []
             scale: list[float] = []
-            for first, m, vec, sc, _ in parts:
+            relative: list[bool] = []
+            for first, m, vec, sc, _, rel in parts:
                 rows.extend(range(first, first + m))
                 vec_index.extend([vec] * m)
                 scale.extend([sc] * m)
+                relative.extend([rel] * m)
             dev = self.vec_matrix.device
             writes[key] = _Write(
                 torch.tensor(rows, dtype=torch.long, device=dev),
                 torch.tensor(vec_index, dtype=torch.long, device=dev),
                 torch.tensor(scale, dtype=torch.float32, device=dev),
-                [p[-1] for p in parts],
+                [p[4] for p in parts],
+                torch.tensor(relative, dtype=torch.bool, device=dev) if any(relative) else None,
             )
         groups: dict[tuple[str, int], list[_ReadGroup]] = {}
         for key, members in reads.items():
@@ -386,6 +391,12 @@ class _Hooks:
             try:
                 target = spec.target(args, kwargs, output)
                 delta = self.vec_matrix.index_select(0, write.vec_index) * write.scale[:, None]
+                if write.relative is not None:
+                    # scale by each row's own norm (of the value before the write)
+                    value = spec.extract(args, kwargs, output)
+                    flat = value[0] if token_axis(value, step.layout, site=label) == 1 else value
+                    norms = flat.index_select(0, write.rows).float().norm(dim=-1)
+                    delta = delta * torch.where(write.relative, norms, 1.0)[:, None]
                 add_rows(target, step.layout, write.rows, delta, site=label)
             except Exception as exc:  # the requests concerned get the error
                 self._fail(write.records, key, exc)
