@@ -111,7 +111,13 @@ def pytest_collection_modifyitems(config, items):
     architecture cannot be built in the same process. Tests that load a
     Hugging Face model in-process must therefore run before it starts.
     """
-    late = [i for i in items if "llama_tf_session" in getattr(i, "fixturenames", ())]
+    def uses_tf_backend(item) -> bool:
+        # directly, or through a parametrised fixture that picks it by name
+        return "llama_tf_session" in getattr(item, "fixturenames", ()) or any(
+            p in item.nodeid for p in ("[transformers]", "llama_tf_session")
+        )
+
+    late = [i for i in items if uses_tf_backend(i)]
     early = [i for i in items if i not in late]
     items[:] = early + late
 
