@@ -174,16 +174,22 @@ def token_axis(tensor: torch.Tensor, layout: StepLayout, *, site: str = "?") -> 
     )
 
 
-def _checked_axis(
-    tensor: torch.Tensor, layout: StepLayout, span: RowSpan, axis: int | None, site: str
-) -> int:
+def _resolved_axis(tensor: torch.Tensor, layout: StepLayout, axis: int | None, site: str) -> int:
+    """``axis`` if it is the token axis of ``tensor`` (found when None)."""
     if axis is None:
-        axis = token_axis(tensor, layout, site=site)
-    elif tensor.dim() <= axis or tensor.shape[axis] not in (layout.num_actual, layout.num_padded):
+        return token_axis(tensor, layout, site=site)
+    if tensor.dim() <= axis or tensor.shape[axis] not in (layout.num_actual, layout.num_padded):
         raise TokenAxisError(
             f"site {site}: axis {axis} of shape {list(tensor.shape)} is not the "
             f"token axis of a step of {layout.num_actual} tokens"
         )
+    return axis
+
+
+def _checked_axis(
+    tensor: torch.Tensor, layout: StepLayout, span: RowSpan, axis: int | None, site: str
+) -> int:
+    axis = _resolved_axis(tensor, layout, axis, site)
     if not 0 <= span.start <= span.stop <= layout.num_actual:
         raise TokenAxisError(
             f"site {site}: rows [{span.start}, {span.stop}) of request "
@@ -255,13 +261,7 @@ def add_rows(
     ``delta`` is ``[len(rows), *row_shape]``. This is how many requests'
     steering edits land at one site in one step. Returns ``tensor``.
     """
-    if axis is None:
-        axis = token_axis(tensor, layout, site=site)
-    elif tensor.dim() <= axis or tensor.shape[axis] not in (layout.num_actual, layout.num_padded):
-        raise TokenAxisError(
-            f"site {site}: axis {axis} of shape {list(tensor.shape)} is not the "
-            f"token axis of a step of {layout.num_actual} tokens"
-        )
+    axis = _resolved_axis(tensor, layout, axis, site)
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= layout.num_actual):
         raise TokenAxisError(
             f"site {site}: row index outside the step's {layout.num_actual} real rows"
