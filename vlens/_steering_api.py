@@ -82,11 +82,12 @@ class SteeringMethods:
         last = self.n_layers - 1
         reads = [Read("resid_post", (last,), "logprobs")]
         call = f"{self._name}-{next(self._calls)}"
-        items = []
-        for arm, steers_list in (("b", [[] for _ in prompts]), ("s", per_prompt)):
-            for i, (ids, steers) in enumerate(zip(prompt_ids, steers_list)):
-                plan = self._plan(f"{call}-{arm}{i}", i, len(ids), reads, steers, [])
-                items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
+        items = [
+            self._request(f"{call}-{arm}{i}", i, ids, reads, steers, [],
+                          max_new_tokens, True, sampling)
+            for arm, steers_list in (("b", [[] for _ in prompts]), ("s", per_prompt))
+            for i, (ids, steers) in enumerate(zip(prompt_ids, steers_list))
+        ]
         outputs, collected = self._execute(items, progress)
         n = len(prompts)
         plans = [it[1] for it in items]
@@ -133,14 +134,14 @@ class SteeringMethods:
         reads = [Read("resid_post", (last,), "logprobs")]
         call = f"{self._name}-{next(self._calls)}"
         has_zero = any(float(x) == 0.0 for x in scales)
-        items = []
-        for j, st in enumerate(variants):
-            steers = [] if st.scale == 0 else [st]
-            plan = self._plan(f"{call}-{j}", 0, len(ids), reads, steers, [])
-            items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
+        arms = [(str(j), [] if st.scale == 0 else [st]) for j, st in enumerate(variants)]
         if not has_zero:
-            plan = self._plan(f"{call}-base", 0, len(ids), reads, [], [])
-            items.append((ids, plan, self._sampling_params(max_new_tokens, True, plan, sampling)))
+            arms.append(("base", []))
+        items = [
+            self._request(f"{call}-{name}", 0, ids, reads, steers, [],
+                          max_new_tokens, True, sampling)
+            for name, steers in arms
+        ]
         outputs, collected = self._execute(items, progress)
         plans = [it[1] for it in items]
         run = self._build_run([prompt] * len(items), [ids] * len(items), plans, outputs,

@@ -192,7 +192,7 @@ class Session(InputChecks, SteeringMethods):
 
     def _ship_vectors(self, steers: Iterable[Steer]) -> None:
         engine = self._engine
-        have = engine.__dict__.setdefault("vector_ids", set())
+        have = engine.vector_ids
         new = {}
         for st in steers:
             vid = st.id
@@ -238,18 +238,21 @@ class Session(InputChecks, SteeringMethods):
         except Exception as exc:  # vLLM's own validation errors vary by version
             raise VlensError(f"bad sampling settings {sampling!r}: {exc}") from None
 
-    def _plan(self, tag: str, index: int, prompt_len: int, reads: list[Read],
-              steers: list[Steer], edit_ids: list[tuple[str, int, str]]) -> Plan | None:
+    def _request(self, tag: str, index: int, ids: list[int], reads: list[Read],
+                 steers: list[Steer], edit_ids: list[tuple[str, int, str]],
+                 max_new_tokens: int, logprobs: bool, sampling: dict) -> tuple:
+        """One traced request, as ``_execute`` takes it: ``(prompt ids, plan,
+        SamplingParams)``. Every traced request carries a plan, even one that
+        reads and writes nothing, so its processed tokens are still recorded."""
         writes = tuple(
-            Write(st.site, st.layer, st.id, float(st.scale), *st.positions(prompt_len),
+            Write(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
                   relative=st.relative)
             for st in steers
         )
         edits = tuple(Edit(site, layer, fid) for site, layer, fid in edit_ids)
-        if not reads and not writes and not edits:
-            return None
-        return Plan(tag=tag, reads=tuple(reads), writes=writes, edits=edits,
-                    clone=self._clone_reads, prompt_len=prompt_len, index=index)
+        plan = Plan(tag=tag, reads=tuple(reads), writes=writes, edits=edits,
+                    clone=self._clone_reads, prompt_len=len(ids), index=index)
+        return ids, plan, self._sampling_params(max_new_tokens, logprobs, plan, sampling)
 
     # -- running ------------------------------------------------------------
     def _execute(self, items: list[tuple[list[int], Plan | None, Any]],
@@ -340,13 +343,11 @@ class Session(InputChecks, SteeringMethods):
         edit_ids = self._register_edit(edit, edit_at)
         self._ship_vectors(st for steers in per_prompt for st in steers)
         call = f"{self._name}-{next(self._calls)}"
-        items = []
-        for i, (ids, steers) in enumerate(zip(prompt_ids, per_prompt)):
-            plan = self._plan(f"{call}-{i}", i, len(ids), reads, steers, edit_ids)
-            if plan is None:  # nothing to read or write: still traced for tokens
-                plan = Plan(tag=f"{call}-{i}", clone=self._clone_reads,
-                            prompt_len=len(ids), index=i)
-            items.append((ids, plan, self._sampling_params(max_new_tokens, logprobs, plan, sampling)))
+        items = [
+            self._request(f"{call}-{i}", i, ids, reads, steers, edit_ids,
+                          max_new_tokens, logprobs, sampling)
+            for i, (ids, steers) in enumerate(zip(prompt_ids, per_prompt))
+        ]
         if background:
             _, bg_ids = self._check_prompts(list(background))
             plain = self._sampling_params(max_new_tokens, False, None, sampling)

@@ -73,6 +73,7 @@ class Engine:
         self.lock = threading.RLock()
         self._closed = False
         self.generate_calls = 0  # how many engine batches this engine has run
+        self.vector_ids: set[str] = set()  # steering vectors the workers hold
 
         from vllm import LLM  # heavy: only now
 

@@ -554,13 +554,11 @@ class VlensWorkerExtension:
         """Install the hooks (once) and describe the model."""
         hooks = self._vlens()
         hooks.install()
-        cfg = self.model_runner.model_config.hf_config
-        text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
         return {
             "impl": hooks.sites.impl,
             "architecture": hooks.sites.architecture,
             "n_layers": hooks.sites.n_layers,
-            "hidden_size": int(text_cfg.hidden_size),
+            "hidden_size": hooks.hidden,
             "sites": sorted(hooks.sites.specs),
             "rank": int(getattr(self, "rank", 0)),
             "hooks": len(hooks.handles),
