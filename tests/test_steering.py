@@ -4,6 +4,8 @@ leaks into unsteered requests."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -44,6 +46,11 @@ def _same(a, b) -> bool:
     return a.output_token_ids == b.output_token_ids and a.logprobs == b.logprobs
 
 
+def _same_schedule(run_a, run_b) -> bool:
+    """Both calls split every request over engine steps the same way."""
+    return all(a.step_rows == b.step_rows for a, b in zip(run_a, run_b))
+
+
 def _close(a, b, tol=1e-4) -> bool:
     """Same tokens, logprobs within float noise: for runs made in batches of
     different composition (other chunking, other matmul shapes)."""
@@ -60,6 +67,8 @@ def test_steering_one_request_changes_only_that_request(session, direction):
     for k in (0, 2, 5):
         per_prompt = [st if i == k else None for i in range(len(PROMPTS))]
         run = session.trace(PROMPTS, layers=[2], steer=per_prompt, max_new_tokens=8)
+        if os.environ.get("VLENS_TEST_ENGINE", "inproc") == "inproc":
+            assert _same_schedule(base, run)  # so the exact comparison below runs
         for i, (b, r) in enumerate(zip(base, run)):
             if i == k:
                 assert r.steered_rows == r.n_tokens
@@ -67,8 +76,16 @@ def test_steering_one_request_changes_only_that_request(session, direction):
                 assert b.logprobs != r.logprobs
             else:
                 assert r.steered_rows == 0
-                assert _same(b, r), f"request {i} changed when only {k} was steered"
-                assert torch.equal(b.activations(), r.activations())
+                if _same_schedule(base, run):
+                    assert _same(b, r), f"request {i} changed when only {k} was steered"
+                    assert torch.equal(b.activations(), r.activations())
+                else:
+                    # An out-of-process engine core may split the batch into
+                    # steps differently between two calls (requests arrive over
+                    # IPC while it already steps), which changes float rounding.
+                    # A leaked steer would still change tokens and logprobs.
+                    assert _close(b, r), f"request {i} changed when only {k} was steered"
+                    assert (b.activations() - r.activations()).abs().max() <= 1e-4
 
 
 def test_steering_is_the_same_with_clone_reads_on_and_off(llama_session, direction):

@@ -52,6 +52,8 @@ class Trace:
     _reads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     copied_bytes: int = 0
     steered_rows: int = 0
+    #: how the engine scheduled this request: its row count in each step
+    step_rows: list[int] = field(default_factory=list)
 
     @property
     def sites(self) -> list[str]:

@@ -452,6 +452,7 @@ class Session(InputChecks, SteeringMethods):
                         _reads=reads,
                         copied_bytes=match["copied_bytes"],
                         steered_rows=match["steered_rows"],
+                        step_rows=match["step_rows"],
                     )
                 )
         return Run(traces, prompts=prompts)

@@ -83,6 +83,7 @@ class _Record:
     errors: list[str] = field(default_factory=list)
     copied_bytes: int = 0
     steered_rows: int = 0
+    step_rows: list[int] = field(default_factory=list)  # rows per engine step
 
     def error(self, msg: str) -> None:
         if msg not in self.errors:
@@ -125,6 +126,7 @@ class _Record:
             "errors": self.errors,
             "copied_bytes": self.copied_bytes,
             "steered_rows": self.steered_rows,
+            "step_rows": self.step_rows,
         }
 
 
@@ -289,6 +291,7 @@ class _Hooks:
                 rec = self.records.get(req_id)
                 if rec is None:
                     rec = self.records[req_id] = _Record(plan, req_id)
+                rec.step_rows.append(span.length)
                 if ids_list is not None:
                     rec.token_ids.extend(ids_list[span.start : span.stop])
                 if pos_list is not None:
