@@ -182,7 +182,7 @@ def _analysis(key: str, r: dict) -> str | None:
             "8× the hidden size it adds ~60 % of the model's multiply-adds (on the toy "
             "model, whose unembedding is tiny, the per-request overhead is all of it). "
             "The 1.10 goal "
-            "is within reach for a few layers (`lens=` with `layers=[...]`), not for "
+            "is within reach for a few layers (`logit_lens=` with `layers=[...]`), not for "
             "every layer of such a model, on any device where the unembedding costs "
             "what it does here.")
     elif key == "j":

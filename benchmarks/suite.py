@@ -240,7 +240,7 @@ class Conditions:
         return self._trace(layers=None, sites=["resid_post"], reduce="norm", **kw)
 
     def run_h(self, **kw):
-        return self._trace(layers=None, sites=[], lens=5, **kw)
+        return self._trace(layers=None, sites=[], logit_lens=5, **kw)
 
     def _with_clone(self, on: bool, fn: Callable, **kw):
         before = self.s.clone_reads

@@ -110,7 +110,7 @@ def test_norm_reduction_matches_full_reads(llama_session):
     full = llama_session.trace([SHORT, LONG], max_new_tokens=4)
     red = llama_session.trace([SHORT, LONG], reduce="norm", max_new_tokens=4)
     for a, b in zip(full, red):
-        assert "resid_post" not in b.sites
+        assert "resid_post" not in b.read_keys
         assert torch.allclose(a.activations().norm(dim=-1), b.norms(), atol=1e-4)
     assert red.copied_bytes * 50 < full.copied_bytes
 

@@ -61,11 +61,11 @@ def main():
     vec = torch.linspace(-1, 1, s.hidden_size)
     st = vlens.Steer(vec, layer=1, scale=3.0)
     sites = ["resid_pre", "resid_post", "attn_out", "mlp_out"]
-    plain = s.trace(prompts, sites=sites, max_new_tokens=5, lens=3)
+    plain = s.trace(prompts, sites=sites, max_new_tokens=5, logit_lens=3)
     steered = s.trace(prompts, sites=["resid_post"], steer=st, max_new_tokens=5)
     torch.save({
         "plain": [{k: t.activations(k) for k in sites} | {"ids": t.output_token_ids,
-                   "lens": t.lens()[0], "lp": t.logprobs} for t in plain],
+                   "lens": t.logit_lens()[0], "lp": t.logprobs} for t in plain],
         "steered": [{"resid_post": t.activations(), "ids": t.output_token_ids} for t in steered],
         "info": s.info,
     }, out)
@@ -88,7 +88,7 @@ def test_tp2_reads_equal_tp1_reads(llama_session, tiny_llama, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     tp2 = torch.load(out_file)
     sites = ["resid_pre", "resid_post", "attn_out", "mlp_out"]
-    plain = llama_session.trace(prompts, sites=sites, max_new_tokens=5, lens=3)
+    plain = llama_session.trace(prompts, sites=sites, max_new_tokens=5, logit_lens=3)
     vec = torch.linspace(-1, 1, llama_session.hidden_size)
     import vlens
 
@@ -96,7 +96,7 @@ def test_tp2_reads_equal_tp1_reads(llama_session, tiny_llama, tmp_path):
                                   steer=vlens.Steer(vec, layer=1, scale=3.0), max_new_tokens=5)
     for a, b in zip(plain, tp2["plain"]):
         assert a.output_token_ids == b["ids"]
-        assert torch.equal(a.lens()[0], b["lens"])
+        assert torch.equal(a.logit_lens()[0], b["lens"])
         for site in sites:
             diff = (a.activations(site) - b[site]).abs().max().item()
             assert diff <= 1e-4, f"{site}: TP=2 differs from TP=1 by {diff}"

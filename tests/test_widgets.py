@@ -420,7 +420,7 @@ def test_logit_lens_view_grid_and_layer_range(session, lens):
 def test_logit_lens_view_traces_with_the_worker_lens(session, lens):
     LogitLensView(session, PROMPT, lens=lens, max_new_tokens=2)
     (call,) = session.calls_of("trace")
-    assert call["lens"] == 1 and call["sites"] == ["resid_post"]
+    assert call["logit_lens"] == 1 and call["sites"] == ["resid_post"]
 
 
 # -- steering panel -----------------------------------------------------------

@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError
 
 if TYPE_CHECKING:
+    from vlens.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
     from vlens.steering import Steer
 
 __all__ = [
     "ClosedError",
+    "EditContext",
     "EngineError",
     "Run",
     "Session",
@@ -35,6 +37,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
+    "EditContext": "vlens.plan",
     "Session": "vlens.session",
     "Steer": "vlens.steering",
     "Run": "vlens.results",

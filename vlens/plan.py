@@ -7,9 +7,9 @@ engine runs in other processes, and tensors cannot cross that way. Steering
 vectors travel once per engine (``vlens_put_vectors``) and plans name them by
 id (a hash of their bytes).
 
-    {"v": 2, "tag": "s0-3-1", "clone": false, "prompt_len": 9,
+    {"v": 3, "tag": "s0-3-1", "clone": false, "prompt_len": 9,
      "reads":  [{"site": "resid_post", "layers": [0, 2], "reduce": "full", "k": 0}],
-     "writes": [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
+     "adds":   [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
                  "start": 0, "stop": -1, "relative": false}],
      "edits":  [{"site": "resid_post", "layer": 2, "fn": "<id>"}]}
 
@@ -27,30 +27,29 @@ from typing import Any
 __all__ = [
     "PLAN_KEY",
     "PLAN_VERSION",
-    "REDUCTIONS",
+    "Add",
     "EditContext",
     "Plan",
     "Read",
-    "Write",
     "Edit",
     "read_key",
     "parse_plan",
 ]
 
 PLAN_KEY = "vlens"
-PLAN_VERSION = 2
-
-#: what a worker can hand back for each row it reads
-REDUCTIONS = {
-    "full": "the activation itself, [n_tokens, hidden]",
-    "norm": "its L2 norm, [n_tokens]",
-    "lens": "logit lens top-k: final norm + unembedding, [n_tokens, k] ids and probabilities",
-    "logprobs": "logit lens log-probabilities over the whole vocabulary, [n_tokens, vocab]",
-}
+PLAN_VERSION = 3
 
 
 @dataclass(frozen=True)
 class Read:
+    """Read ``site`` at ``layers`` for every row of the request.
+
+    ``reduce`` says what the worker hands back per row: ``"full"`` (the
+    activation, ``[n, hidden]``), ``"norm"`` (its L2 norm, ``[n]``),
+    ``"logit_lens"`` (top-``k`` ids and probabilities of the model's own
+    final norm + unembedding, ``[n, k]`` each) or ``"logprobs"`` (the logit
+    lens over the whole vocabulary, ``[n, vocab]``)."""
+
     site: str
     layers: tuple[int, ...]
     reduce: str = "full"
@@ -62,7 +61,10 @@ class Read:
 
 
 @dataclass(frozen=True)
-class Write:
+class Add:
+    """Add ``scale * vector[vec]`` to ``site`` of ``layer`` at positions
+    ``[start, stop)`` (a steering edit; ``relative``: times each row's norm)."""
+
     site: str
     layer: int
     vec: str
@@ -83,7 +85,7 @@ class Edit:
 class Plan:
     tag: str
     reads: tuple[Read, ...] = ()
-    writes: tuple[Write, ...] = ()
+    adds: tuple[Add, ...] = ()
     edits: tuple[Edit, ...] = ()
     clone: bool = False
     prompt_len: int = 0
@@ -100,10 +102,10 @@ class Plan:
                 {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k}
                 for r in self.reads
             ],
-            "writes": [
+            "adds": [
                 {"site": w.site, "layer": w.layer, "vec": w.vec, "scale": float(w.scale),
                  "start": w.start, "stop": w.stop, "relative": w.relative}
-                for w in self.writes
+                for w in self.adds
             ],
             "edits": [{"site": e.site, "layer": e.layer, "fn": e.fn} for e in self.edits],
         }
@@ -129,11 +131,11 @@ def parse_plan(raw: Any) -> Plan:
                  int(r.get("k", 0)))
             for r in raw.get("reads") or ()
         ),
-        writes=tuple(
-            Write(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
+        adds=tuple(
+            Add(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
                   int(w.get("start", 0)), int(w.get("stop", -1)),
                   bool(w.get("relative", False)))
-            for w in raw.get("writes") or ()
+            for w in raw.get("adds") or ()
         ),
         edits=tuple(
             Edit(str(e["site"]), int(e["layer"]), str(e["fn"])) for e in raw.get("edits") or ()

@@ -33,7 +33,8 @@ class Trace:
       token, which nothing predicts); empty when logprobs were not asked for;
     * ``activations(site)`` -- ``[n_layers_read, n_tokens, hidden]`` float32;
     * ``norms(site)`` -- ``[n_layers_read, n_tokens]``;
-    * ``lens()`` -- logit-lens top-k ids and probabilities, ``[layers, tokens, k]``.
+    * ``logit_lens()`` -- top-k ids and probabilities, ``[layers, tokens, k]``;
+    * ``read_keys`` -- what was read: ``"resid_post"``, ``"resid_post:norm"`` …
     """
 
     index: int
@@ -56,8 +57,9 @@ class Trace:
     step_rows: list[int] = field(default_factory=list)
 
     @property
-    def sites(self) -> list[str]:
-        """The read keys: ``"resid_post"`` (full values), ``"resid_post:norm"`` …"""
+    def read_keys(self) -> list[str]:
+        """What was read, as keys: ``"resid_post"`` (full values),
+        ``"resid_post:norm"``, ``"resid_post:logit_lens"`` …"""
         return list(self._reads)
 
     @property
@@ -86,10 +88,11 @@ class Trace:
             return self._reads[key]["value"]
         return self.activations(site).norm(dim=-1)
 
-    def lens(self, site: str = "resid_post") -> tuple[torch.Tensor, torch.Tensor]:
-        """Logit lens computed in the worker: top-k token ids (int64) and
-        probabilities, each ``[n_layers_read, n_tokens, k]``."""
-        key = read_key(site, "lens")
+    def logit_lens(self, site: str = "resid_post") -> tuple[torch.Tensor, torch.Tensor]:
+        """The logit lens read with ``trace(logit_lens=k)`` (computed in the
+        worker with the model's own final norm and unembedding): top-k token
+        ids (int64) and probabilities, each ``[n_layers_read, n_tokens, k]``."""
+        key = read_key(site, "logit_lens")
         return self._get(key, "ids"), self._get(key, "probs")
 
     def vocab_logprobs(self, site: str = "resid_post") -> torch.Tensor:
@@ -123,7 +126,7 @@ class Run(Sequence[Trace]):
         return iter(self._traces)
 
     def __repr__(self) -> str:
-        return f"Run({len(self)} traces, reads={self[0].sites if self._traces else []})"
+        return f"Run({len(self)} traces, reads={self[0].read_keys if self._traces else []})"
 
     @property
     def texts(self) -> list[str]:
@@ -144,11 +147,11 @@ class Run(Sequence[Trace]):
             for k in ("request", "sample", "site", "layer", "position", "token_id", "token", "norm")
         }
         for t in self._traces:
-            for key in t.sites:
+            for key in t.read_keys:
                 site, _, reduce = key.partition(":")
                 if reduce not in ("", "norm"):
                     continue
-                if reduce == "" and read_key(site, "norm") in t.sites:
+                if reduce == "" and read_key(site, "norm") in t.read_keys:
                     continue
                 norms = t.norms(site)
                 for li, layer in enumerate(t.layers[key]):

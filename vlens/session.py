@@ -23,7 +23,7 @@ from vlens._steering_api import SteeringMethods
 from vlens._wire import decode_tensor
 from vlens._wire import encode_tensor as encode_vector
 from vlens.errors import ClosedError, EngineError, VlensError
-from vlens.plan import PLAN_KEY, Edit, Plan, Read, Write
+from vlens.plan import PLAN_KEY, Add, Edit, Plan, Read
 from vlens.results import Run, Trace
 from vlens.steering import (
     Steer,
@@ -244,13 +244,13 @@ class Session(InputChecks, SteeringMethods):
         """One traced request, as ``_execute`` takes it: ``(prompt ids, plan,
         SamplingParams)``. Every traced request carries a plan, even one that
         reads and writes nothing, so its processed tokens are still recorded."""
-        writes = tuple(
-            Write(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
+        adds = tuple(
+            Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
                   relative=st.relative)
             for st in steers
         )
         edits = tuple(Edit(site, layer, fid) for site, layer, fid in edit_ids)
-        plan = Plan(tag=tag, reads=tuple(reads), writes=writes, edits=edits,
+        plan = Plan(tag=tag, reads=tuple(reads), adds=adds, edits=edits,
                     clone=self._clone_reads, prompt_len=len(ids), index=index)
         return ids, plan, self._sampling_params(max_new_tokens, logprobs, plan, sampling)
 
@@ -272,7 +272,7 @@ class Session(InputChecks, SteeringMethods):
             p: dict[str, Any] = {"prompt_token_ids": ids}
             if plan is not None:
                 salt = edit_salt(
-                    [w.__dict__ for w in plan.writes], [e.__dict__ for e in plan.edits]
+                    [w.__dict__ for w in plan.adds], [e.__dict__ for e in plan.edits]
                 )
                 if salt:
                     p["cache_salt"] = salt
@@ -303,7 +303,7 @@ class Session(InputChecks, SteeringMethods):
         edit: Any = None,
         edit_at: Sequence[tuple[str, int]] | None = None,
         reduce: str = "full",
-        lens: int = 0,
+        logit_lens: int = 0,
         progress: Any = None,
         **sampling: Any,
     ) -> Run:
@@ -325,7 +325,7 @@ class Session(InputChecks, SteeringMethods):
           else a view of engine memory valid only during the call. Runs in
           the worker (in-process engines; see docs/steering.md);
         * ``reduce``: ``"full"`` (default) or ``"norm"`` (the worker ships
-          only norms); ``lens=k`` also reads the logit lens top-k of
+          only norms); ``logit_lens=k`` also reads the logit lens top-k of
           ``resid_post`` at ``layers``, computed in the worker;
         * ``background``: prompts run in the same batch with no plan, as
           other users' traffic would (``run.background_texts``);
@@ -335,7 +335,7 @@ class Session(InputChecks, SteeringMethods):
         prompts, prompt_ids = self._check_prompts(prompts)
         layers = self._check_layers(layers)
         sites = self._check_sites(sites)
-        reads = self._reads(sites, layers, reduce, lens)
+        reads = self._reads(sites, layers, reduce, logit_lens)
         per_prompt = self._steers_per_prompt(steer, len(prompts))
         for ids, steers in zip(prompt_ids, per_prompt):
             for st in steers:
@@ -362,17 +362,17 @@ class Session(InputChecks, SteeringMethods):
         run.background_texts = [o.outputs[0].text for o in outputs[len(prompts):]]
         return run
 
-    def _reads(self, sites: list[str], layers: list[int], reduce: str, lens: int) -> list[Read]:
+    def _reads(self, sites: list[str], layers: list[int], reduce: str, k: int) -> list[Read]:
         if reduce not in ("full", "norm"):
             raise VlensError(f"reduce must be 'full' or 'norm', got {reduce!r}")
-        if not isinstance(lens, int) or isinstance(lens, bool) or lens < 0:
-            raise VlensError(f"lens must be a non-negative int (top-k), got {lens!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise VlensError(f"logit_lens must be a non-negative int (top-k), got {k!r}")
         reads = [Read(site, tuple(layers), reduce) for site in sites]
-        if lens:
+        if k:
             vocab = self._engine.info["vocab_size"]
-            if lens > vocab:
-                raise VlensError(f"lens={lens} is more than the vocabulary ({vocab} tokens)")
-            reads.append(Read("resid_post", tuple(layers), "lens", lens))
+            if k > vocab:
+                raise VlensError(f"logit_lens={k} is more than the vocabulary ({vocab} tokens)")
+            reads.append(Read("resid_post", tuple(layers), "logit_lens", k))
         return reads
 
     def _register_edit(self, edit: Any, edit_at: Any) -> list[tuple[str, int, str]]:
@@ -423,10 +423,10 @@ class Session(InputChecks, SteeringMethods):
                     raise EngineError(
                         f"prompt {i} ({prompt[:40]!r}): " + "; ".join(match["errors"])
                     )
-                if plan.writes and match["steered_rows"] == 0:
+                if plan.adds and match["steered_rows"] == 0:
                     raise EngineError(
                         f"prompt {i}: its steering edits landed on no token (span "
-                        f"{[(w.start, w.stop) for w in plan.writes]} of a request of "
+                        f"{[(w.start, w.stop) for w in plan.adds]} of a request of "
                         f"{len(expected)} tokens): widen the span"
                     )
                 reads = {

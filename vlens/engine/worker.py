@@ -299,11 +299,11 @@ class _Hooks:
             for read in plan.reads:
                 # other ranks keep nothing, but must join reductions that
                 # gather across tensor-parallel ranks (the unembedding)
-                if self.reader or read.reduce in ("lens", "logprobs"):
+                if self.reader or read.reduce in ("logit_lens", "logprobs"):
                     for layer in read.layers:
                         reads[(read.site, layer)].append((rec, span, read))
             p0 = span.first_position
-            for w in plan.writes:
+            for w in plan.adds:
                 stop = p0 + span.length if w.stop < 0 else min(w.stop, p0 + span.length)
                 start = max(w.start, p0)
                 if start >= stop:
@@ -448,7 +448,7 @@ class _Hooks:
             return {}
         if read.reduce == "logprobs":
             return {"value": logits.log_softmax(-1).cpu()}
-        if read.reduce == "lens":
+        if read.reduce == "logit_lens":
             top, ids = logits.topk(max(1, read.k), dim=-1)
             probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
             return {"ids": ids.cpu(), "probs": probs.cpu()}

@@ -23,7 +23,7 @@ class LogitLensView(Panel):
     """Layer x position grid of the top next token and its probability.
 
     ``LogitLensView(session, "the cat")`` traces the prompt with the lens
-    computed in the worker (``trace(lens=1)``: only the top token and its
+    computed in the worker (``trace(logit_lens=1)``: only the top token and its
     probability cross back); ``run=`` shows a run that read the lens or the
     full ``resid_post`` at the layers to show (lensed here, client-side). ``layers`` is an inclusive ``(low, high)`` range;
     ``span`` outlines token columns. ``lens`` defaults to
@@ -77,7 +77,7 @@ class LogitLensView(Panel):
         """Trace ``prompt``'s residual stream at every layer and show it."""
         with self._working("tracing for the logit lens…") as report:
             run = self.session.trace([prompt], layers=None, sites=[self.site],
-                                     reduce="norm", lens=1, progress=report,
+                                     reduce="norm", logit_lens=1, progress=report,
                                      max_new_tokens=self.max_new_tokens)
         self.set_run(run)
         return run
@@ -86,8 +86,8 @@ class LogitLensView(Panel):
         """Show the first trace of ``run`` (no engine call)."""
         t = run[0]
         try:  # read with trace(lens=k): computed in the worker
-            ids, probs = t.lens(self.site)  # [L, T, k] each
-            read = list(t.layers[read_key(self.site, "lens")])
+            ids, probs = t.logit_lens(self.site)  # [L, T, k] each
+            read = list(t.layers[read_key(self.site, "logit_lens")])
         except (KeyError, AttributeError):  # full activations: lens them here
             ids, probs = self.lens.top(t.activations(self.site), k=1)
             read = list(t.layers[self.site])
