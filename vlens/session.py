@@ -191,16 +191,9 @@ class Session(InputChecks, SteeringMethods):
         self._clone_reads = value
 
     def _ship_vectors(self, steers: Iterable[Steer]) -> None:
-        engine = self._engine
-        have = engine.vector_ids
-        new = {}
-        for st in steers:
-            vid = st.id
-            if vid not in have and vid not in new:
-                new[vid] = encode_vector(st.vector)
-        if new:
-            engine.rpc("vlens_put_vectors", new)
-            have.update(new)
+        # interim: pin nothing (the house refactor holds vectors per call)
+        with self._engine.hold_vectors({st.id: st.vector for st in steers}):
+            pass
 
     def _sampling_params(self, max_new_tokens: int, logprobs: bool, plan: Plan | None,
                          sampling: dict):

@@ -10,11 +10,16 @@ in-process and out of process.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import weakref
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from vlens._wire import encode_tensor
 from vlens.engine.env import apply_env_defaults
 from vlens.errors import ClosedError, VlensError
 
@@ -46,11 +51,12 @@ class Engine:
     """
 
     def __init__(self, model: str | Path, **llm_kwargs: Any) -> None:
-        if llm_kwargs.get("enforce_eager", True) is not True:
+        eager = llm_kwargs.pop("enforce_eager", True)
+        if eager is not True:
             raise VlensError(
-                "enforce_eager=False is not supported: in compiled mode vLLM runs "
+                f"enforce_eager={eager!r} is not supported: in compiled mode vLLM runs "
                 "a captured graph and vlens's hooks would silently never fire. "
-                "Leave enforce_eager out (vlens sets it to True)."
+                "Pass enforce_eager=True or leave it out (vlens runs eager)."
             )
         for key, why in _REFUSED.items():
             if key in llm_kwargs:
@@ -69,11 +75,14 @@ class Engine:
             # vLLM downcasts float32 checkpoints to 16 bits by default; for
             # looking inside a model the saved precision is the faithful one.
             self.llm_kwargs["dtype"] = "float32"
-        self.env = apply_env_defaults()
+        self.env = apply_env_defaults(self.llm_kwargs)
         self.lock = threading.RLock()
         self._closed = False
         self.generate_calls = 0  # how many engine batches this engine has run
-        self.vector_ids: set[str] = set()  # steering vectors the workers hold
+        # steering vectors the workers hold: id -> calls using it now, least
+        # recently used first; unpinned ones past the cap are dropped
+        self._vectors: OrderedDict[str, int] = OrderedDict()
+        self.vector_cache = int(os.environ.get("VLENS_VECTOR_CACHE", "256"))
 
         from vllm import LLM  # heavy: only now
 
@@ -107,6 +116,48 @@ class Engine:
         """Call ``method`` on every worker; one result per worker, rank 0 first."""
         self.check_open()
         return self.llm.collective_rpc(method, args=args)
+
+    @property
+    def vector_ids(self) -> set[str]:
+        """Ids of the steering vectors the workers hold now."""
+        return set(self._vectors)
+
+    @contextmanager
+    def hold_vectors(self, vectors: Mapping[str, Any]) -> Iterator[None]:
+        """Make sure the workers hold ``vectors`` (``{id: tensor [hidden]}``)
+        for the duration of the block, shipping only the missing ones.
+
+        Vectors stay cached after the block (a widget re-running the same
+        steer ships nothing), but at most ``vector_cache`` of them: past
+        that, the least recently used ones no running call holds are
+        dropped from the workers, so memory stays bounded however many
+        distinct vectors a session makes."""
+        with self.lock:
+            new = {vid: encode_tensor(v) for vid, v in vectors.items() if vid not in self._vectors}
+            if new:
+                self.rpc("vlens_put_vectors", new)
+            for vid in vectors:
+                self._vectors[vid] = self._vectors.get(vid, 0) + 1
+                self._vectors.move_to_end(vid)
+        try:
+            yield
+        finally:
+            with self.lock:
+                for vid in vectors:
+                    if vid in self._vectors:
+                        self._vectors[vid] -= 1
+                if not self._closed:
+                    self._evict_vectors()
+
+    def _evict_vectors(self) -> None:
+        excess = len(self._vectors) - self.vector_cache
+        if excess <= 0:
+            return
+        gone = [vid for vid, pins in self._vectors.items() if pins <= 0][:excess]
+        if gone:
+            self.rpc("vlens_drop_vectors", gone)
+            for vid in gone:
+                del self._vectors[vid]
 
     def generate(self, prompts: list[Any], params: list[Any], progress: Any = None) -> list[Any]:
         """Run one engine batch. ``progress``: a :class:`Progress` (or None).

@@ -14,7 +14,10 @@ Why each default (figures in docs/concepts.md and the project notes):
   made generation many times slower on small shared machines; without
   binding, torch's own thread settings apply.
 * ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) -- otherwise the CPU backend reserves a
-  fraction of the whole machine's memory for the KV cache.
+  fraction of the whole machine's memory for the KV cache. Not set when the
+  engine is given ``kv_cache_memory_bytes=`` (on the CPU platform the
+  variable would override the argument), and removed again if vlens set it
+  for an earlier engine in this process.
 * ``VLLM_USE_V2_MODEL_RUNNER=0`` -- vlens reads the batch layout from the
   V1 model runner (the one vLLM uses on CPU).
 """
@@ -45,12 +48,52 @@ def has_gpu() -> bool:
         return False
 
 
-def apply_env_defaults() -> dict[str, str]:
+# variables whose value in os.environ vlens put there (not the user)
+_SET_BY_VLENS: dict[str, str] = {}
+
+# engine arguments that a variable would silently override -> that variable
+_OVERRIDDEN_BY = {"kv_cache_memory_bytes": "VLLM_CPU_KVCACHE_SPACE"}
+
+
+def _user_set(key: str) -> bool:
+    value = os.environ.get(key)
+    return value is not None and _SET_BY_VLENS.get(key) != value
+
+
+def apply_env_defaults(engine_kwargs: dict | None = None) -> dict[str, str]:
     """Set vlens's defaults for variables the user left unset; return the
-    values in force afterwards for every variable vlens has an opinion on."""
+    values in force afterwards for every variable vlens has an opinion on.
+
+    The user's explicit choices win: a variable they set is left alone, and
+    a default that would override an engine argument they passed
+    (``kv_cache_memory_bytes=``) is not applied. A variable set to the empty
+    string (which vLLM cannot parse) counts as unset. Raises
+    :class:`~vlens.VlensError` when the user set both a variable and the
+    engine argument it would override."""
+    from vlens.errors import VlensError
+
+    engine_kwargs = engine_kwargs or {}
     defaults = dict(COMMON_DEFAULTS)
     if not has_gpu():
         defaults.update(CPU_DEFAULTS)
+    for key in defaults:
+        if os.environ.get(key, None) == "":
+            del os.environ[key]
+    for arg, key in _OVERRIDDEN_BY.items():
+        if engine_kwargs.get(arg) is None:
+            continue
+        if _user_set(key):
+            raise VlensError(
+                f"{arg}= was passed but the environment sets {key}="
+                f"{os.environ[key]!r}, which vLLM's CPU build applies instead: "
+                f"unset {key} (del os.environ[{key!r}]) or leave {arg}= out"
+            )
+        defaults.pop(key, None)
+        if key in _SET_BY_VLENS:  # set by vlens for an earlier engine
+            os.environ.pop(key, None)
+            del _SET_BY_VLENS[key]
     for key, value in defaults.items():
-        os.environ.setdefault(key, value)
+        if key not in os.environ:
+            os.environ[key] = value
+            _SET_BY_VLENS[key] = value
     return {key: os.environ[key] for key in defaults}

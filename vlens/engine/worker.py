@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from vlens._wire import decode_tensor, encode_tensor
+from vlens.engine.vectors import VectorStore
 from vlens.batcher import StepLayout, add_rows, gather, narrow, token_axis, widen
 from vlens.plan import PLAN_KEY, EditContext, Plan, parse_plan
 from vlens.sites import ModelSites, lens_logits, resolve_sites
@@ -183,9 +184,8 @@ class _Hooks:
         self.plans: dict[str, Plan | None] = {}  # req_id -> parsed plan (cache)
         self.records: dict[str, _Record] = {}
         self.step: _Step | None = None
-        # steering vectors: id -> row of one matrix on the model's device
-        self.vec_ids: dict[str, int] = {}
-        self.vec_matrix: torch.Tensor | None = None
+        # steering vectors: rows of one matrix on the model's device
+        self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
         self.edit_fns: dict[str, Any] = {}
         self.hook_errors = 0
         self.steps_seen = 0
@@ -219,20 +219,10 @@ class _Hooks:
 
     # -- vectors and edit functions ------------------------------------------
     def put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
-        new = {k: v for k, v in payloads.items() if k not in self.vec_ids}
-        if not new:
-            return len(self.vec_ids)
-        param = next(self.model.parameters())
-        rows = [decode_tensor(p).to(param.device, torch.float32) for p in new.values()]
-        for t, key in zip(rows, new):
-            if t.dim() != 1:
-                raise ValueError(f"vector {key} has shape {list(t.shape)}; expected [hidden]")
-        stacked = torch.stack(rows)
-        base = 0 if self.vec_matrix is None else self.vec_matrix.shape[0]
-        self.vec_matrix = stacked if self.vec_matrix is None else torch.cat([self.vec_matrix, stacked])
-        for i, key in enumerate(new):
-            self.vec_ids[key] = base + i
-        return len(self.vec_ids)
+        for key, payload in payloads.items():
+            if key not in self.vectors:
+                self.vectors.put(key, decode_tensor(payload))
+        return len(self.vectors)
 
     # -- per step -----------------------------------------------------------
     def _plan_for(self, req_id: str) -> Plan | None:
@@ -308,7 +298,7 @@ class _Hooks:
                 start = max(w.start, p0)
                 if start >= stop:
                     continue
-                vec = self.vec_ids.get(w.vec)
+                vec = self.vectors.get(w.vec)
                 if vec is None:
                     if rec is not None:
                         rec.error(f"site {w.site}, layer {w.layer}: steering vector {w.vec} "
@@ -333,7 +323,7 @@ class _Hooks:
                 vec_index.extend([vec] * m)
                 scale.extend([sc] * m)
                 relative.extend([rel] * m)
-            dev = self.vec_matrix.device
+            dev = self.vectors.matrix.device
             writes[key] = _Write(
                 torch.tensor(rows, dtype=torch.long, device=dev),
                 torch.tensor(vec_index, dtype=torch.long, device=dev),
@@ -393,7 +383,7 @@ class _Hooks:
         if write is not None:
             try:
                 target = spec.target(args, kwargs, output)
-                delta = self.vec_matrix.index_select(0, write.vec_index) * write.scale[:, None]
+                delta = self.vectors.matrix.index_select(0, write.vec_index) * write.scale[:, None]
                 if write.relative is not None:
                     # scale by each row's own norm (of the value before the write)
                     value = spec.extract(args, kwargs, output)
@@ -530,7 +520,8 @@ class _Hooks:
             "hooks": len(self.handles),
             "records": len(self.records),
             "plans": sum(p is not None for p in self.plans.values()),
-            "vectors": len(self.vec_ids),
+            "vectors": len(self.vectors),
+            "vector_bytes": self.vectors.nbytes,
             "edit_fns": len(self.edit_fns),
             "hook_errors": self.hook_errors,
             "steps_seen": self.steps_seen,
@@ -571,6 +562,13 @@ class VlensWorkerExtension:
         """Store steering vectors (``{id: encoded tensor}``); returns how many
         this worker holds."""
         return self._vlens().put_vectors(payloads)
+
+    def vlens_drop_vectors(self, ids: list[str]) -> int:
+        """Forget these steering vectors; returns how many this worker holds."""
+        store = self._vlens().vectors
+        for i in ids:
+            store.drop(i)
+        return len(store)
 
     def vlens_put_edits(self, fns: dict[str, Any]) -> int:
         self._vlens().edit_fns.update(fns)
