@@ -1,6 +1,7 @@
 """Build and own one ``vllm.LLM`` with vlens's worker extension.
 
-This is the only module that imports vLLM, and only when an Engine is made.
+The client side imports vLLM here only, when an Engine is made (the worker
+extension, ``worker.py``, runs inside vLLM's workers and imports it there).
 It chooses settings that make a notebook engine work on the first try (see
 ``env.py``), refuses settings under which hooks would silently not fire, and
 speaks to the workers only through ``collective_rpc`` so the same code runs
@@ -98,6 +99,9 @@ class Engine:
         self.info["max_model_len"] = int(cfg.max_model_len)
         self.info["vocab_size"] = int(cfg.get_vocab_size())
         self.info["device"] = str(self.llm.llm_engine.vllm_config.device_config.device_type)
+        # KV-cache blocks the engine got (how many tokens it can hold at once)
+        self.info["kv_cache_blocks"] = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        self.info["kv_block_size"] = self.llm.llm_engine.vllm_config.cache_config.block_size
         _OPEN.add(self)
 
     # -- state --------------------------------------------------------------

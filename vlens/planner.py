@@ -1,0 +1,208 @@
+"""The step planner: what every hook does in one forward step.
+
+Once per forward step the worker hands this module the runner's arrays --
+the requests in batch order, each one's plan (or None), vLLM's cumulative
+row offsets (``query_start_loc``), how many tokens each request had already
+computed, the padded row count -- and :func:`plan_step` returns a
+:class:`StepPlan`: for every (site, layer) that anyone wants this step, the
+read groups, the one batched steering add, and the edit calls. The hooks
+then only execute it.
+
+This is the code that decides which rows are whose, so it is pure (torch
+only, no vLLM import) and tested with plain data (tests/test_planner.py),
+like the batcher it builds on. Rules it keeps:
+
+* the layout covers every request in the step, with or without a plan:
+  rows of untraced requests still shift everyone after them;
+* a request's rows in this step are positions ``[first, first + n)`` of its
+  own sequence (``first`` = tokens already computed), so token spans of
+  steering edits are clipped per step, whatever the chunking;
+* all requests' steering adds at one (site, layer) become one index: one
+  ``index_add_`` however many requests there are;
+* requests that read the same (site, layer) the same way form one group:
+  one gather and one reduction for all of them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlens.batcher import RowSpan, StepLayout
+from vlens.plan import Edit, Plan, Read
+
+__all__ = ["AddBatch", "EditCall", "ReadGroup", "StepPlan", "plan_step", "COLLECTIVE"]
+
+#: reductions that every tensor-parallel rank must join (the unembedding
+#: gathers across ranks), though only the reading rank keeps the result
+COLLECTIVE = ("logit_lens", "logprobs")
+
+Key = tuple[str, int]  # (site, layer)
+
+
+@dataclass(frozen=True)
+class ReadGroup:
+    """Requests reading one (site, layer) the same way in one step."""
+
+    read: Read  # a representative (same key and k for the whole group)
+    spans: tuple[RowSpan, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.spans]
+
+    @property
+    def req_ids(self) -> list[str]:
+        return [s.key for s in self.spans]
+
+
+@dataclass(frozen=True)
+class AddBatch:
+    """Every steering add at one (site, layer) in one step.
+
+    Row ``rows[i]`` of the step gets ``scales[i] * matrix[vectors[i]]``
+    (times the row's own norm where ``relative[i]``)."""
+
+    rows: torch.Tensor  # [m] int64 row numbers in the step
+    vectors: torch.Tensor  # [m] int64 rows of the worker's vector matrix
+    scales: torch.Tensor  # [m] float32
+    relative: torch.Tensor | None  # [m] bool, None when no add is relative
+    req_ids: tuple[str, ...]  # the requests concerned
+
+
+@dataclass(frozen=True)
+class EditCall:
+    """One request's ``edit=`` function at one (site, layer) in one step."""
+
+    span: RowSpan
+    edit: Edit
+    plan: Plan
+
+    @property
+    def req_id(self) -> str:
+        return self.span.key
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        p0 = self.span.first_position
+        return tuple(range(p0, p0 + self.span.length))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    layout: StepLayout
+    #: requests with a plan and rows in this step: req_id -> (plan, span)
+    requests: dict[str, tuple[Plan, RowSpan]]
+    reads: dict[Key, tuple[ReadGroup, ...]]
+    adds: dict[Key, AddBatch]
+    edits: dict[Key, tuple[EditCall, ...]]
+    #: req_id -> what could not be planned for it (e.g. a missing vector)
+    problems: dict[str, list[str]]
+
+    def wants(self, key: Key) -> bool:
+        return key in self.reads or key in self.adds or key in self.edits
+
+
+def _clip(start: int, stop: int, span: RowSpan) -> tuple[int, int] | None:
+    """Rows of ``span`` (step row numbers) whose positions fall in
+    ``[start, stop)`` (``stop < 0``: to the end), or None."""
+    p0 = span.first_position
+    lo = max(start, p0)
+    hi = p0 + span.length if stop < 0 else min(stop, p0 + span.length)
+    if lo >= hi:
+        return None
+    return span.start + (lo - p0), span.start + (hi - p0)
+
+
+def plan_step(
+    req_ids: Sequence[str],
+    plans: Sequence[Plan | None],
+    query_start_loc: Sequence[int],
+    num_computed: Sequence[int],
+    *,
+    num_padded: int | None = None,
+    vector_rows: Mapping[str, int] | None = None,
+    reader: bool = True,
+    device: torch.device | str = "cpu",
+) -> StepPlan | None:
+    """Plan one forward step; None when no request in it carries a plan.
+
+    ``vector_rows`` maps steering-vector ids to rows of the worker's matrix
+    (an id it lacks becomes a problem of the request, not an exception).
+    ``reader`` is False on tensor-parallel ranks that keep nothing: they plan
+    only the writes, edits and the reads every rank must join."""
+    if not any(p is not None for p in plans):
+        return None
+    layout = StepLayout.from_query_start_loc(
+        list(req_ids), list(query_start_loc), first_positions=list(num_computed),
+        num_padded=num_padded,
+    )
+    vector_rows = vector_rows or {}
+    requests: dict[str, tuple[Plan, RowSpan]] = {}
+    read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
+    add_parts: dict[Key, list] = defaultdict(list)
+    edits: dict[Key, list[EditCall]] = defaultdict(list)
+    problems: dict[str, list[str]] = defaultdict(list)
+    for plan, span in zip(plans, layout.spans):
+        if plan is None or span.length == 0:
+            continue
+        requests[span.key] = (plan, span)
+        for read in plan.reads:
+            if not (reader or read.reduce in COLLECTIVE):
+                continue
+            for layer in read.layers:
+                group = read_spans[(read.site, layer)].setdefault((read.key, read.k), [read])
+                group.append(span)
+        for add in plan.adds:
+            rows = _clip(add.start, add.stop, span)
+            if rows is None:
+                continue
+            vec = vector_rows.get(add.vec)
+            if vec is None:
+                problems[span.key].append(
+                    f"site {add.site}, layer {add.layer}: steering vector {add.vec} "
+                    "never reached this worker"
+                )
+                continue
+            add_parts[(add.site, add.layer)].append((rows, vec, add.scale, add.relative, span.key))
+        for edit in plan.edits:
+            edits[(edit.site, edit.layer)].append(EditCall(span, edit, plan))
+    reads = {
+        key: tuple(ReadGroup(g[0], tuple(g[1:])) for g in groups.values())
+        for key, groups in read_spans.items()
+    }
+    return StepPlan(
+        layout=layout,
+        requests=requests,
+        reads=reads,
+        adds={key: _add_batch(parts, device) for key, parts in add_parts.items()},
+        edits={key: tuple(calls) for key, calls in edits.items()},
+        problems=dict(problems),
+    )
+
+
+def _add_batch(parts: list, device: torch.device | str) -> AddBatch:
+    counts = torch.tensor([hi - lo for (lo, hi), *_ in parts], dtype=torch.long)
+    starts = torch.tensor([lo for (lo, _), *_ in parts], dtype=torch.long)
+    # row numbers: each part's start, repeated, plus 0, 1, … within the part
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts
+    )
+    rows = torch.repeat_interleave(starts, counts) + offsets
+    vectors = torch.repeat_interleave(torch.tensor([p[1] for p in parts], dtype=torch.long), counts)
+    scales = torch.repeat_interleave(
+        torch.tensor([float(p[2]) for p in parts], dtype=torch.float32), counts
+    )
+    relative = None
+    if any(p[3] for p in parts):
+        relative = torch.repeat_interleave(torch.tensor([bool(p[3]) for p in parts]), counts)
+    return AddBatch(
+        rows.to(device),
+        vectors.to(device),
+        scales.to(device),
+        None if relative is None else relative.to(device),
+        tuple(p[4] for p in parts),
+    )
