@@ -113,8 +113,11 @@ def pytest_collection_modifyitems(config, items):
     """
     def uses_tf_backend(item) -> bool:
         # directly, or through a parametrised fixture that picks it by name
-        return "llama_tf_session" in getattr(item, "fixturenames", ()) or any(
-            p in item.nodeid for p in ("[transformers]", "llama_tf_session")
+        ids = item.nodeid.partition("[")[2].rstrip("]").split("-")
+        return (
+            "llama_tf_session" in getattr(item, "fixturenames", ())
+            or "transformers" in ids
+            or "llama_tf_session" in item.nodeid
         )
 
     late = [i for i in items if uses_tf_backend(i)]

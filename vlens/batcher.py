@@ -10,7 +10,7 @@ This module turns that into per-request row spans and reads / writes those
 rows, and nothing else. It is pure torch and never imports vLLM, so every
 rule here is tested with plain tensors.
 
-The rule that matters (see the project's seed note): never decide "is this
+The rule that matters (docs/concepts.md, "The token axis"): never decide "is this
 tensor batched?" by ``shape[0] == T`` alone. On a ``[1, T, H]`` tensor that
 test says "not batched" and the whole step -- every request's rows -- passes
 through. ``token_axis`` finds the axis or raises :class:`TokenAxisError`.
