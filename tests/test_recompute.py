@@ -35,11 +35,10 @@ def _prompt(rng: random.Random, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def chaos_session(tiny_llama):
+def chaos_session(tiny_llama, engine_options):
     s = vlens.Session(
         tiny_llama, reuse=False, max_model_len=512, max_num_batched_tokens=32,
-        enable_prefix_caching=True, num_gpu_blocks_override=6,
-        kv_cache_memory_bytes=KV_BYTES,
+        enable_prefix_caching=True, num_gpu_blocks_override=6, **engine_options,
     )
     yield s
     s.close()
@@ -125,10 +124,10 @@ def test_steer_only_requests_under_preemption_and_the_prefix_cache(chaos_session
             assert t.steered_rows == _total_rows(t) == _total_rows(cold[0])
 
 
-def test_steer_only_traces_on_a_warm_prefix_cache_match_a_cold_run(tiny_llama):
+def test_steer_only_traces_on_a_warm_prefix_cache_match_a_cold_run(tiny_llama, engine_options):
     rng = random.Random(3)
     with vlens.Session(tiny_llama, reuse=False, max_model_len=512,
-                       kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=True) as s:
+                       enable_prefix_caching=True, **engine_options) as s:
         prompt = _prompt(rng, 300)  # two full 128-token blocks and a rest
         st = vlens.Steer(torch.randn(s.hidden_size) / 4, layer=1, scale=2.0)
         kw = dict(sites=[], logprobs=False, max_new_tokens=8)
@@ -224,9 +223,9 @@ def test_kv_cache_memory_bytes_takes_effect_and_enforce_eager_is_accepted(tiny_l
     assert blocks[64] >= 2 * blocks[32] - 1 and blocks[32] > 0, blocks
 
 
-def test_enforce_eager_false_is_refused_with_the_reason(tiny_llama):
-    with pytest.raises(VlensError, match="enforce_eager=False is not supported"):
-        vlens.Session(tiny_llama, reuse=False, enforce_eager=False)
+def test_enforce_eager_must_be_a_bool(tiny_llama):
+    with pytest.raises(VlensError, match="enforce_eager must be True or False"):
+        vlens.Session(tiny_llama, reuse=False, enforce_eager="yes")
 
 
 def test_env_and_argument_both_set_is_refused(tiny_llama, monkeypatch):

@@ -178,13 +178,17 @@ def plan_step(
         layout=layout,
         requests=requests,
         reads=reads,
-        adds={key: _add_batch(parts, device) for key, parts in add_parts.items()},
+        adds={key: _add_batch(parts, layout, device) for key, parts in add_parts.items()},
         edits={key: tuple(calls) for key, calls in edits.items()},
         problems=dict(problems),
     )
 
 
-def _add_batch(parts: list, device: torch.device | str) -> AddBatch:
+def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> AddBatch:
+    """One index for all of a (site, layer)'s adds, built on the host and
+    checked there, so applying it needs no device-to-host read."""
+    if any(lo < 0 or hi > layout.num_actual for (lo, hi), *_ in parts):
+        raise ValueError(f"steering rows outside the step's {layout.num_actual} rows")
     counts = torch.tensor([hi - lo for (lo, hi), *_ in parts], dtype=torch.long)
     starts = torch.tensor([lo for (lo, _), *_ in parts], dtype=torch.long)
     # row numbers: each part's start, repeated, plus 0, 1, … within the part

@@ -168,3 +168,22 @@ class RequestRecord:
             "steered_rows": self.steered_rows(),
             "step_rows": [s.n for s in self.steps],
         }
+
+
+def to_host(records: list[RequestRecord]) -> None:
+    """Move what these records kept in the current step to the host, with
+    one device-to-host copy per dtype (into pinned memory, not blocking the
+    device) instead of one per read. Called once at the end of a step."""
+    kept = [(s.reads, k, t) for r in records if r.steps for s in (r.steps[-1],)
+            for k, t in s.reads.items() if t.device.type != "cpu"]
+    by_dtype: dict[torch.dtype, list] = {}
+    for item in kept:
+        by_dtype.setdefault(item[2].dtype, []).append(item)
+    for dtype, items in by_dtype.items():
+        flat = torch.cat([t.reshape(-1) for _, _, t in items])
+        host = torch.empty(flat.shape, dtype=dtype, device="cpu", pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        at = 0
+        for reads, key, t in items:
+            reads[key] = host[at : at + t.numel()].view(t.shape)
+            at += t.numel()

@@ -30,6 +30,7 @@ EXTENSION = "vlens.engine.worker.VlensWorkerExtension"
 
 _REFUSED = {
     "worker_extension_cls": "vlens sets its own worker extension",
+    "worker_cls": "vlens picks the worker class (compiled mode needs its own)",
 }
 
 
@@ -53,23 +54,20 @@ class Engine:
 
     def __init__(self, model: str | Path, **llm_kwargs: Any) -> None:
         eager = llm_kwargs.pop("enforce_eager", True)
-        if eager is not True:
-            raise VlensError(
-                f"enforce_eager={eager!r} is not supported: in compiled mode vLLM runs "
-                "a captured graph and vlens's hooks would silently never fire. "
-                "Pass enforce_eager=True or leave it out (vlens runs eager)."
-            )
+        if not isinstance(eager, bool):
+            raise VlensError(f"enforce_eager must be True or False, got {eager!r}")
         for key, why in _REFUSED.items():
             if key in llm_kwargs:
                 raise VlensError(f"{key}= cannot be passed: {why}")
         compilation = llm_kwargs.get("compilation_config")
-        if compilation not in (None, 0) and not (
+        if eager and compilation not in (None, 0) and not (
             isinstance(compilation, dict) and compilation.get("mode", 0) in (0, None)
         ):
             raise VlensError(
-                f"compilation_config={compilation!r} would compile the model and "
-                "vlens's hooks would not fire; leave it out"
+                f"compilation_config={compilation!r} compiles the model, but the "
+                "engine runs eager: pass enforce_eager=False for compiled mode"
             )
+        self.compiled = not eager
         self.model = str(model)
         self.llm_kwargs = dict(llm_kwargs)
         if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
@@ -87,10 +85,14 @@ class Engine:
 
         from vllm import LLM  # heavy: only now
 
+        extra: dict[str, Any] = {}
+        if self.compiled:
+            extra = _compiled_settings(self.llm_kwargs.pop("compilation_config", None))
         self.llm = LLM(
             model=self.model,
-            enforce_eager=True,
+            enforce_eager=not self.compiled,
             worker_extension_cls=EXTENSION,
+            **extra,
             **self.llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -98,6 +100,7 @@ class Engine:
         cfg = self.llm.llm_engine.model_config
         self.info["max_model_len"] = int(cfg.max_model_len)
         self.info["vocab_size"] = int(cfg.get_vocab_size())
+        self.info["compiled"] = self.compiled
         self.info["device"] = str(self.llm.llm_engine.vllm_config.device_config.device_type)
         # KV-cache blocks the engine got (how many tokens it can hold at once)
         self.info["kv_cache_blocks"] = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
@@ -216,6 +219,37 @@ class Engine:
     @property
     def in_process(self) -> bool:
         return self.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def _compiled_settings(compilation: Any) -> dict[str, Any]:
+    """vLLM arguments for compiled mode: vlens's worker class (its hooks go
+    in before the model is traced) and, on a GPU, piecewise CUDA graphs cut
+    at vlens's operators so those run every step (see compiled.py)."""
+    from vlens.engine.compiled import SPLITTING_OPS, worker_qualname
+    from vlens.engine.env import has_gpu
+
+    gpu = has_gpu()
+    out: dict[str, Any] = {"worker_cls": worker_qualname(gpu)}
+    if compilation is not None and not isinstance(compilation, dict):
+        raise VlensError(
+            f"compilation_config={compilation!r}: vlens's compiled mode takes a dict "
+            "(it adds its operators to splitting_ops)"
+        )
+    config = dict(compilation or {})
+    if gpu:
+        from vllm.config import CompilationConfig
+
+        ops = config.get("splitting_ops") or list(CompilationConfig._attention_ops)
+        config["splitting_ops"] = list(ops) + [op for op in SPLITTING_OPS if op not in ops]
+        mode = str(config.setdefault("cudagraph_mode", "PIECEWISE")).upper()
+        if mode not in ("PIECEWISE", "NONE"):
+            raise VlensError(
+                f"cudagraph_mode={mode}: full CUDA graphs would replay vlens's steps "
+                "without running its operators; use PIECEWISE (the default vlens sets)"
+            )
+    if config:
+        out["compilation_config"] = config
+    return out
 
 
 # Engines open in this process. vLLM's in-process shutdown also tears down

@@ -38,7 +38,7 @@ from vlens.batcher import add_rows, gather, narrow, token_axis, widen
 from vlens.engine.vectors import VectorStore
 from vlens.plan import PLAN_KEY, EditContext, Plan, parse_plan
 from vlens.planner import EditCall, StepPlan, plan_step
-from vlens.records import RequestRecord
+from vlens.records import RequestRecord, to_host
 from vlens.sites import ModelSites, lens_logits, resolve_sites
 
 __all__ = ["VlensWorkerExtension"]
@@ -84,6 +84,9 @@ class _Hooks:
         self.step: StepPlan | None = None
         self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
         self.edit_fns: dict[str, Any] = {}
+        self.compiled = False
+        self._codes: list[tuple[Any, int]] = []  # compiled mode: code -> (spec, layer)
+        self._code_base: int | None = None
         self.hook_errors = 0
         self.steps_seen = 0
         self.steps_planned = 0
@@ -91,17 +94,31 @@ class _Hooks:
         self.hook_ns = 0
 
     # -- installation -------------------------------------------------------
-    def install(self) -> None:
+    def install(self, compiled: bool = False) -> None:
+        """Register the step hooks on the whole model and one hook per
+        (site, layer). ``compiled``: the per-site hooks only call vlens's
+        operators (see ``compiled.py``); this must happen before vLLM
+        traces the model."""
         if self.handles:
             return
+        self.compiled = compiled
         self.handles.append(
             self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
         )
         self.handles.append(self.model.register_forward_hook(self._end_step))
+        if compiled:
+            from vlens.engine import compiled as ops
+
+            self._code_base = ops.register(self)
         for layer_idx, layer in enumerate(self.sites.layers):
             for spec in self.sites.specs.values():
                 module = spec.module_of(layer)
-                hook = self._make_hook(spec, layer_idx)
+                if compiled:
+                    code = self._code_base + len(self._codes)
+                    self._codes.append((spec, layer_idx))
+                    hook = ops.compiled_hook(spec, code, spec.pre)
+                else:
+                    hook = self._make_hook(spec, layer_idx)
                 if spec.pre:
                     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                 else:
@@ -113,6 +130,11 @@ class _Hooks:
             h.remove()
         self.handles.clear()
         self.step = None
+        if self._code_base is not None:  # the compiled graph still calls the ops
+            from vlens.engine import compiled as ops
+
+            ops.unregister(self._code_base)
+            self._code_base = None
 
     def put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
         for key, payload in payloads.items():
@@ -214,26 +236,45 @@ class _Hooks:
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
-        self.step = None
+        step, self.step = self.step, None
+        if step is not None and self.reader and self.vectors.matrix.device.type != "cpu":
+            try:
+                to_host([self.records[r] for r in step.requests if r in self.records])
+            except Exception as exc:
+                self._fail(list(step.requests), ("(copy to host)", -1), exc)
 
     def _make_hook(self, spec: Any, layer: int):
         key = (spec.name, layer)
 
+        def visit(args, kwargs, output):
+            step = self.step
+            if step is not None and step.wants(key):
+                target = spec.target
+                self._visit(
+                    step, key, spec,
+                    lambda: spec.extract(args, kwargs, output),
+                    None if target is None else (lambda: target(args, kwargs, output)),
+                )
+
         if spec.pre:
+            return lambda module, args, kwargs: visit(args, kwargs, None)
+        return lambda module, args, kwargs, output: visit(args, kwargs, output)
 
-            def hook(module, args, kwargs):
-                step = self.step
-                if step is not None and step.wants(key):
-                    self._visit(step, key, spec, args, kwargs, None)
-
-        else:
-
-            def hook(module, args, kwargs, output):
-                step = self.step
-                if step is not None and step.wants(key):
-                    self._visit(step, key, spec, args, kwargs, output)
-
-        return hook
+    def visit_compiled(self, index: int, target, value) -> None:
+        """Called by vlens's operators in compiled mode, every step, with the
+        site's target and its canonical value as the graph computed them."""
+        spec, layer = self._codes[index]
+        key = (spec.name, layer)
+        step = self.step
+        if step is None or not step.wants(key):
+            return
+        get_value = lambda: value  # noqa: E731
+        if target is not None and value is not target and (key in step.adds or key in step.edits):
+            # the value was summed before the operator ran; after an add to
+            # the target, reads and edits must see the changed sum, as in eager
+            before = target.clone()
+            get_value = lambda: value + (target - before)  # noqa: E731
+        self._visit(step, key, spec, get_value, None if target is None else (lambda: target))
 
     def _fail(self, req_ids, key, exc: BaseException) -> None:
         self.hook_errors += 1
@@ -244,39 +285,41 @@ class _Hooks:
             if rec is not None:
                 rec.error(msg)
 
-    def _visit(self, step: StepPlan, key, spec, args, kwargs, output) -> None:
+    def _visit(self, step: StepPlan, key, spec, get_value, get_target) -> None:
+        """Run this step's adds, edits and reads at one (site, layer).
+        ``get_value()`` is the site's canonical value, ``get_target()`` the
+        tensor changes are added to (None: a read-only site)."""
         t0 = time.perf_counter_ns()
         site, layer = key
         label = f"{site}[{layer}]"
         batch = step.adds.get(key)
         if batch is not None:
             try:
-                target = spec.target(args, kwargs, output)
+                target = get_target()
                 delta = self.vectors.matrix.index_select(0, batch.vectors) * batch.scales[:, None]
                 if batch.relative is not None:
                     # scale by each row's own norm (of the value before the add)
-                    value = spec.extract(args, kwargs, output)
+                    value = get_value()
                     flat = value[0] if token_axis(value, step.layout, site=label) == 1 else value
                     norms = flat.index_select(0, batch.rows).float().norm(dim=-1)
                     delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
-                add_rows(target, step.layout, batch.rows, delta, site=label)
+                add_rows(target, step.layout, batch.rows, delta, site=label, check=False)
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
         for call in step.edits.get(key, ()):
             try:
-                self._run_edit(step, spec, args, kwargs, output, call, label)
+                self._run_edit(step, spec, get_value, get_target, call, label)
             except Exception as exc:
                 self._fail([call.req_id], key, exc)
         groups = step.reads.get(key)
         if groups:
             try:
-                self._read(step, spec, args, kwargs, output, groups, layer, label)
+                self._read(step, spec, get_value(), groups, layer, label)
             except Exception as exc:  # reported to the client, never swallowed
                 self._fail([r for g in groups for r in g.req_ids], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
 
-    def _read(self, step, spec, args, kwargs, output, groups, layer, label) -> None:
-        value = spec.extract(args, kwargs, output)
+    def _read(self, step, spec, value, groups, layer, label) -> None:
         axis = token_axis(value, step.layout, site=label)
         if spec.name != "positions" and value.shape[-1] != self.hidden:
             raise ValueError(
@@ -298,23 +341,26 @@ class _Hooks:
 
     def _reduce(self, rows: torch.Tensor, read) -> dict[str, torch.Tensor]:
         """``rows`` is a gathered copy ([n, ...]); kept values never alias
-        engine buffers that later kernels or steps overwrite."""
+        engine buffers that later kernels or steps overwrite. They stay on
+        the model's device until the step ends (``_end_step`` copies them
+        to the host in one go)."""
         if read.reduce == "full":
-            return {"value": rows.to(device="cpu", dtype=torch.float32)}
+            return {"value": rows.float()}
         if read.reduce == "norm":
-            return {"value": rows.float().norm(dim=-1).cpu()}
+            return {"value": rows.float().norm(dim=-1)}
         logits = lens_logits(self.model, rows)
         if logits is None:  # a non-driver tensor-parallel rank
             return {}
         if read.reduce == "logprobs":
-            return {"value": logits.log_softmax(-1).cpu()}
+            return {"value": logits.log_softmax(-1)}
         if read.reduce == "logit_lens":
             top, ids = logits.topk(max(1, read.k), dim=-1)
             probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
-            return {"ids": ids.cpu(), "probs": probs.cpu()}
+            return {"ids": ids, "probs": probs}
         raise ValueError(f"unknown reduction {read.reduce!r}")
 
-    def _run_edit(self, step: StepPlan, spec, args, kwargs, output, call: EditCall, label) -> None:
+    def _run_edit(self, step: StepPlan, spec, get_value, get_target, call: EditCall,
+                  label) -> None:
         """Call one request's edit function on its rows and write back the
         change it returns, exactly once: whether the function returned a new
         tensor, the tensor it was given changed in place, or a view of it."""
@@ -322,7 +368,7 @@ class _Hooks:
         fn = self.edit_fns.get(call.edit.fn)
         if fn is None:
             raise LookupError(f"edit function {call.edit.fn} never reached this worker")
-        value = spec.extract(args, kwargs, output)
+        value = get_value()
         axis = token_axis(value, step.layout, site=label)
         rows = narrow(value, step.layout, span, axis=axis, clone=plan.clone, site=label)
         if plan.clone:
@@ -348,7 +394,7 @@ class _Hooks:
                     "function returns: return the edited tensor"
                 )
             return
-        if spec.target is None:
+        if get_target is None:
             raise ValueError(
                 f"site {spec.name} is read-only: an edit function there may look "
                 "(return None) but not return a new value"
@@ -359,7 +405,7 @@ class _Hooks:
                 f"{list(getattr(result, 'shape', []))}; return a tensor of the shape it was "
                 f"given, {list(before.shape)}"
             )
-        target = spec.target(args, kwargs, output)
+        target = get_target()
         t_rows = narrow(target, step.layout, span, axis=axis, site=label)
         # the canonical value may be a sum (native resid_post): add the change
         change = result.to(t_rows.dtype) - before.to(t_rows.dtype)
@@ -378,6 +424,8 @@ class _Hooks:
 
     def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
         wanted = set(tags)
+        if self.vectors.matrix.device.type == "cuda":
+            torch.cuda.synchronize()  # the steps' reads were copied non-blocking
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
         for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
             rec = self.records.pop(req_id)
