@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vlens.batcher import RowSpan, StepLayout
@@ -106,17 +107,6 @@ class StepPlan:
         return key in self.reads or key in self.adds or key in self.edits
 
 
-def _clip(start: int, stop: int, span: RowSpan) -> tuple[int, int] | None:
-    """Rows of ``span`` (step row numbers) whose positions fall in
-    ``[start, stop)`` (``stop < 0``: to the end), or None."""
-    p0 = span.first_position
-    lo = max(start, p0)
-    hi = p0 + span.length if stop < 0 else min(stop, p0 + span.length)
-    if lo >= hi:
-        return None
-    return span.start + (lo - p0), span.start + (hi - p0)
-
-
 def plan_step(
     req_ids: Sequence[str],
     plans: Sequence[Plan | None],
@@ -134,46 +124,51 @@ def plan_step(
     (an id it lacks becomes a problem of the request, not an exception).
     ``reader`` is False on tensor-parallel ranks that keep nothing: they plan
     only the writes, edits and the reads every rank must join."""
-    if not any(p is not None for p in plans):
+    if plans.count(None) == len(plans):
         return None
     layout = StepLayout.from_query_start_loc(
         list(req_ids), list(query_start_loc), first_positions=list(num_computed),
         num_padded=num_padded,
     )
-    vector_rows = vector_rows or {}
     requests: dict[str, tuple[Plan, RowSpan]] = {}
-    read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
-    add_parts: dict[Key, list] = defaultdict(list)
     edits: dict[Key, list[EditCall]] = defaultdict(list)
-    problems: dict[str, list[str]] = defaultdict(list)
+    # requests whose plans read (add) the same way are handled as one group:
+    # the per-step work grows with the number of distinct plans, not requests
+    # (plans parsed in the worker share equal reads/adds tuples, see parse_plan)
+    by_reads: dict[int, tuple[Plan, list[RowSpan]]] = {}
+    by_adds: dict[int, tuple[Plan, list[RowSpan]]] = {}
     for plan, span in zip(plans, layout.spans):
-        if plan is None or span.length == 0:
+        if plan is None or span.stop == span.start:
             continue
         requests[span.key] = (plan, span)
-        for read in plan.reads:
-            if not (reader or read.reduce in COLLECTIVE):
-                continue
-            for layer in read.layers:
-                group = read_spans[(read.site, layer)].setdefault((read.key, read.k), [read])
-                group.append(span)
-        for add in plan.adds:
-            rows = _clip(add.start, add.stop, span)
-            if rows is None:
-                continue
-            vec = vector_rows.get(add.vec)
-            if vec is None:
-                problems[span.key].append(
-                    f"site {add.site}, layer {add.layer}: steering vector {add.vec} "
-                    "never reached this worker"
-                )
-                continue
-            add_parts[(add.site, add.layer)].append((rows, vec, add.scale, add.relative, span.key))
+        if plan.reads:
+            group = by_reads.get(id(plan.reads))
+            if group is None:
+                group = by_reads[id(plan.reads)] = (plan, [])
+            group[1].append(span)
+        if plan.adds:
+            group = by_adds.get(id(plan.adds))
+            if group is None:
+                group = by_adds[id(plan.adds)] = (plan, [])
+            group[1].append(span)
         for edit in plan.edits:
             edits[(edit.site, edit.layer)].append(EditCall(span, edit, plan))
+    read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
+    for plan, spans in by_reads.values():
+        for where, how, read in plan.read_slots:
+            if reader or read.reduce in COLLECTIVE:
+                group = read_spans[where].get(how)
+                if group is None:
+                    group = read_spans[where][how] = [read]
+                group.extend(spans)
     reads = {
         key: tuple(ReadGroup(g[0], tuple(g[1:])) for g in groups.values())
         for key, groups in read_spans.items()
     }
+    add_parts: dict[Key, list] = defaultdict(list)
+    problems: dict[str, list[str]] = defaultdict(list)
+    for plan, spans in by_adds.values():
+        _clip_adds(plan, spans, vector_rows or {}, add_parts, problems)
     return StepPlan(
         layout=layout,
         requests=requests,
@@ -184,29 +179,56 @@ def plan_step(
     )
 
 
+def _clip_adds(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
+               add_parts: dict, problems: dict) -> None:
+    """Each add of ``plan``, clipped to the rows of ``spans`` whose
+    positions fall in its ``[start, stop)`` (``stop < 0``: to the end):
+    appends ``(first rows, last rows + 1, vector row, scale, relative,
+    request ids)`` arrays to ``add_parts[(site, layer)]``."""
+    start = np.array([s.start for s in spans], dtype=np.int64)
+    first = np.array([s.first_position for s in spans], dtype=np.int64)
+    end = first + np.array([s.stop - s.start for s in spans], dtype=np.int64)
+    for add in plan.adds:
+        lo = np.maximum(add.start, first)
+        hi = end if add.stop < 0 else np.minimum(add.stop, end)
+        hit = np.nonzero(lo < hi)[0]
+        if not hit.size:
+            continue
+        vec = vector_rows.get(add.vec)
+        if vec is None:
+            for i in hit.tolist():
+                problems[spans[i].key].append(
+                    f"site {add.site}, layer {add.layer}: steering vector {add.vec} "
+                    "never reached this worker"
+                )
+            continue
+        add_parts[(add.site, add.layer)].append((
+            start[hit] + lo[hit] - first[hit], start[hit] + hi[hit] - first[hit],
+            vec, add.scale, add.relative, [spans[i].key for i in hit.tolist()],
+        ))
+
+
 def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> AddBatch:
     """One index for all of a (site, layer)'s adds, built on the host and
     checked there, so applying it needs no device-to-host read."""
-    if any(lo < 0 or hi > layout.num_actual for (lo, hi), *_ in parts):
+    lo = np.concatenate([p[0] for p in parts])
+    hi = np.concatenate([p[1] for p in parts])
+    if lo.min() < 0 or hi.max() > layout.num_actual:
         raise ValueError(f"steering rows outside the step's {layout.num_actual} rows")
-    counts = torch.tensor([hi - lo for (lo, hi), *_ in parts], dtype=torch.long)
-    starts = torch.tensor([lo for (lo, _), *_ in parts], dtype=torch.long)
-    # row numbers: each part's start, repeated, plus 0, 1, … within the part
-    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
-        torch.cumsum(counts, 0) - counts, counts
-    )
-    rows = torch.repeat_interleave(starts, counts) + offsets
-    vectors = torch.repeat_interleave(torch.tensor([p[1] for p in parts], dtype=torch.long), counts)
-    scales = torch.repeat_interleave(
-        torch.tensor([float(p[2]) for p in parts], dtype=torch.float32), counts
-    )
-    relative = None
-    if any(p[3] for p in parts):
-        relative = torch.repeat_interleave(torch.tensor([bool(p[3]) for p in parts]), counts)
+    counts = hi - lo
+    sizes = [len(p[0]) for p in parts]
+    # row numbers: each part's first row, repeated, plus 0, 1, … within the part
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = np.repeat(lo, counts) + offsets
+    per_part = np.add.reduceat(counts, np.cumsum([0] + sizes[:-1]))
+    vec = np.repeat(np.array([p[2] for p in parts], dtype=np.int64), per_part)
+    scale = np.repeat(np.array([p[3] for p in parts], dtype=np.float32), per_part)
+    rel = np.array([p[4] for p in parts], dtype=bool)
+    relative = torch.from_numpy(np.repeat(rel, per_part)).to(device) if rel.any() else None
     return AddBatch(
-        rows.to(device),
-        vectors.to(device),
-        scales.to(device),
-        None if relative is None else relative.to(device),
-        tuple(p[4] for p in parts),
+        torch.from_numpy(rows).to(device),
+        torch.from_numpy(vec).to(device),
+        torch.from_numpy(scale).to(device),
+        relative,
+        tuple(r for p in parts for r in p[5]),
     )
