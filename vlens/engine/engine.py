@@ -10,6 +10,7 @@ in-process and out of process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -181,6 +182,60 @@ class Engine:
             self.abort_all()
             raise
 
+    def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
+        """Run one engine batch step by step: after every engine step, yield
+        the latest output of each request (vLLM ``RequestOutput``s in prompt
+        order, None for a request with no token yet; with ``n > 1`` the
+        samples seen so far, by index). The last item holds every request
+        finished, as :meth:`generate` would return them.
+
+        Closing the generator early (a widget closed, a cell interrupted)
+        aborts every request still in the engine, as an interrupted
+        :meth:`generate` does."""
+        import copy
+
+        from vllm.sampling_params import RequestOutputKind
+
+        self.check_open()
+        self.generate_calls += 1
+        engine = self.llm.llm_engine
+        call = next(_STREAMS)
+        ids: list[str] = []
+        samples: dict[str, dict[int, Any]] = {}
+        latest: dict[str, Any] = {}
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                sp = copy.copy(sp)
+                sp.output_kind = RequestOutputKind.CUMULATIVE
+                rid = f"vlens-stream-{call}-{i}"
+                engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+                samples[rid] = {}
+            n_of = {rid: getattr(sp, "n", 1) or 1 for rid, sp in zip(ids, params)}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id not in samples:
+                        continue
+                    for comp in out.outputs:
+                        # vLLM keeps growing the same objects: keep a snapshot
+                        kept = copy.copy(comp)
+                        kept.token_ids = list(comp.token_ids)
+                        if comp.logprobs is not None:
+                            kept.logprobs = list(comp.logprobs)
+                        samples[out.request_id][comp.index] = kept
+                    merged = copy.copy(out)
+                    merged.outputs = [samples[out.request_id][k]
+                                      for k in sorted(samples[out.request_id])]
+                    merged.finished = len(merged.outputs) == n_of[out.request_id] and all(
+                        c.finish_reason is not None for c in merged.outputs)
+                    if latest.get(out.request_id) is not None and merged.prompt_logprobs is None:
+                        merged.prompt_logprobs = latest[out.request_id].prompt_logprobs
+                    latest[out.request_id] = merged
+                yield [latest.get(rid) for rid in ids]
+        except BaseException:
+            self.abort_all()
+            raise
+
     def unfinished(self) -> int:
         """Requests still in the engine (0 between calls)."""
         return int(self.llm.llm_engine.get_num_unfinished_requests())
@@ -251,6 +306,8 @@ def _compiled_settings(compilation: Any) -> dict[str, Any]:
         out["compilation_config"] = config
     return out
 
+
+_STREAMS = itertools.count()
 
 # Engines open in this process. vLLM's in-process shutdown also tears down
 # the process-wide torch.distributed state, which other in-process engines
