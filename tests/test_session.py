@@ -69,8 +69,8 @@ def test_second_session_reuses_the_live_engine_and_close_is_safe(tiny_llama, lla
 
     before = live_engines()
     again = vlens.Session(tiny_llama, max_num_batched_tokens=64, max_model_len=512,
-                          kv_cache_memory_bytes=llama_session._shared.engine.llm_kwargs["kv_cache_memory_bytes"])
-    assert again.reused and again._shared is llama_session._shared
+                          kv_cache_memory_bytes=llama_session.engine.llm_kwargs["kv_cache_memory_bytes"])
+    assert again.reused and again.engine is llama_session.engine
     assert live_engines() == before
     again.close()
     again.close()  # harmless

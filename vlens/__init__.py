@@ -19,12 +19,13 @@ if TYPE_CHECKING:
     from vlens.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
-    from vlens.steering import Steer
+    from vlens.steering import PerPrompt, Steer
 
 __all__ = [
     "ClosedError",
     "EditContext",
     "EngineError",
+    "PerPrompt",
     "Run",
     "Session",
     "Steer",
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "EditContext": "vlens.plan",
+    "PerPrompt": "vlens.steering",
     "Session": "vlens.session",
     "Steer": "vlens.steering",
     "Run": "vlens.results",
