@@ -86,13 +86,22 @@ class Runner:
         self._name = f"s{next(Runner._ids)}-{uuid.uuid4().hex[:6]}"
         self._calls = itertools.count()
         self._token_text: dict[int, str] = {}
-        self.facts = ModelFacts.from_info(shared.engine.info)
+        self._facts = ModelFacts.from_info(shared.engine.info)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("this Session is closed; make a new one with vlens.Session(...)")
 
     @property
     def engine(self):
-        if self.closed:
-            raise ClosedError("this Session is closed; make a new one with vlens.Session(...)")
+        self._check_open()
         return self._shared.engine
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the model is, for the input checks."""
+        self._check_open()
+        return self._facts
 
     @property
     def can_ship_functions(self) -> bool:
@@ -286,7 +295,8 @@ def _engine_prompt(req: Request) -> dict[str, Any]:
     return p
 
 
-def _match(i: int, prompt: str, req: Request, comp: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+def _match(i: int, prompt: str, req: Request, comp: Any,
+           records: list[dict[str, Any]]) -> dict[str, Any]:
     """The record of completion ``comp`` of prompt ``i`` (removed from
     ``records``): the rows it fed through the model, from the first one the
     hooks saw (``start``; earlier rows came from the prefix cache)."""

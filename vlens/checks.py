@@ -20,13 +20,13 @@ __all__ = [
     "ModelFacts",
     "check_budget",
     "check_edit",
+    "check_generation",
     "check_layers",
-    "check_max_new_tokens",
     "check_prompts",
     "check_reads",
-    "check_sampling",
     "check_sites",
     "check_steer",
+    "check_steers",
     "steers_per_prompt",
 ]
 
@@ -136,18 +136,16 @@ def check_sites(sites: Any, facts: ModelFacts) -> list[str]:
     return list(dict.fromkeys(sites))
 
 
-def check_max_new_tokens(n: Any) -> int:
-    if not _is_int(n) or n < 1:
-        raise VlensError(f"max_new_tokens must be a positive int, got {n!r}")
-    return n
-
-
-def check_sampling(sampling: dict[str, Any], facts: ModelFacts) -> None:
-    """Settings vlens manages, and settings that would break the engine.
-    (vLLM's own validation runs when the Session builds SamplingParams.)"""
+def check_generation(max_new_tokens: Any, sampling: dict[str, Any], facts: ModelFacts) -> None:
+    """``max_new_tokens`` and the sampling settings: refuses settings vlens
+    manages and settings that would break the engine. (vLLM's own
+    validation runs when the runner builds SamplingParams, still before
+    anything is shipped.)"""
     for key, how in MANAGED.items():
         if key in sampling:
             raise VlensError(f"{key}= is set by vlens: {how}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise VlensError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if sampling.get("seed") is not None and facts.device == "cpu":
         raise VlensError(
             "seed= is refused on vLLM's CPU build: when a seeded request's prompt is "
@@ -211,6 +209,17 @@ def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int
             f"to {total - 1}"
         )
     return st
+
+
+def check_steers(steer: Any, prompt_lens: Sequence[int], max_new_tokens: int,
+                 facts: ModelFacts) -> list[list[Steer]]:
+    """``steer=`` as the checked Steers of each prompt (see
+    :func:`steers_per_prompt`); ``prompt_lens``: each prompt's length."""
+    per_prompt = steers_per_prompt(steer, len(prompt_lens))
+    for n, steers in zip(prompt_lens, per_prompt):
+        for st in steers:
+            check_steer(st, facts, n, max_new_tokens)
+    return per_prompt
 
 
 def _steer_key(st: Steer) -> tuple:

@@ -93,7 +93,6 @@ class Session:
 
     @property
     def _facts(self) -> checks.ModelFacts:
-        self._runner.engine  # noqa: B018 - a closed Session says so
         return self._runner.facts
 
     @property
@@ -179,10 +178,14 @@ class Session:
         layers = checks.check_layers(layers, facts)
         sites = checks.check_sites(sites, facts)
         reads = checks.check_reads(sites, layers, reduce, logit_lens, facts)
-        per_prompt = self._steers(steer, prompt_ids, max_new_tokens, sampling)
+        checks.check_generation(max_new_tokens, sampling, facts)
+        lens = [len(ids) for ids in prompt_ids]
+        per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
         pairs = checks.check_edit(edit, edit_at, facts,
                                   can_ship=self._runner.can_ship_functions)
-        bg_ids = checks.check_prompts(list(background), facts, self.tokenize)[1] if background else []
+        bg_ids = []
+        if background:
+            bg_ids = checks.check_prompts(list(background), facts, self.tokenize)[1]
         fid = f"fn-{uuid.uuid4().hex[:12]}"
         edits = [Edit(site, layer, fid) for site, layer in pairs]
         call = self._runner.next_call()
@@ -202,24 +205,11 @@ class Session:
         return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress,
                                 edit_fns={fid: edit} if edits else None)
 
-    def _steers(self, steer: Any, prompt_ids: list[list[int]], max_new_tokens: int,
-                sampling: dict[str, Any]) -> list[list[Steer]]:
-        """``steer=`` per prompt, each Steer checked against its request
-        (with the length and sampling checks every call needs first)."""
-        checks.check_max_new_tokens(max_new_tokens)
-        checks.check_sampling(sampling, self._facts)
-        per_prompt = checks.steers_per_prompt(steer, len(prompt_ids))
-        for ids, steers in zip(prompt_ids, per_prompt):
-            for st in steers:
-                checks.check_steer(st, self._facts, len(ids), max_new_tokens)
-        return per_prompt
-
     def generate(self, prompts: str | Sequence[str], *, max_new_tokens: int = 16,
                  **sampling: Any) -> list[str]:
         """Plain generation with no plan (the hooks stay idle): the texts."""
         _, prompt_ids = checks.check_prompts(prompts, self._facts, self.tokenize)
-        checks.check_max_new_tokens(max_new_tokens)
-        checks.check_sampling(sampling, self._facts)
+        checks.check_generation(max_new_tokens, sampling, self._facts)
         requests = [self._runner.background(ids, max_new_tokens, sampling) for ids in prompt_ids]
         return self._runner.run(requests, lambda outs, _: [o.outputs[0].text for o in outs],
                                 budget=self.read_budget)
@@ -259,8 +249,11 @@ class Session:
         """Baseline and steered generations of the same prompts in ONE engine
         batch: both texts, per-token logprobs, KL per position, first
         divergence. ``steer`` takes the same forms as in ``trace``."""
-        prompts, prompt_ids = checks.check_prompts(prompts, self._facts, self.tokenize)
-        per_prompt = self._steers(steer, prompt_ids, max_new_tokens, sampling)
+        facts = self._facts
+        prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
+        checks.check_generation(max_new_tokens, sampling, facts)
+        lens = [len(ids) for ids in prompt_ids]
+        per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
         if not any(per_prompt):
             raise VlensError("compare needs a steer= (nothing would differ)")
         arms = [("b", [[] for _ in prompts]), ("s", per_prompt)]
@@ -283,8 +276,10 @@ class Session:
             raise VlensError(f"scales must be numbers; {bad[0]!r} is not")
         scales = [float(x) for x in scales]
         variants = [steer.with_scale(x) for x in scales]  # validates each
-        _, prompt_ids = checks.check_prompts([prompt], self._facts, self.tokenize)
-        self._steers(steer, prompt_ids, max_new_tokens, sampling)
+        facts = self._facts
+        _, prompt_ids = checks.check_prompts([prompt], facts, self.tokenize)
+        checks.check_generation(max_new_tokens, sampling, facts)
+        checks.check_steer(steer, facts, len(prompt_ids[0]), max_new_tokens)
         arms = [(str(j), [[] if st.scale == 0 else [st]]) for j, st in enumerate(variants)]
         if 0.0 not in scales:
             arms.append(("base", [[]]))
