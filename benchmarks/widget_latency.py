@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
               f"started in {time.perf_counter() - t0:.1f} s")
         prompt = example_prompts(1)[0]
 
-        view = ActivationView(s, prompt, max_new_tokens=16)
+        view = ActivationView(s.trace([prompt], layers=None, sites=s.sites, max_new_tokens=16))
         if view.error:
             raise SystemExit(f"activation view failed: {view.error}")
         layers = list(range(s.n_layers))

@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 #   inproc (default) -- the engine core in this process, as in a notebook
 #   mp               -- the engine core and worker in other processes
 #   tp2              -- tensor_parallel_size=2, two worker processes
+#   compiled         -- vLLM's compiled mode (enforce_eager=False)
 ENGINE_MODE = os.environ.get("VLENS_TEST_ENGINE", "inproc")
 if ENGINE_MODE in ("mp", "tp2"):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -60,12 +61,27 @@ def tiny_qwen2(models_dir) -> Path:
     return make_tiny_model(models_dir / "qwen2", "qwen2", layers=3, kv_heads=2, seed=2)
 
 
+def mode_options() -> dict:
+    """Engine arguments of the VLENS_TEST_ENGINE mode."""
+    if ENGINE_MODE == "tp2":
+        return {"tensor_parallel_size": 2}
+    if ENGINE_MODE == "compiled":
+        return {"enforce_eager": False}
+    return {}
+
+
+@pytest.fixture(scope="session")
+def engine_options() -> dict:
+    """Engine arguments every test engine should get in this run's mode."""
+    return {"kv_cache_memory_bytes": KV_BYTES, **mode_options()}
+
+
 def _session(path, **kw):
     import vlens
 
     kw.setdefault("kv_cache_memory_bytes", KV_BYTES)
-    if ENGINE_MODE == "tp2":
-        kw.setdefault("tensor_parallel_size", 2)
+    for key, value in mode_options().items():
+        kw.setdefault(key, value)
     return vlens.Session(path, **kw)
 
 
@@ -113,8 +129,11 @@ def pytest_collection_modifyitems(config, items):
     """
     def uses_tf_backend(item) -> bool:
         # directly, or through a parametrised fixture that picks it by name
-        return "llama_tf_session" in getattr(item, "fixturenames", ()) or any(
-            p in item.nodeid for p in ("[transformers]", "llama_tf_session")
+        ids = item.nodeid.partition("[")[2].rstrip("]").split("-")
+        return (
+            "llama_tf_session" in getattr(item, "fixturenames", ())
+            or "transformers" in ids
+            or "llama_tf_session" in item.nodeid
         )
 
     late = [i for i in items if uses_tf_backend(i)]

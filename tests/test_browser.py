@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _helpers import notebook_model, set_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -55,12 +56,9 @@ def _prepare(tmp: Path) -> Path:
     keep JupyterLab quiet (no news, no update checks: no network)."""
     import nbformat
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_notebooks import _model_override, _set_parameters
-
-    model = _model_override()  # skips when there is no model to run on
+    model = notebook_model()  # skips when there is no model to run on
     book = nbformat.read(ROOT / "notebooks" / "01_tour.ipynb", as_version=4)
-    _set_parameters(book, model)
+    set_parameters(book, model)
     work = tmp / "work"
     work.mkdir()
     nbformat.write(book, work / "01_tour.ipynb")
@@ -219,8 +217,8 @@ def test_explorer_in_a_real_browser(lab):
             # -- the kernel saw both: traits and the figure's data
             text = _run_cell_and_read(
                 page,
-                "print('VLENS-CHECK:', ex.layer, tuple(ex.span), ex.activations.span, "
-                "[s.name for s in ex.activations.heatmap.layout.shapes], repr(ex.error))",
+                "print('VLENS-CHECK:', ex.layer, tuple(ex.span), ex.activation_view.span, "
+                "[s.name for s in ex.activation_view.heatmap.layout.shapes], repr(ex.error))",
                 "VLENS-CHECK:",
             )
             page.screenshot(path=str(ARTIFACTS / "03-kernel-check.png"))

@@ -11,13 +11,13 @@ random one while the bundled model is rebuilt.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _helpers import notebook_model, set_parameters
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -30,27 +30,6 @@ CELL_TIMEOUT = 600  # seconds; an engine start on a busy 2-core machine is the s
 pytestmark = pytest.mark.engine
 
 
-def _model_override() -> str | None:
-    model = os.environ.get("VLENS_NOTEBOOK_MODEL")
-    if model:
-        return model
-    from vlens.models import toyworld_path
-
-    try:
-        toyworld_path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"no bundled model to run the notebooks on: {exc}")
-    return None
-
-
-def _set_parameters(book, model: str | None) -> None:
-    cells = [c for c in book.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
-    assert len(cells) == 1, "each notebook has one cell tagged 'parameters'"
-    if model is not None:
-        cells[0].source = re.sub(r"^MODEL = .*$", f"MODEL = {model!r}", cells[0].source,
-                                 flags=re.MULTILINE)
-
-
 def _text(output) -> str:
     if output.get("output_type") == "stream":
         return output.get("text", "")
@@ -60,7 +39,7 @@ def _text(output) -> str:
 
 def run_notebook(path: Path, model: str | None):
     book = nbformat.read(path, as_version=4)
-    _set_parameters(book, model)
+    set_parameters(book, model)
     client = nbclient.NotebookClient(
         book,
         timeout=CELL_TIMEOUT,
@@ -83,7 +62,7 @@ def test_notebooks_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path):
-    model = _model_override()
+    model = notebook_model()
     if "steering" in path.name or "clone" in path.name:
         import vlens
 

@@ -228,3 +228,18 @@ def test_builders_do_not_display(monkeypatch):
     plots.token_strip([1.0, 2.0], ["a", "b"])
     plots.baseline_vs_steered(["a"], ["b"], [-1], [-2])
     assert shown == []
+
+
+def test_token_set_metric_is_the_probability_of_the_set():
+    from vlens.testing import make_sweep, make_trace
+
+    g = torch.Generator().manual_seed(4)
+    prompt, out = [0, 1], [2, 3, 4]  # rows 1, 2, 3 chose the generated tokens
+    tables = [torch.randn(1, 4, 6, generator=g).log_softmax(-1) for _ in range(2)]
+    traces = [make_trace(prompt, out, reads={"resid_post:logprobs": lp}, layers=[3])
+              for lp in tables]
+    sweep = make_sweep("p", [0, 2], traces)
+    values = plots.token_set_metric(sweep, [3, 1, 3])
+    expected = [float(lp[0, 1:].exp()[:, [1, 3]].sum(-1).mean()) for lp in tables]
+    assert values == pytest.approx(expected)
+    assert all(0 < v < 1 for v in values)

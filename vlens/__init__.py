@@ -7,6 +7,7 @@ starts an engine.
     s = vlens.Session()                    # the bundled toy-world model
     run = s.trace(["the cat"], layers=[0, 2], sites=["resid_post"])
     run[0].activations("resid_post")       # [layers, tokens, hidden]
+    vlens.explore(s, "the cat")            # widgets (needs ipywidgets)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from vlens.results import Run, Trace
     from vlens.session import Session
     from vlens.steering import PerPrompt, Steer
+    from vlens.widgets import explore
 
 __all__ = [
     "ClosedError",
@@ -33,6 +35,7 @@ __all__ = [
     "Trace",
     "VlensError",
     "__version__",
+    "explore",
 ]
 
 __version__ = "0.1.0"
@@ -44,6 +47,7 @@ _LAZY = {
     "Steer": "vlens.steering",
     "Run": "vlens.results",
     "Trace": "vlens.results",
+    "explore": "vlens.widgets",
 }
 
 

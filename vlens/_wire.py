@@ -1,7 +1,7 @@
 """Tensors as plain data, for crossing vLLM's RPC in any mode.
 
 Out of process, tensors cannot be RPC arguments, and returning raw bytes was
-the fastest way back measured (see the project's vLLM notes). In process the
+the fastest way back measured (docs/scale-out.md). In process the
 same dicts cross as they are.
 """
 

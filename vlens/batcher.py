@@ -10,7 +10,7 @@ This module turns that into per-request row spans and reads / writes those
 rows, and nothing else. It is pure torch and never imports vLLM, so every
 rule here is tested with plain tensors.
 
-The rule that matters (see the project's seed note): never decide "is this
+The rule that matters (docs/concepts.md, "The token axis"): never decide "is this
 tensor batched?" by ``shape[0] == T`` alone. On a ``[1, T, H]`` tensor that
 test says "not batched" and the whole step -- every request's rows -- passes
 through. ``token_axis`` finds the axis or raises :class:`TokenAxisError`.
@@ -253,6 +253,7 @@ def add_rows(
     *,
     axis: int | None = None,
     site: str = "?",
+    check: bool = True,
 ) -> torch.Tensor:
     """Add ``delta[i]`` to row ``rows[i]`` of the step's ``tensor``, in place,
     in one batched operation whatever the number of requests.
@@ -260,9 +261,12 @@ def add_rows(
     ``rows`` is an int64 index of real rows (duplicates accumulate);
     ``delta`` is ``[len(rows), *row_shape]``. This is how many requests'
     steering edits land at one site in one step. Returns ``tensor``.
+    ``check=False`` skips the range check of ``rows``, which reads them back
+    to the host (a device sync on a GPU): for callers that built ``rows``
+    from the layout themselves (the step planner does).
     """
     axis = _resolved_axis(tensor, layout, axis, site)
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= layout.num_actual):
+    if check and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= layout.num_actual):
         raise TokenAxisError(
             f"site {site}: row index outside the step's {layout.num_actual} real rows"
         )

@@ -22,6 +22,7 @@ sequence (``stop == -1``: to the end).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 __all__ = [
@@ -55,7 +56,7 @@ class Read:
     reduce: str = "full"
     k: int = 0
 
-    @property
+    @cached_property
     def key(self) -> str:
         return read_key(self.site, self.reduce)
 
@@ -91,6 +92,13 @@ class Plan:
     prompt_len: int = 0
     index: int = 0
 
+    @cached_property
+    def read_slots(self) -> tuple[tuple[tuple[str, int], tuple[str, int], Read], ...]:
+        """Every (site, layer) this plan reads, with how it reads there:
+        ``((site, layer), (read key, k), read)``; worked out once per plan,
+        used by the step planner every step."""
+        return tuple(((r.site, layer), (r.key, r.k), r) for r in self.reads for layer in r.layers)
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "v": PLAN_VERSION,
@@ -117,10 +125,29 @@ def read_key(site: str, reduce: str) -> str:
     return site if reduce == "full" else f"{site}:{reduce}"
 
 
+# equal reads / adds tuples of parsed plans, shared: the step planner groups
+# requests by these objects (one call's requests all read the same way)
+_SHARED: dict[tuple, tuple] = {}
+
+
+def _shared(parts: tuple) -> tuple:
+    if not parts:
+        return ()
+    if len(_SHARED) > 4096:
+        _SHARED.clear()
+    return _SHARED.setdefault(parts, parts)
+
+
 def parse_plan(raw: Any) -> Plan:
     """Wire form -> :class:`Plan`. Raises ValueError on a malformed plan."""
     if not isinstance(raw, dict) or raw.get("v") != PLAN_VERSION:
         raise ValueError(f"not a vlens plan (version {PLAN_VERSION}): {raw!r:.200}")
+    plan = _parse(raw)
+    return Plan(plan.tag, _shared(plan.reads), _shared(plan.adds), plan.edits, plan.clone,
+                plan.prompt_len, plan.index)
+
+
+def _parse(raw: dict) -> Plan:
     return Plan(
         tag=str(raw["tag"]),
         index=int(raw.get("index", 0)),

@@ -1,6 +1,7 @@
 """Build and own one ``vllm.LLM`` with vlens's worker extension.
 
-This is the only module that imports vLLM, and only when an Engine is made.
+The client side imports vLLM here only, when an Engine is made (the worker
+extension, ``worker.py``, runs inside vLLM's workers and imports it there).
 It chooses settings that make a notebook engine work on the first try (see
 ``env.py``), refuses settings under which hooks would silently not fire, and
 speaks to the workers only through ``collective_rpc`` so the same code runs
@@ -9,6 +10,7 @@ in-process and out of process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -29,6 +31,7 @@ EXTENSION = "vlens.engine.worker.VlensWorkerExtension"
 
 _REFUSED = {
     "worker_extension_cls": "vlens sets its own worker extension",
+    "worker_cls": "vlens picks the worker class (compiled mode needs its own)",
 }
 
 
@@ -52,23 +55,20 @@ class Engine:
 
     def __init__(self, model: str | Path, **llm_kwargs: Any) -> None:
         eager = llm_kwargs.pop("enforce_eager", True)
-        if eager is not True:
-            raise VlensError(
-                f"enforce_eager={eager!r} is not supported: in compiled mode vLLM runs "
-                "a captured graph and vlens's hooks would silently never fire. "
-                "Pass enforce_eager=True or leave it out (vlens runs eager)."
-            )
+        if not isinstance(eager, bool):
+            raise VlensError(f"enforce_eager must be True or False, got {eager!r}")
         for key, why in _REFUSED.items():
             if key in llm_kwargs:
                 raise VlensError(f"{key}= cannot be passed: {why}")
         compilation = llm_kwargs.get("compilation_config")
-        if compilation not in (None, 0) and not (
+        if eager and compilation not in (None, 0) and not (
             isinstance(compilation, dict) and compilation.get("mode", 0) in (0, None)
         ):
             raise VlensError(
-                f"compilation_config={compilation!r} would compile the model and "
-                "vlens's hooks would not fire; leave it out"
+                f"compilation_config={compilation!r} compiles the model, but the "
+                "engine runs eager: pass enforce_eager=False for compiled mode"
             )
+        self.compiled = not eager
         self.model = str(model)
         self.llm_kwargs = dict(llm_kwargs)
         if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
@@ -86,10 +86,14 @@ class Engine:
 
         from vllm import LLM  # heavy: only now
 
+        extra: dict[str, Any] = {}
+        if self.compiled:
+            extra = _compiled_settings(self.llm_kwargs.pop("compilation_config", None))
         self.llm = LLM(
             model=self.model,
-            enforce_eager=True,
+            enforce_eager=not self.compiled,
             worker_extension_cls=EXTENSION,
+            **extra,
             **self.llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -97,7 +101,11 @@ class Engine:
         cfg = self.llm.llm_engine.model_config
         self.info["max_model_len"] = int(cfg.max_model_len)
         self.info["vocab_size"] = int(cfg.get_vocab_size())
+        self.info["compiled"] = self.compiled
         self.info["device"] = str(self.llm.llm_engine.vllm_config.device_config.device_type)
+        # KV-cache blocks the engine got (how many tokens it can hold at once)
+        self.info["kv_cache_blocks"] = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        self.info["kv_block_size"] = self.llm.llm_engine.vllm_config.cache_config.block_size
         _OPEN.add(self)
 
     # -- state --------------------------------------------------------------
@@ -174,6 +182,60 @@ class Engine:
             self.abort_all()
             raise
 
+    def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
+        """Run one engine batch step by step: after every engine step, yield
+        the latest output of each request (vLLM ``RequestOutput``s in prompt
+        order, None for a request with no token yet; with ``n > 1`` the
+        samples seen so far, by index). The last item holds every request
+        finished, as :meth:`generate` would return them.
+
+        Closing the generator early (a widget closed, a cell interrupted)
+        aborts every request still in the engine, as an interrupted
+        :meth:`generate` does."""
+        import copy
+
+        from vllm.sampling_params import RequestOutputKind
+
+        self.check_open()
+        self.generate_calls += 1
+        engine = self.llm.llm_engine
+        call = next(_STREAMS)
+        ids: list[str] = []
+        samples: dict[str, dict[int, Any]] = {}
+        latest: dict[str, Any] = {}
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                sp = copy.copy(sp)
+                sp.output_kind = RequestOutputKind.CUMULATIVE
+                rid = f"vlens-stream-{call}-{i}"
+                engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+                samples[rid] = {}
+            n_of = {rid: getattr(sp, "n", 1) or 1 for rid, sp in zip(ids, params)}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id not in samples:
+                        continue
+                    for comp in out.outputs:
+                        # vLLM keeps growing the same objects: keep a snapshot
+                        kept = copy.copy(comp)
+                        kept.token_ids = list(comp.token_ids)
+                        if comp.logprobs is not None:
+                            kept.logprobs = list(comp.logprobs)
+                        samples[out.request_id][comp.index] = kept
+                    merged = copy.copy(out)
+                    merged.outputs = [samples[out.request_id][k]
+                                      for k in sorted(samples[out.request_id])]
+                    merged.finished = len(merged.outputs) == n_of[out.request_id] and all(
+                        c.finish_reason is not None for c in merged.outputs)
+                    if latest.get(out.request_id) is not None and merged.prompt_logprobs is None:
+                        merged.prompt_logprobs = latest[out.request_id].prompt_logprobs
+                    latest[out.request_id] = merged
+                yield [latest.get(rid) for rid in ids]
+        except BaseException:
+            self.abort_all()
+            raise
+
     def unfinished(self) -> int:
         """Requests still in the engine (0 between calls)."""
         return int(self.llm.llm_engine.get_num_unfinished_requests())
@@ -213,6 +275,39 @@ class Engine:
     def in_process(self) -> bool:
         return self.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
+
+def _compiled_settings(compilation: Any) -> dict[str, Any]:
+    """vLLM arguments for compiled mode: vlens's worker class (its hooks go
+    in before the model is traced) and, on a GPU, piecewise CUDA graphs cut
+    at vlens's operators so those run every step (see compiled.py)."""
+    from vlens.engine.compiled import SPLITTING_OPS, worker_qualname
+    from vlens.engine.env import has_gpu
+
+    gpu = has_gpu()
+    out: dict[str, Any] = {"worker_cls": worker_qualname(gpu)}
+    if compilation is not None and not isinstance(compilation, dict):
+        raise VlensError(
+            f"compilation_config={compilation!r}: vlens's compiled mode takes a dict "
+            "(it adds its operators to splitting_ops)"
+        )
+    config = dict(compilation or {})
+    if gpu:
+        from vllm.config import CompilationConfig
+
+        ops = config.get("splitting_ops") or list(CompilationConfig._attention_ops)
+        config["splitting_ops"] = list(ops) + [op for op in SPLITTING_OPS if op not in ops]
+        mode = str(config.setdefault("cudagraph_mode", "PIECEWISE")).upper()
+        if mode not in ("PIECEWISE", "NONE"):
+            raise VlensError(
+                f"cudagraph_mode={mode}: full CUDA graphs would replay vlens's steps "
+                "without running its operators; use PIECEWISE (the default vlens sets)"
+            )
+    if config:
+        out["compilation_config"] = config
+    return out
+
+
+_STREAMS = itertools.count()
 
 # Engines open in this process. vLLM's in-process shutdown also tears down
 # the process-wide torch.distributed state, which other in-process engines

@@ -5,7 +5,7 @@ when the user has not: an explicit setting always wins. Called by
 :class:`~vlens.engine.Engine` just before vLLM is imported, never at
 ``import vlens``.
 
-Why each default (figures in docs/concepts.md and the project notes):
+Why each default (measurements in docs/concepts.md and docs/scale-out.md):
 
 * ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` -- keep the engine core in the
   kernel's own process: starts in seconds, and a notebook needs no

@@ -1,4 +1,4 @@
-"""vlens inside every vLLM worker.
+"""vlens inside every vLLM worker: the thin shell around the step planner.
 
 ``VlensWorkerExtension`` is handed to ``vllm.LLM(worker_extension_cls=...)``;
 vLLM mixes it into its worker class, so ``self`` is the worker and
@@ -9,37 +9,36 @@ notebook's own process and one in other processes.
 
 Per forward step:
 
-1. a pre-hook on the whole model reads the runner's batch (request order,
-   each request's row count, the padded row count) and each request's plan
-   from ``SamplingParams.extra_args["vlens"]`` and builds a
-   :class:`~vlens.batcher.StepLayout` plus, per (site, layer), the rows to
-   read and one batched write (row index, vector index, scale). Steps where
-   no request carries a plan cost one list scan;
-2. one hook per (site, layer), installed once: first the batched steering
-   add (``add_rows``: one ``index_add_`` for all requests), then ``edit=``
-   functions per request (written back through ``widen``), then reads
-   (``narrow``, reduced if asked, copied to float32 CPU);
-3. ``vlens_collect`` hands the stored rows back as bytes and forgets them.
+1. a pre-hook on the whole model reads the runner's arrays (request order,
+   ``query_start_loc``, computed-token counts, the padded row count) and
+   each request's plan from ``SamplingParams.extra_args["vlens"]``, and
+   calls :func:`vlens.planner.plan_step`; every traced request's
+   :class:`~vlens.records.RequestRecord` then learns which positions this
+   step runs (it cuts itself back when vLLM recomputes rows);
+2. one hook per (site, layer), installed once, executes its part of the
+   plan: the batched steering add, then ``edit=`` functions, then reads
+   (gathered and reduced once per group, copied out of engine memory);
+3. ``vlens_collect`` hands each record back as plain data and forgets it.
 
 Every rank runs the same hooks (writes must land on every tensor-parallel
-rank); only rank 0 keeps what it reads. Errors inside a hook are recorded on
-the requests concerned and raised by the client when it collects them; they
-never abort the engine's step.
+rank); only rank 0 keeps what it reads. Nothing raised inside a hook, the
+step pre-hook included, leaves the forward: errors are recorded on the
+requests concerned and raised by the client when it collects them.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from vlens._wire import decode_tensor, encode_tensor
+from vlens._wire import decode_tensor
+from vlens.batcher import add_rows, gather, narrow, token_axis, widen
 from vlens.engine.vectors import VectorStore
-from vlens.batcher import StepLayout, add_rows, gather, narrow, token_axis, widen
 from vlens.plan import PLAN_KEY, EditContext, Plan, parse_plan
+from vlens.planner import EditCall, StepPlan, plan_step
+from vlens.records import RequestRecord, to_host
 from vlens.sites import ModelSites, lens_logits, resolve_sites
 
 __all__ = ["VlensWorkerExtension"]
@@ -52,7 +51,8 @@ def _plain_count_greater_equal(x: torch.Tensor, values: torch.Tensor) -> torch.T
 def _avoid_logprob_compile() -> None:
     """On CPU, vLLM compiles one tiny logprob-ranking kernel with
     torch.compile the first time any request asks for logprobs (10-15 s).
-    The eager expression computes the same ranks; use it there."""
+    The eager expression computes the same ranks; use it there. Called when
+    the extension is set up, never at import."""
     try:
         from vllm.platforms import current_platform
 
@@ -64,109 +64,6 @@ def _avoid_logprob_compile() -> None:
             sampler.batched_count_greater_than = _plain_count_greater_equal
     except ImportError:  # pragma: no cover - layout of vLLM changed
         pass
-
-
-_avoid_logprob_compile()
-
-
-@dataclass
-class _Record:
-    """Everything read for one engine request (one sample)."""
-
-    plan: Plan
-    req_id: str
-    token_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    # (read key, part, layer) -> row chunks in step order
-    chunks: dict[tuple[str, str, int], list[torch.Tensor]] = field(
-        default_factory=lambda: defaultdict(list)
-    )
-    errors: list[str] = field(default_factory=list)
-    copied_bytes: int = 0
-    steered_rows: int = 0
-    step_rows: list[int] = field(default_factory=list)  # rows per engine step
-
-    def error(self, msg: str) -> None:
-        if msg not in self.errors:
-            self.errors.append(msg)
-
-    def pack(self) -> dict[str, Any]:
-        reads: dict[str, dict[str, Any]] = {}
-        for read in self.plan.reads:
-            parts = sorted({p for (k, p, _) in self.chunks if k == read.key}) or ["value"]
-            out: dict[str, Any] = {"layers": list(read.layers), "site": read.site,
-                                   "reduce": read.reduce}
-            ok = True
-            for part in parts:
-                per_layer = []
-                for layer in read.layers:
-                    got = self.chunks.get((read.key, part, layer))
-                    if not got:
-                        self.error(f"site {read.site}, layer {layer}: the hook never saw this request")
-                        ok = False
-                        break
-                    per_layer.append(torch.cat(got, 0))
-                if not ok:
-                    break
-                lengths = {t.shape[0] for t in per_layer}
-                if lengths != {len(self.token_ids)}:
-                    self.error(
-                        f"site {read.site}: layers read {sorted(lengths)} rows but the "
-                        f"request processed {len(self.token_ids)} tokens"
-                    )
-                    ok = False
-                    break
-                out[part] = encode_tensor(torch.stack(per_layer))
-            if ok:
-                reads[read.key] = out
-        return {
-            "req_id": self.req_id,
-            "token_ids": self.token_ids,
-            "positions": self.positions,
-            "reads": reads,
-            "errors": self.errors,
-            "copied_bytes": self.copied_bytes,
-            "steered_rows": self.steered_rows,
-            "step_rows": self.step_rows,
-        }
-
-
-@dataclass
-class _Write:
-    """One batched write at a (site, layer) in one step."""
-
-    rows: torch.Tensor  # [n] int64 row numbers
-    vec_index: torch.Tensor  # [n] int64 rows of the vector matrix
-    scale: torch.Tensor  # [n] float32
-    records: list  # the requests concerned (None on non-reading ranks)
-    relative: torch.Tensor | None = None  # [n] bool: scale by the row's norm
-
-
-@dataclass
-class _ReadGroup:
-    """Requests reading one (site, layer) the same way in one step: their
-    rows are gathered and reduced together, then split per request."""
-
-    read: Any  # a representative Read (same key and k for the whole group)
-    spans: list
-    records: list  # None on ranks that only join a collective reduction
-
-    @property
-    def lengths(self) -> list[int]:
-        return [s.length for s in self.spans]
-
-
-@dataclass
-class _Step:
-    layout: StepLayout
-    # (site, layer) -> read groups
-    reads: dict[tuple[str, int], list[_ReadGroup]]
-    writes: dict[tuple[str, int], _Write]
-    # (site, layer) -> [(record or None, span, edit, positions)]
-    edits: dict[tuple[str, int], list]
-
-    def wants(self, key: tuple[str, int]) -> bool:
-        return key in self.reads or key in self.writes or key in self.edits
 
 
 class _Hooks:
@@ -182,11 +79,14 @@ class _Hooks:
         self.hidden = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
         self.handles: list[Any] = []
         self.plans: dict[str, Plan | None] = {}  # req_id -> parsed plan (cache)
-        self.records: dict[str, _Record] = {}
-        self.step: _Step | None = None
-        # steering vectors: rows of one matrix on the model's device
+        self.bad_plans: dict[str, str] = {}  # req_id -> why its plan was refused
+        self.records: dict[str, RequestRecord] = {}
+        self.step: StepPlan | None = None
         self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
         self.edit_fns: dict[str, Any] = {}
+        self.compiled = False
+        self._codes: list[tuple[Any, int]] = []  # compiled mode: code -> (spec, layer)
+        self._code_base: int | None = None
         self.hook_errors = 0
         self.steps_seen = 0
         self.steps_planned = 0
@@ -194,17 +94,31 @@ class _Hooks:
         self.hook_ns = 0
 
     # -- installation -------------------------------------------------------
-    def install(self) -> None:
+    def install(self, compiled: bool = False) -> None:
+        """Register the step hooks on the whole model and one hook per
+        (site, layer). ``compiled``: the per-site hooks only call vlens's
+        operators (see ``compiled.py``); this must happen before vLLM
+        traces the model."""
         if self.handles:
             return
+        self.compiled = compiled
         self.handles.append(
             self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
         )
         self.handles.append(self.model.register_forward_hook(self._end_step))
+        if compiled:
+            from vlens.engine import compiled as ops
+
+            self._code_base = ops.register(self)
         for layer_idx, layer in enumerate(self.sites.layers):
             for spec in self.sites.specs.values():
                 module = spec.module_of(layer)
-                hook = self._make_hook(spec, layer_idx)
+                if compiled:
+                    code = self._code_base + len(self._codes)
+                    self._codes.append((spec, layer_idx))
+                    hook = ops.compiled_hook(spec, code, spec.pre)
+                else:
+                    hook = self._make_hook(spec, layer_idx)
                 if spec.pre:
                     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                 else:
@@ -216,8 +130,12 @@ class _Hooks:
             h.remove()
         self.handles.clear()
         self.step = None
+        if self._code_base is not None:  # the compiled graph still calls the ops
+            from vlens.engine import compiled as ops
 
-    # -- vectors and edit functions ------------------------------------------
+            ops.unregister(self._code_base)
+            self._code_base = None
+
     def put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
         for key, payload in payloads.items():
             if key not in self.vectors:
@@ -234,238 +152,249 @@ class _Hooks:
         state = self.runner.requests.get(req_id)
         extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
         if extra and PLAN_KEY in extra:
-            plan = parse_plan(extra[PLAN_KEY])
+            raw = extra[PLAN_KEY]
+            try:
+                plan = parse_plan(raw)
+            except Exception as exc:  # the request learns why; the step goes on
+                tag = raw.get("tag") if isinstance(raw, dict) else None
+                plan = Plan(tag=str(tag))
+                self.bad_plans[req_id] = f"its plan was refused: {exc}"
         if len(self.plans) > 8192:  # forget requests that left long ago
             live = set(self.runner.input_batch.req_ids)
             self.plans = {k: v for k, v in self.plans.items() if k in live}
         self.plans[req_id] = plan
         return plan
 
+    def _record(self, req_id: str, plan: Plan) -> RequestRecord:
+        rec = self.records.get(req_id)
+        if rec is None:
+            rec = self.records[req_id] = RequestRecord(plan, req_id)
+            if req_id in self.bad_plans:
+                rec.error(self.bad_plans.pop(req_id))
+        return rec
+
     def _begin_step(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Plan the step. Never raises: a failure is recorded on every
+        traced request of the step, and the step runs unhooked."""
         self.step = None
         self.steps_seen += 1
-        batch = self.runner.input_batch
-        n = batch.num_reqs
-        if n == 0:
-            return
-        req_ids = batch.req_ids[:n]
+        req_ids: list[str] = []
+        try:
+            batch = self.runner.input_batch
+            n = batch.num_reqs
+            if n == 0:
+                return
+            req_ids = list(batch.req_ids[:n])
+            self._plan_step(req_ids, args, kwargs)
+        except Exception as exc:
+            self.step = None
+            self.hook_errors += 1
+            if self.reader:
+                for r in req_ids:
+                    plan = self.plans.get(r)
+                    if plan is not None:
+                        self._record(r, plan).error(
+                            f"planning an engine step failed: {type(exc).__name__}: {exc}"
+                        )
+
+    def _plan_step(self, req_ids: list[str], args: tuple, kwargs: dict) -> None:
         plans = [self._plan_for(r) for r in req_ids]
-        if not any(plans):
+        if not any(p is not None for p in plans):
             return
         t0 = time.perf_counter_ns()
         self.steps_planned += 1
+        n = len(req_ids)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
         qsl = self.runner.query_start_loc.np[: n + 1].tolist()
-        num_padded = int(input_ids.shape[-1]) if input_ids is not None else qsl[-1]
-        layout = StepLayout.from_query_start_loc(
+        step = plan_step(
             req_ids,
+            plans,
             qsl,
-            first_positions=batch.num_computed_tokens_cpu[:n].tolist(),
-            num_padded=num_padded,
+            self.runner.input_batch.num_computed_tokens_cpu[:n].tolist(),
+            num_padded=int(input_ids.shape[-1]) if input_ids is not None else qsl[-1],
+            vector_rows=self.vectors.rows,
+            reader=self.reader,
+            device=self.vectors.matrix.device,
         )
-        reads: dict[tuple[str, int], list] = defaultdict(list)
-        edits: dict[tuple[str, int], list] = defaultdict(list)
-        w_rows: dict[tuple[str, int], list] = defaultdict(list)
-        ids_list = input_ids.tolist() if input_ids is not None and self.reader else None
-        pos_list = (
-            positions.reshape(-1, positions.shape[-1])[0].tolist()
-            if positions is not None and self.reader
-            else None
-        )
-        for req_id, plan, span in zip(req_ids, plans, layout.spans):
-            if plan is None or span.length == 0:
-                continue
-            rec = None
-            if self.reader:
-                rec = self.records.get(req_id)
-                if rec is None:
-                    rec = self.records[req_id] = _Record(plan, req_id)
-                rec.step_rows.append(span.length)
-                if ids_list is not None:
-                    rec.token_ids.extend(ids_list[span.start : span.stop])
-                if pos_list is not None:
-                    rec.positions.extend(pos_list[span.start : span.stop])
-            for read in plan.reads:
-                # other ranks keep nothing, but must join reductions that
-                # gather across tensor-parallel ranks (the unembedding)
-                if self.reader or read.reduce in ("logit_lens", "logprobs"):
-                    for layer in read.layers:
-                        reads[(read.site, layer)].append((rec, span, read))
-            p0 = span.first_position
-            for w in plan.adds:
-                stop = p0 + span.length if w.stop < 0 else min(w.stop, p0 + span.length)
-                start = max(w.start, p0)
-                if start >= stop:
-                    continue
-                vec = self.vectors.get(w.vec)
-                if vec is None:
-                    if rec is not None:
-                        rec.error(f"site {w.site}, layer {w.layer}: steering vector {w.vec} "
-                                  "never reached this worker")
-                    continue
-                first = span.start + (start - p0)
-                w_rows[(w.site, w.layer)].append((first, stop - start, vec, w.scale, rec,
-                                                  w.relative))
-                if rec is not None:
-                    rec.steered_rows += stop - start
-            for e in plan.edits:
-                positions_here = tuple(range(p0, p0 + span.length))
-                edits[(e.site, e.layer)].append((rec, span, e, plan, positions_here))
-        writes = {}
-        for key, parts in w_rows.items():
-            rows: list[int] = []
-            vec_index: list[int] = []
-            scale: list[float] = []
-            relative: list[bool] = []
-            for first, m, vec, sc, _, rel in parts:
-                rows.extend(range(first, first + m))
-                vec_index.extend([vec] * m)
-                scale.extend([sc] * m)
-                relative.extend([rel] * m)
-            dev = self.vectors.matrix.device
-            writes[key] = _Write(
-                torch.tensor(rows, dtype=torch.long, device=dev),
-                torch.tensor(vec_index, dtype=torch.long, device=dev),
-                torch.tensor(scale, dtype=torch.float32, device=dev),
-                [p[4] for p in parts],
-                torch.tensor(relative, dtype=torch.bool, device=dev) if any(relative) else None,
-            )
-        groups: dict[tuple[str, int], list[_ReadGroup]] = {}
-        for key, members in reads.items():
-            by_kind: dict[tuple[str, int], _ReadGroup] = {}
-            for rec, span, read in members:
-                g = by_kind.get((read.key, read.k))
-                if g is None:
-                    g = by_kind[(read.key, read.k)] = _ReadGroup(read, [], [])
-                g.spans.append(span)
-                g.records.append(rec)
-            groups[key] = list(by_kind.values())
-        self.step = _Step(layout, groups, writes, dict(edits))
+        if self.reader and step is not None:
+            ids = input_ids.tolist() if input_ids is not None else None
+            pos = (positions.reshape(-1, positions.shape[-1])[0].tolist()
+                   if positions is not None else None)
+            for req_id, (plan, span) in step.requests.items():
+                rec = self._record(req_id, plan)
+                rec.begin_step(
+                    span.first_position,
+                    span.length,
+                    ids[span.start : span.stop] if ids is not None else None,
+                    pos[span.start : span.stop] if pos is not None else None,
+                )
+                for msg in step.problems.get(req_id, ()):
+                    rec.error(msg)
+        self.step = step
         self.layout_ns += time.perf_counter_ns() - t0
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
-        self.step = None
+        step, self.step = self.step, None
+        if step is not None and self.reader and self.vectors.matrix.device.type != "cpu":
+            try:
+                to_host([self.records[r] for r in step.requests if r in self.records])
+            except Exception as exc:
+                self._fail(list(step.requests), ("(copy to host)", -1), exc)
 
     def _make_hook(self, spec: Any, layer: int):
         key = (spec.name, layer)
 
+        def visit(args, kwargs, output):
+            step = self.step
+            if step is not None and step.wants(key):
+                target = spec.target
+                self._visit(
+                    step, key, spec,
+                    lambda: spec.extract(args, kwargs, output),
+                    None if target is None else (lambda: target(args, kwargs, output)),
+                )
+
         if spec.pre:
+            return lambda module, args, kwargs: visit(args, kwargs, None)
+        return lambda module, args, kwargs, output: visit(args, kwargs, output)
 
-            def hook(module, args, kwargs):
-                step = self.step
-                if step is not None and step.wants(key):
-                    self._visit(step, key, spec, args, kwargs, None)
+    def visit_compiled(self, index: int, target, value) -> None:
+        """Called by vlens's operators in compiled mode, every step, with the
+        site's target and its canonical value as the graph computed them."""
+        spec, layer = self._codes[index]
+        key = (spec.name, layer)
+        step = self.step
+        if step is None or not step.wants(key):
+            return
+        get_value = lambda: value  # noqa: E731
+        if target is not None and value is not target and (key in step.adds or key in step.edits):
+            # the value was summed before the operator ran; after an add to
+            # the target, reads and edits must see the changed sum, as in eager
+            before = target.clone()
+            get_value = lambda: value + (target - before)  # noqa: E731
+        self._visit(step, key, spec, get_value, None if target is None else (lambda: target))
 
-        else:
-
-            def hook(module, args, kwargs, output):
-                step = self.step
-                if step is not None and step.wants(key):
-                    self._visit(step, key, spec, args, kwargs, output)
-
-        return hook
-
-    def _fail(self, records, key, exc: BaseException) -> None:
+    def _fail(self, req_ids, key, exc: BaseException) -> None:
         self.hook_errors += 1
         site, layer = key
         msg = f"site {site}, layer {layer}: {type(exc).__name__}: {exc}"
-        for rec in records:
+        for r in req_ids:
+            rec = self.records.get(r)
             if rec is not None:
                 rec.error(msg)
 
-    def _visit(self, step: _Step, key, spec, args, kwargs, output) -> None:
+    def _visit(self, step: StepPlan, key, spec, get_value, get_target) -> None:
+        """Run this step's adds, edits and reads at one (site, layer).
+        ``get_value()`` is the site's canonical value, ``get_target()`` the
+        tensor changes are added to (None: a read-only site)."""
         t0 = time.perf_counter_ns()
         site, layer = key
         label = f"{site}[{layer}]"
-        write = step.writes.get(key)
-        if write is not None:
+        batch = step.adds.get(key)
+        if batch is not None:
             try:
-                target = spec.target(args, kwargs, output)
-                delta = self.vectors.matrix.index_select(0, write.vec_index) * write.scale[:, None]
-                if write.relative is not None:
-                    # scale by each row's own norm (of the value before the write)
-                    value = spec.extract(args, kwargs, output)
+                target = get_target()
+                delta = self.vectors.matrix.index_select(0, batch.vectors) * batch.scales[:, None]
+                if batch.relative is not None:
+                    # scale by each row's own norm (of the value before the add)
+                    value = get_value()
                     flat = value[0] if token_axis(value, step.layout, site=label) == 1 else value
-                    norms = flat.index_select(0, write.rows).float().norm(dim=-1)
-                    delta = delta * torch.where(write.relative, norms, 1.0)[:, None]
-                add_rows(target, step.layout, write.rows, delta, site=label)
+                    norms = flat.index_select(0, batch.rows).float().norm(dim=-1)
+                    delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
+                add_rows(target, step.layout, batch.rows, delta, site=label, check=False)
             except Exception as exc:  # the requests concerned get the error
-                self._fail(write.records, key, exc)
-        for rec, span, edit, plan, positions in step.edits.get(key, []):
+                self._fail(batch.req_ids, key, exc)
+        for call in step.edits.get(key, ()):
             try:
-                self._run_edit(step, spec, args, kwargs, output, rec, span, edit, plan,
-                               positions, label)
+                self._run_edit(step, spec, get_value, get_target, call, label)
             except Exception as exc:
-                self._fail([rec], key, exc)
+                self._fail([call.req_id], key, exc)
         groups = step.reads.get(key)
         if groups:
             try:
-                value = spec.extract(args, kwargs, output)
-                axis = token_axis(value, step.layout, site=label)
-                if spec.name != "positions" and value.shape[-1] != self.hidden:
-                    raise ValueError(
-                        f"its value has width {value.shape[-1]}, not the hidden size "
-                        f"{self.hidden}: it is sharded across tensor-parallel ranks, "
-                        "and vlens does not return one rank's shard"
-                    )
-                for g in groups:
-                    # one gather and one reduction for every request in the step
-                    rows = gather(value, step.layout, g.spans, axis=axis, site=label)
-                    parts = self._reduce(rows, g.read)
-                    split = {part: t.split(g.lengths) for part, t in parts.items()}
-                    for i, rec in enumerate(g.records):
-                        if rec is None:  # a non-reading rank joined a collective
-                            continue
-                        for part, chunks in split.items():
-                            kept = chunks[i]
-                            rec.chunks[(g.read.key, part, layer)].append(kept)
-                            rec.copied_bytes += kept.numel() * kept.element_size()
+                self._read(step, spec, get_value(), groups, layer, label)
             except Exception as exc:  # reported to the client, never swallowed
-                self._fail([r for g in groups for r in g.records], key, exc)
+                self._fail([r for g in groups for r in g.req_ids], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
+
+    def _read(self, step, spec, value, groups, layer, label) -> None:
+        axis = token_axis(value, step.layout, site=label)
+        if spec.name != "positions" and value.shape[-1] != self.hidden:
+            raise ValueError(
+                f"its value has width {value.shape[-1]}, not the hidden size "
+                f"{self.hidden}: it is sharded across tensor-parallel ranks, "
+                "and vlens does not return one rank's shard"
+            )
+        for g in groups:
+            # one gather and one reduction for every request in the group
+            rows = gather(value, step.layout, list(g.spans), axis=axis, site=label)
+            parts = self._reduce(rows, g.read)
+            split = {part: t.split(g.lengths) for part, t in parts.items()}
+            for i, req_id in enumerate(g.req_ids):
+                rec = self.records.get(req_id) if self.reader else None
+                if rec is None:  # a non-reading rank joined a collective
+                    continue
+                for part, chunks in split.items():
+                    rec.keep(g.read.key, part, layer, chunks[i])
 
     def _reduce(self, rows: torch.Tensor, read) -> dict[str, torch.Tensor]:
         """``rows`` is a gathered copy ([n, ...]); kept values never alias
-        engine buffers that later kernels or steps overwrite."""
+        engine buffers that later kernels or steps overwrite. They stay on
+        the model's device until the step ends (``_end_step`` copies them
+        to the host in one go)."""
         if read.reduce == "full":
-            return {"value": rows.to(device="cpu", dtype=torch.float32)}
+            return {"value": rows.float()}
         if read.reduce == "norm":
-            return {"value": rows.float().norm(dim=-1).cpu()}
+            return {"value": rows.float().norm(dim=-1)}
         logits = lens_logits(self.model, rows)
         if logits is None:  # a non-driver tensor-parallel rank
             return {}
         if read.reduce == "logprobs":
-            return {"value": logits.log_softmax(-1).cpu()}
+            return {"value": logits.log_softmax(-1)}
         if read.reduce == "logit_lens":
             top, ids = logits.topk(max(1, read.k), dim=-1)
             probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
-            return {"ids": ids.cpu(), "probs": probs.cpu()}
+            return {"ids": ids, "probs": probs}
         raise ValueError(f"unknown reduction {read.reduce!r}")
 
-    def _run_edit(self, step, spec, args, kwargs, output, rec, span, edit, plan, positions, label):
-        fn = self.edit_fns.get(edit.fn)
+    def _run_edit(self, step: StepPlan, spec, get_value, get_target, call: EditCall,
+                  label) -> None:
+        """Call one request's edit function on its rows and write back the
+        change it returns, exactly once: whether the function returned a new
+        tensor, the tensor it was given changed in place, or a view of it."""
+        plan, span = call.plan, call.span
+        fn = self.edit_fns.get(call.edit.fn)
         if fn is None:
-            raise LookupError(f"edit function {edit.fn} never reached this worker")
-        value = spec.extract(args, kwargs, output)
+            raise LookupError(f"edit function {call.edit.fn} never reached this worker")
+        value = get_value()
         axis = token_axis(value, step.layout, site=label)
         rows = narrow(value, step.layout, span, axis=axis, clone=plan.clone, site=label)
-        if plan.clone and rec is not None:
-            rec.copied_bytes += rows.numel() * rows.element_size()
+        if plan.clone:
+            rec = self.records.get(call.req_id)
+            if rec is not None:
+                rec.copied_bytes += rows.numel() * rows.element_size()
         before = rows.clone()
-        ctx = EditContext(plan.index, plan.tag, spec.name, edit.layer,
-                          positions, plan.prompt_len, plan.clone)
+        ctx = EditContext(plan.index, plan.tag, spec.name, call.edit.layer,
+                          call.positions, plan.prompt_len, plan.clone)
         result = fn(rows, ctx)
+        if isinstance(result, torch.Tensor):
+            result = result.detach().clone()  # our own copy, whatever it aliases
+        changed = not torch.equal(rows, before)
+        if changed and not plan.clone:
+            # the function wrote into engine memory through its view: undo
+            # that, so the write-back below is the one change that lands
+            rows.copy_(before)
         if result is None:
-            if not torch.equal(rows, before):
+            if changed:
                 raise ValueError(
                     "the edit function changed the tensor it was given in place and "
                     "returned None; vlens writes edits back only from what the "
                     "function returns: return the edited tensor"
                 )
             return
-        if spec.target is None:
+        if get_target is None:
             raise ValueError(
                 f"site {spec.name} is read-only: an edit function there may look "
                 "(return None) but not return a new value"
@@ -476,11 +405,11 @@ class _Hooks:
                 f"{list(getattr(result, 'shape', []))}; return a tensor of the shape it was "
                 f"given, {list(before.shape)}"
             )
-        target = spec.target(args, kwargs, output)
+        target = get_target()
         t_rows = narrow(target, step.layout, span, axis=axis, site=label)
         # the canonical value may be a sum (native resid_post): add the change
-        widen(target, step.layout, span, t_rows + (result.to(t_rows.dtype) - before.to(t_rows.dtype)),
-              axis=axis, site=label)
+        change = result.to(t_rows.dtype) - before.to(t_rows.dtype)
+        widen(target, step.layout, span, t_rows + change, axis=axis, site=label)
 
     # -- client-facing ------------------------------------------------------
     def _forget_plans(self, wanted: set[str]) -> None:
@@ -491,9 +420,12 @@ class _Hooks:
             r: p for r, p in self.plans.items()
             if (p is not None and p.tag not in wanted) or (p is None and r in live)
         }
+        self.bad_plans = {r: m for r, m in self.bad_plans.items() if r in self.plans}
 
     def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
         wanted = set(tags)
+        if self.vectors.matrix.device.type == "cuda":
+            torch.cuda.synchronize()  # the steps' reads were copied non-blocking
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
         for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
             rec = self.records.pop(req_id)
@@ -506,6 +438,7 @@ class _Hooks:
             n = len(self.records)
             self.records.clear()
             self.plans.clear()
+            self.bad_plans.clear()
             self.edit_fns.clear()
             return n
         wanted = set(tags)
@@ -546,6 +479,7 @@ class VlensWorkerExtension:
 
     def vlens_setup(self) -> dict[str, Any]:
         """Install the hooks (once) and describe the model."""
+        _avoid_logprob_compile()
         hooks = self._vlens()
         hooks.install()
         return {

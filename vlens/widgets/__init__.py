@@ -1,14 +1,18 @@
 """Widgets for looking inside a vlens Session from Jupyter.
 
-Every widget calls only the Session API and draws with the builders of
-:mod:`vlens.plots`. Import this package explicitly (``import vlens`` does not
-load ipywidgets or plotly's widget layer)::
+Import this package explicitly (``import vlens`` does not load ipywidgets or
+plotly's widget layer), or use ``vlens.explore``::
 
     from vlens.widgets import explore
     explore(session, "once upon a time")
 
-Each widget works alone; :func:`explore` composes them around one shared
-layer and token span.
+How they fit: a :class:`Controller` is the one object that calls the
+Session (trace, direction, compare, sweep) and holds the traced Run. Views
+(:class:`ActivationView`, :class:`LogitLensView`) are handed a Run and only
+draw, following one :class:`Selection` (layer, token span, site); the
+:class:`SteeringPanel` asks the controller to steer. :func:`explore`
+composes them around one selection and one controller. Figures come from
+the builders of :mod:`vlens.plots`.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.explorer import Explorer, explore
 from vlens.widgets.logit_lens import LogitLensView
 from vlens.widgets.pickers import LayerPicker, SitePicker
-from vlens.widgets.steering import SteeringPanel
+from vlens.widgets.selection import Controller, Selection
+from vlens.widgets.steering import SteeringDefaults, SteeringPanel, steering_defaults
 from vlens.widgets.token_span import TokenSpanPicker
 
 __all__ = [
     "ActivationView",
     "CloneReadsToggle",
+    "Controller",
     "Explorer",
     "LayerPicker",
     "LogitLensView",
+    "Selection",
     "SitePicker",
+    "SteeringDefaults",
     "SteeringPanel",
     "TokenSpanPicker",
     "explore",
+    "steering_defaults",
 ]

@@ -1,5 +1,5 @@
-"""What every vlens widget shares: an error area, a progress row, and
-in-place figure updates.
+"""What every vlens widget shares: an error area, a progress row, in-place
+figure updates, and (for views) the shared :class:`Selection`.
 
 Callbacks run inside the kernel's comm handler, where an exception would
 only reach a log nobody reads. :meth:`Panel._guard` catches it, shows the
@@ -18,7 +18,12 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import traitlets
 
-__all__ = ["Panel", "figure_widget", "show_figure"]
+from vlens.results import Run
+from vlens.widgets.selection import Selection
+
+__all__ = [
+    "Panel", "View", "figure_widget", "full_sites", "layers_spanned", "show_figure",
+]
 
 
 def figure_widget(height: int | None = None) -> go.FigureWidget:
@@ -123,3 +128,33 @@ class Panel(widgets.VBox):
             self._progress_row.layout.display = "none"
             self._progress_label.value = ""
             self.busy = False
+
+
+def full_sites(run: Run) -> list[str]:
+    """The sites ``run`` read in full (``"resid_post"``, not ``"resid_post:norm"``)."""
+    return [key for key in run[0].read_keys if ":" not in key]
+
+
+def layers_spanned(run: Run) -> int:
+    """How many layers a picker over ``run`` offers: up to its highest read layer."""
+    return 1 + max((max(v) for v in run[0].layers.values() if v), default=0)
+
+
+def _selected(name: str) -> property:
+    def get(self: View) -> Any:
+        return getattr(self.selection, name)
+
+    def set_(self: View, value: Any) -> None:
+        setattr(self.selection, name, value)
+
+    return property(get, set_, doc=f"the selection's {name} (shared with every view of it)")
+
+
+class View(Panel):
+    """A Panel over ``selection`` (a :class:`Selection`, shared when views
+    are composed): ``layer``, ``span`` and ``site`` read and write it."""
+
+    selection: Selection
+    layer = _selected("layer")
+    span = _selected("span")
+    site = _selected("site")

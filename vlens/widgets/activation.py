@@ -1,132 +1,115 @@
-"""Layer / site / quantity pickers over a layer x token heatmap.
+"""A layer x token heatmap of a run, with layer / site / quantity pickers.
 
-One trace of the prompt reads every site at every layer; after that,
-changing the layer, site, quantity or span only re-plots from the cached
-trace (no engine call). The token strip below the heatmap shows the chosen
-layer's value per token.
+The view draws a Run it is given (``view.run = run``); it never calls the
+engine. Changing the layer, site, quantity or span re-plots from that run.
+The token strip below the heatmap shows the chosen layer's value per token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import ipywidgets as widgets
 import traitlets
 
 from vlens.plots import QUANTITIES, activation_heatmap, activation_values, token_strip
-from vlens.widgets._base import Panel, figure_widget, show_figure
+from vlens.results import Run
+from vlens.widgets._base import View, figure_widget, full_sites, layers_spanned, show_figure
 from vlens.widgets.pickers import LayerPicker, SitePicker
+from vlens.widgets.selection import Selection
 
 __all__ = ["ActivationView"]
 
 
-class ActivationView(Panel):
-    """Heatmap of a per-token quantity, layer x token, for one prompt.
+class ActivationView(View):
+    """Heatmap of a per-token quantity, layer x token, of a run's first trace.
 
-    ``ActivationView(session, "the cat")`` traces the prompt (every site and
-    layer); ``ActivationView(session, run=run)`` shows a run you already
-    have (it must hold the sites you pick). Traits: ``layer``, ``site``,
+    ``ActivationView(run)`` shows ``run`` (one that read full activations,
+    e.g. ``s.trace(prompts, layers=None, sites=s.sites)``); set ``run`` to
+    show another. ``selection`` (a :class:`Selection`, shared in an
+    explorer) holds ``layer``, ``site`` and ``span``; ``n_layers`` and
+    ``sites`` size the pickers (default: what ``run`` read). Own traits:
     ``quantity`` (norm / projection / cosine / neuron), ``neuron``,
-    ``span`` ``(start, stop)``; ``direction`` (a ``[hidden]`` tensor) feeds
-    projection and cosine. ``heatmap`` and ``strip`` are the FigureWidgets.
+    ``direction`` (a ``[hidden]`` tensor, for projection and cosine).
+    ``heatmap`` and ``strip`` are the FigureWidgets.
     """
 
-    layer = traitlets.Int(0)
-    site = traitlets.Unicode("resid_post")
     quantity = traitlets.Enum(QUANTITIES, default_value="norm")
     neuron = traitlets.Int(0)
-    span = traitlets.Tuple(traitlets.Int(), traitlets.Int(), default_value=(0, 0))
     direction = traitlets.Any(None, allow_none=True)
-    run = traitlets.Any(None, allow_none=True, help="the Run on show")
+    run = traitlets.Instance(Run, allow_none=True, help="the Run on show")
 
     def __init__(
         self,
-        session: Any,
-        prompt: str | None = None,
+        run: Run | None = None,
         *,
-        run: Any = None,
+        selection: Selection | None = None,
+        n_layers: int | None = None,
+        sites: Sequence[str] | None = None,
         layer: int | None = None,
-        site: str = "resid_post",
+        site: str | None = None,
         quantity: str = "norm",
         neuron: int = 0,
         direction: Any = None,
-        max_new_tokens: int = 16,
-        show_prompt: bool = True,
     ) -> None:
-        self.session = session
-        self.max_new_tokens = max_new_tokens
-        n_layers = session.n_layers
-        self.layer_picker = LayerPicker(n_layers, value=n_layers // 2 if layer is None else layer)
-        self.site_picker = SitePicker(session.sites, value=site)
+        if run is None and (n_layers is None or sites is None):
+            raise ValueError("give a run to show, or n_layers= and sites= for one to come")
+        n_layers = layers_spanned(run) if n_layers is None else n_layers
+        sites = full_sites(run) if sites is None else list(sites)
+        self.selection = Selection(layer=n_layers // 2) if selection is None else selection
+        if layer is not None:
+            self.selection.layer = layer
+        if site is not None:
+            self.selection.site = site
+        self.layer_picker = LayerPicker(n_layers, value=self.selection.layer)
+        self.site_picker = SitePicker(sites, value=self.selection.site)
         self._quantity = widgets.Dropdown(options=QUANTITIES, value=quantity,
                                           description="quantity")
-        self._neuron = widgets.BoundedIntText(
-            value=neuron, min=0, max=session.hidden_size - 1, description="neuron",
-            layout={"width": "180px"},
-        )
-        self._prompt = widgets.Text(value=prompt or "", description="prompt",
-                                    layout={"width": "60%"})
-        self._trace_button = widgets.Button(description="trace", icon="play")
+        # unbounded until a run says the hidden size
+        self._neuron = widgets.BoundedIntText(value=neuron, min=0, max=2**31 - 1,
+                                              description="neuron", layout={"width": "180px"})
         self.heatmap = figure_widget()
         self.strip = figure_widget()
-        prompt_row = widgets.HBox([self._prompt, self._trace_button])
-        prompt_row.layout.display = "" if show_prompt else "none"
         controls = widgets.HBox(
             [self.layer_picker, self.site_picker, self._quantity, self._neuron],
             layout={"flex_flow": "row wrap"},
         )
-        super().__init__([prompt_row, controls, self.heatmap, self.strip])
+        super().__init__([controls, self.heatmap, self.strip])
 
-        self.set_trait("layer", self.layer_picker.value)
-        self.site = site
         self.quantity = quantity
         self.neuron = neuron
         self.direction = direction
-        widgets.link((self.layer_picker, "value"), (self, "layer"))
-        widgets.link((self.site_picker, "value"), (self, "site"))
+        widgets.link((self.layer_picker, "value"), (self.selection, "layer"))
+        widgets.link((self.site_picker, "value"), (self.selection, "site"))
         widgets.link((self._quantity, "value"), (self, "quantity"))
         widgets.link((self._neuron, "value"), (self, "neuron"))
         self._sync_neuron_box()
-        self.observe(
-            self._guard(self._on_change),
-            names=["layer", "site", "quantity", "neuron", "span", "direction"],
-        )
-        self._trace_button.on_click(self._guard(lambda _b: self.trace(self._prompt.value)))
-        if run is not None:
-            self.set_run(run)
-        elif prompt:
-            self._guard(self.trace)(prompt)
-
-    # -- engine ----------------------------------------------------------------
-    def trace(self, prompt: str) -> Any:
-        """Trace ``prompt`` (every site, every layer) and show it."""
-        self._prompt.value = prompt
-        with self._working(f"tracing {self.max_new_tokens} new tokens…") as report:
-            run = self.session.trace(
-                [prompt], layers=None, sites=self.session.sites,
-                max_new_tokens=self.max_new_tokens, progress=report,
-            )
-        self.set_run(run)
-        return run
-
-    def set_run(self, run: Any) -> None:
-        """Show the first trace of ``run`` (no engine call)."""
+        self.selection.observe(self._guard(self._redraw), names=["layer", "site", "span"])
+        self.observe(self._guard(self._on_change),
+                     names=["quantity", "neuron", "direction", "run"])
         self.run = run
-        if self.span[1] > run[0].n_tokens:
-            self.span = (0, 0)  # the observer re-plots
-        else:
-            self.replot()
 
-    # -- plotting --------------------------------------------------------------
+    # -- reactions -------------------------------------------------------------
     def _on_change(self, change) -> None:
         if change["name"] == "quantity":
             self._sync_neuron_box()
-        if self.run is not None:
-            self.replot()
+        if change["name"] == "run" and self.run is not None:
+            t = self.run[0]
+            self.site_picker.set_sites(full_sites(self.run))
+            self._neuron.max = t.activations(self.site).shape[-1] - 1
+            if self.span[1] > t.n_tokens:
+                self.span = (0, 0)  # the selection's observer re-plots
+                return
+        self.replot()
+
+    def _redraw(self, change) -> None:
+        self.replot()
 
     def _sync_neuron_box(self) -> None:
         self._neuron.layout.display = "" if self.quantity == "neuron" else "none"
 
+    # -- drawing ---------------------------------------------------------------
     def values(self):
         """``([n_layers_read, n_tokens] values, layers read)`` of the shown
         trace for the current site and quantity."""
@@ -139,7 +122,7 @@ class ActivationView(Panel):
         )
 
     def replot(self) -> None:
-        """Redraw both figures from the cached run."""
+        """Redraw both figures from the run on show."""
         if self.run is None:
             return
         t = self.run[0]
@@ -154,16 +137,15 @@ class ActivationView(Panel):
                 title=f"{self.site}: {label} by layer and token",
             ),
         )
-        if self.layer in layers:
-            row = values[layers.index(self.layer)]
-            show_figure(
-                self.strip,
-                token_strip(row, t.tokens, n_prompt=n_prompt, quantity=label, width=12,
-                            span=self.span,
-                            title=f"{self.site} layer {self.layer}: {label} per token"),
-            )
-        else:
+        if self.layer not in layers:
             raise ValueError(
                 f"layer {self.layer} of {self.site!r} was not read in this run "
                 f"(read: {layers})"
             )
+        row = values[layers.index(self.layer)]
+        show_figure(
+            self.strip,
+            token_strip(row, t.tokens, n_prompt=n_prompt, quantity=label, width=12,
+                        span=self.span,
+                        title=f"{self.site} layer {self.layer}: {label} per token"),
+        )

@@ -46,7 +46,7 @@ class CloneReadsToggle(widgets.HBox):
         )
         self._label = widgets.Label("no run yet")
         super().__init__(children=[self._button, self._label])
-        self.value = bool(getattr(session, "clone_reads", False))
+        self.value = session.clone_reads
         self._button.value = self.value
         self._button.observe(self._from_button, names="value")
         self.observe(self._apply, names="value")
@@ -60,15 +60,16 @@ class CloneReadsToggle(widgets.HBox):
         self._describe()
 
     def show_run(self, run: Any) -> None:
-        """Show what ``run`` (a Run, or anything with ``copied_bytes``) copied."""
-        self._ran_with = bool(getattr(self.session, "clone_reads", False))
-        self.copied_bytes = int(run.copied_bytes)
+        """Show what ``run`` (a Run) copied."""
+        self._ran_with = self.session.clone_reads
+        self.copied_bytes = run.copied_bytes
         self._describe()
 
     def _describe(self) -> None:
         if self.copied_bytes < 0:
             self._label.value = "no run yet"
             return
+
         def word(flag: bool) -> str:
             return "on" if flag else "off"
 

@@ -1,10 +1,12 @@
-"""One prompt, every view: the explorer composes the widgets around one
-shared selection of layer and token span.
+"""One prompt, every view: the explorer composes views around one
+:class:`Selection` and one :class:`Controller`.
 
-Tracing the prompt once (every site, every layer) feeds the activation view
-and the logit lens; the steering panel steers the same prompt at the shared
-layer and span. Move any layer picker, or click tokens in the strip at the
-top, and every view follows.
+The controller traces the prompt once (every site, every layer, the logit
+lens's top token) and the explorer hands that Run to every view. The views
+share the selection: move any layer picker, or click tokens in the chip
+strip at the top, and every view redraws from it. The steering panel steers
+the same prompt at the selection's layer, site and span through the same
+controller.
 """
 
 from __future__ import annotations
@@ -12,30 +14,29 @@ from __future__ import annotations
 from typing import Any
 
 import ipywidgets as widgets
-import traitlets
 
-from vlens.widgets._base import Panel
+from vlens.results import Run
+from vlens.widgets._base import View
 from vlens.widgets.activation import ActivationView
 from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.logit_lens import LogitLensView
-from vlens.widgets.steering import SteeringPanel
+from vlens.widgets.selection import Controller, Selection
+from vlens.widgets.steering import SteeringPanel, steering_defaults
 from vlens.widgets.token_span import TokenSpanPicker
 
 __all__ = ["Explorer", "explore"]
 
 
-class Explorer(Panel):
-    """Activation view, logit lens and steering panel on one prompt.
+class Explorer(View):
+    """Activation view, logit lens view and steering panel on one prompt.
 
-    ``layer`` and ``span`` ``(start, stop)`` are shared by every view (each
-    view's own trait is linked to these). ``tokens`` is the chip strip of the
-    traced prompt and generation; ``activations``, ``logit_lens``,
-    ``steering`` and ``clone_reads`` are the composed widgets.
+    ``selection`` (layer, span, site) is shared by every view; ``layer``
+    and ``span`` read and write it. ``controller`` runs the engine and
+    holds ``run``, the traced prompt. ``span_picker`` is the chip strip of
+    the prompt and its generation; ``activation_view``,
+    ``logit_lens_view``, ``steering_panel`` and ``clone_reads_toggle`` are
+    the composed widgets.
     """
-
-    layer = traitlets.Int(0)
-    span = traitlets.Tuple(traitlets.Int(), traitlets.Int(), default_value=(0, 0))
-    run = traitlets.Any(None, allow_none=True, help="the traced Run on show")
 
     def __init__(
         self,
@@ -47,62 +48,63 @@ class Explorer(Panel):
         positive: Any = (),
         negative: Any = (),
         vector: Any = None,
-        lens: Any = None,
     ) -> None:
-        self.session = session
-        self.max_new_tokens = max_new_tokens
-        layer = session.n_layers // 2 if layer is None else layer
+        self.controller = Controller(session, max_new_tokens=max_new_tokens)
+        self.selection = Selection(
+            layer=steering_defaults(session).layer if layer is None else layer)
         self._prompt = widgets.Text(prompt, description="prompt", layout={"width": "60%"})
         self._trace_button = widgets.Button(description="trace", icon="play")
-        self.clone_reads = CloneReadsToggle(session)
-        self.tokens = TokenSpanPicker()
-        self.activations = ActivationView(session, layer=layer, show_prompt=False,
-                                          max_new_tokens=max_new_tokens)
-        self.logit_lens = LogitLensView(session, lens=lens, max_new_tokens=max_new_tokens)
-        self.steering = SteeringPanel(
-            session, prompt, layer=layer, positive=positive, negative=negative,
-            vector=vector, max_new_tokens=max_new_tokens, show_tokens=False,
+        self.clone_reads_toggle = CloneReadsToggle(session)
+        self.span_picker = TokenSpanPicker()
+        shared = {"selection": self.selection, "n_layers": session.n_layers}
+        self.activation_view = ActivationView(sites=session.sites, **shared)
+        self.logit_lens_view = LogitLensView(token_strings=session.token_strings, **shared)
+        self.steering_panel = SteeringPanel(
+            self.controller, prompt, selection=self.selection, positive=positive,
+            negative=negative, vector=vector, span_picker=False,
         )
         self.tabs = widgets.Tab(
-            children=[self.activations, self.logit_lens, self.steering],
+            children=[self.activation_view, self.logit_lens_view, self.steering_panel],
             titles=("activations", "logit lens", "steering"),
         )
         super().__init__([
             widgets.HBox([self._prompt, self._trace_button]),
-            self.clone_reads,
-            self.tokens,
+            self.clone_reads_toggle,
+            self.span_picker,
             self.tabs,
         ])
-        self.layer = layer
-        for view in (self.activations, self.steering):
-            traitlets.link((self, "layer"), (view, "layer"))
-        traitlets.link((self.tokens, "selection"), (self, "span"))
-        for view in (self.activations, self.logit_lens, self.steering):
-            traitlets.link((self, "span"), (view, "span"))
-        self.steering.observe(self._guard(self._show_copied), names=["run"])
+        # the chips are the span control of every view
+        widgets.link((self.span_picker, "selection"), (self.selection, "span"))
+        self.controller.observe(self._guard(self._show_run), names=["run"])
+        self.steering_panel.observe(self._guard(self._show_copied), names=["comparison"])
         self._trace_button.on_click(self._guard(lambda _b: self.trace(self._prompt.value)))
         self._guard(self.trace)(prompt)
 
-    def trace(self, prompt: str) -> Any:
-        """Trace ``prompt`` (every site, every layer) and show it everywhere."""
+    @property
+    def run(self) -> Run | None:
+        """The traced prompt's Run (``None`` until a trace succeeded)."""
+        return self.controller.run
+
+    def trace(self, prompt: str) -> Run:
+        """Trace ``prompt`` and show it in every view."""
         self._prompt.value = prompt
-        with self._working(f"tracing {self.max_new_tokens} new tokens…") as report:
-            run = self.session.trace([prompt], layers=None, sites=self.session.sites,
-                                     max_new_tokens=self.max_new_tokens, progress=report)
+        with self._working(f"tracing {self.controller.max_new_tokens} new tokens…") as report:
+            return self.controller.trace(prompt, progress=report)
+
+    def _show_run(self, change) -> None:
+        run = change["new"]
         t = run[0]
-        self.run = run
-        self.tokens.selection = (0, 0)
-        self.tokens.tokens = list(t.tokens)
-        self.tokens.n_prompt = len(t.prompt_token_ids)
-        self.activations.set_run(run)
-        self.logit_lens.set_run(run)
-        self.steering.set_prompt(prompt)
-        self.clone_reads.show_run(run)
-        return run
+        self.span = (0, 0)  # a span of the last prompt means nothing here
+        self.span_picker.tokens = list(t.tokens)
+        self.span_picker.n_prompt = len(t.prompt_token_ids)
+        self.activation_view.run = run
+        self.logit_lens_view.run = run
+        self.steering_panel.set_prompt(t.prompt)
+        self.clone_reads_toggle.show_run(run)
 
     def _show_copied(self, change) -> None:
         if change["new"] is not None:
-            self.clone_reads.show_run(change["new"])
+            self.clone_reads_toggle.show_run(change["new"].steered)
 
 
 def explore(session: Any, prompt: str, **kwargs: Any) -> Explorer:

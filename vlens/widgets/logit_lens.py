@@ -1,121 +1,116 @@
 """The logit lens as a widget: top next token per layer and position.
 
-The lens (final norm + unembedding, from the checkpoint) runs client-side on
-the residual stream a run already holds, so choosing layers or a span never
-calls the engine. The top-1 tokens of every layer are computed once per run.
+The view draws a Run it is given. The lens itself comes from the run: read
+in the worker with ``trace(..., logit_lens=1)`` (the model's own final norm
+and unembedding; only the top token and its probability cross back), or,
+for a run that read the full ``resid_post`` instead, computed here by an
+offline :class:`~vlens.lens.LogitLens` you pass. The top-1 tokens of every
+layer are taken once per run; choosing layers or a span only re-plots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import traitlets
 
 from vlens.plan import read_key
 from vlens.plots import logit_lens_grid
-from vlens.widgets._base import Panel, figure_widget, show_figure
+from vlens.results import Run, Trace
+from vlens.widgets._base import View, figure_widget, layers_spanned, show_figure
 from vlens.widgets.pickers import LayerPicker
+from vlens.widgets.selection import Selection
 
 __all__ = ["LogitLensView"]
 
+_LENS_KEY = read_key("resid_post", "logit_lens")
 
-class LogitLensView(Panel):
+
+class LogitLensView(View):
     """Layer x position grid of the top next token and its probability.
 
-    ``LogitLensView(session, "the cat")`` traces the prompt with the lens
-    computed in the worker (``trace(logit_lens=1)``: only the top token and its
-    probability cross back); ``run=`` shows a run that read the lens or the
-    full ``resid_post`` at the layers to show (lensed here, client-side). ``layers`` is an inclusive ``(low, high)`` range;
-    ``span`` outlines token columns. ``lens`` defaults to
-    ``LogitLens.from_pretrained(session.model)``.
+    ``LogitLensView(run, token_strings=s.token_strings)`` shows ``run``'s
+    first trace; ``token_strings`` turns the predicted ids into text.
+    ``offline_lens`` (a :class:`~vlens.lens.LogitLens`) is needed only for
+    runs that read ``resid_post`` in full but not the logit lens.
+    ``layer_range`` is an inclusive ``(low, high)`` of the layers shown;
+    the selection's ``span`` outlines token columns. ``figure`` is the
+    FigureWidget.
     """
 
-    layers = traitlets.Tuple(traitlets.Int(), traitlets.Int())
-    span = traitlets.Tuple(traitlets.Int(), traitlets.Int(), default_value=(0, 0))
-    run = traitlets.Any(None, allow_none=True, help="the Run on show")
+    layer_range = traitlets.Tuple(traitlets.Int(), traitlets.Int())
+    run = traitlets.Instance(Run, allow_none=True, help="the Run on show")
 
     def __init__(
         self,
-        session: Any,
-        prompt: str | None = None,
+        run: Run | None = None,
         *,
-        run: Any = None,
-        lens: Any = None,
-        layers: tuple[int, int] | None = None,
-        site: str = "resid_post",
-        max_new_tokens: int = 16,
+        token_strings: Callable[[Sequence[int]], list[str]],
+        selection: Selection | None = None,
+        offline_lens: Any = None,
+        n_layers: int | None = None,
+        layer_range: tuple[int, int] | None = None,
     ) -> None:
-        self.session = session
-        self.site = site
-        self.max_new_tokens = max_new_tokens
-        self._lens = lens
+        if run is None and n_layers is None:
+            raise ValueError("give a run to show, or n_layers= for one to come")
+        n_layers = layers_spanned(run) if n_layers is None else n_layers
+        self.selection = Selection() if selection is None else selection
+        self.token_strings = token_strings
+        self.offline_lens = offline_lens
         self._top: tuple[list[int], list[list[str]], Any] | None = None
-        top = session.n_layers - 1
         self.layer_picker = LayerPicker(
-            session.n_layers, value=tuple(layers) if layers else (0, top),
+            n_layers, value=tuple(layer_range) if layer_range else (0, n_layers - 1),
             description="layers",
         )
         self.figure = figure_widget()
         super().__init__([self.layer_picker, self.figure])
-        self.layers = self.layer_picker.value
-        traitlets.link((self.layer_picker, "value"), (self, "layers"))
-        self.observe(self._guard(self._on_change), names=["layers", "span"])
-        if run is not None:
-            self._guard(self.set_run)(run)
-        elif prompt:
-            self._guard(self.trace)(prompt)
-
-    @property
-    def lens(self):
-        if self._lens is None:
-            from vlens.lens import LogitLens
-
-            self._lens = LogitLens.from_pretrained(self.session.model)
-        return self._lens
-
-    def trace(self, prompt: str) -> Any:
-        """Trace ``prompt``'s residual stream at every layer and show it."""
-        with self._working("tracing for the logit lens…") as report:
-            run = self.session.trace([prompt], layers=None, sites=[self.site],
-                                     reduce="norm", logit_lens=1, progress=report,
-                                     max_new_tokens=self.max_new_tokens)
-        self.set_run(run)
-        return run
-
-    def set_run(self, run: Any) -> None:
-        """Show the first trace of ``run`` (no engine call)."""
-        t = run[0]
-        try:  # read with trace(lens=k): computed in the worker
-            ids, probs = t.logit_lens(self.site)  # [L, T, k] each
-            read = list(t.layers[read_key(self.site, "logit_lens")])
-        except (KeyError, AttributeError):  # full activations: lens them here
-            ids, probs = self.lens.top(t.activations(self.site), k=1)
-            read = list(t.layers[self.site])
-        n_layers, n_tok = ids.shape[0], ids.shape[1]
-        flat = [int(i) for i in ids[..., 0].reshape(-1)]
-        words = self.session.token_strings(flat)
-        grid = [words[r * n_tok:(r + 1) * n_tok] for r in range(n_layers)]
+        self.layer_range = self.layer_picker.value
+        traitlets.link((self.layer_picker, "value"), (self, "layer_range"))
+        self.selection.observe(self._guard(self._redraw), names=["span"])
+        self.observe(self._guard(self._redraw), names=["layer_range"])
+        self.observe(self._guard(self._on_run), names=["run"])
         self.run = run
-        self._top = (read, grid, probs[..., 0])
+
+    def top_tokens(self, t: Trace) -> tuple[list[int], Any, Any]:
+        """``(layers read, top ids [L, T], their probabilities [L, T])`` of ``t``."""
+        if _LENS_KEY in t.read_keys:
+            ids, probs = t.logit_lens("resid_post")  # [L, T, k] each
+            return list(t.layers[_LENS_KEY]), ids[..., 0], probs[..., 0]
+        if self.offline_lens is not None and "resid_post" in t.read_keys:
+            ids, probs = self.offline_lens.top(t.activations("resid_post"), k=1)
+            return list(t.layers["resid_post"]), ids[..., 0], probs[..., 0]
+        raise ValueError(
+            "this run has no logit lens to show: trace with logit_lens=1, or read "
+            "resid_post in full and pass offline_lens=LogitLens.from_pretrained(model)"
+        )
+
+    def _on_run(self, change) -> None:
+        self._top = None
+        if self.run is None:
+            return
+        read, ids, probs = self.top_tokens(self.run[0])
+        n_tok = ids.shape[1]
+        words = self.token_strings([int(i) for i in ids.reshape(-1)])
+        grid = [words[r * n_tok:(r + 1) * n_tok] for r in range(len(read))]
+        self._top = (read, grid, probs)
         self.replot()
 
-    def _on_change(self, change) -> None:
-        if self._top is not None:
-            self.replot()
+    def _redraw(self, change) -> None:
+        self.replot()
 
     def replot(self) -> None:
         if self._top is None:
             return
         read, grid, probs = self._top
-        lo, hi = self.layers
+        lo, hi = self.layer_range
         rows = [i for i, layer in enumerate(read) if lo <= layer <= hi]
         if not rows:
             raise ValueError(f"no layer in {lo}..{hi} was read in this run (read: {read})")
-        t = self.run[0]
         show_figure(
             self.figure,
             logit_lens_grid(
-                [grid[i] for i in rows], probs[rows], t.tokens, [read[i] for i in rows],
-                span=self.span,
+                [grid[i] for i in rows], probs[rows], self.run[0].tokens,
+                [read[i] for i in rows], span=self.span,
             ),
         )

@@ -78,7 +78,7 @@ class LayerPicker(widgets.VBox):
 
 
 class SitePicker(widgets.Dropdown):
-    """A dropdown of the session's sites (``session.sites``)."""
+    """A dropdown of sites (``session.sites``, or the sites a run read)."""
 
     def __init__(self, sites: Sequence[str], *, value: str | None = None,
                  description: str = "site") -> None:
@@ -86,7 +86,21 @@ class SitePicker(widgets.Dropdown):
         if not sites:
             raise ValueError("no sites to pick from")
         if value is None:
-            value = "resid_post" if "resid_post" in sites else sites[0]
+            value = _default_site(sites)
         if value not in sites:
             raise ValueError(f"site {value!r} is not one of {', '.join(sites)}")
         super().__init__(options=sites, value=value, description=description)
+
+    def set_sites(self, sites: Sequence[str]) -> None:
+        """Offer ``sites``, keeping the current site when it is one of them."""
+        sites = list(sites)
+        if not sites:
+            raise ValueError("no sites to pick from")
+        if sites != list(self.options):
+            keep = self.value if self.value in sites else _default_site(sites)
+            self.options = sites  # resets the value to the first option
+            self.value = keep
+
+
+def _default_site(sites: list[str]) -> str:
+    return "resid_post" if "resid_post" in sites else sites[0]

@@ -1,0 +1,34 @@
+"""Helpers shared by the tests that run the notebooks (tests/test_notebooks.py
+and tests/test_browser.py); imported as ``_helpers`` (pytest puts tests/ on
+the path)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+
+def notebook_model() -> str | None:
+    """The model the notebooks run on: ``VLENS_NOTEBOOK_MODEL``, or None for
+    the bundled one (skips when neither is there)."""
+    model = os.environ.get("VLENS_NOTEBOOK_MODEL")
+    if model:
+        return model
+    from vlens.models import toyworld_path
+
+    try:
+        toyworld_path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"no bundled model to run the notebooks on: {exc}")
+    return None
+
+
+def set_parameters(book, model: str | None) -> None:
+    """Point the notebook's one ``parameters`` cell at ``model`` (None: leave it)."""
+    cells = [c for c in book.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, "each notebook has one cell tagged 'parameters'"
+    if model is not None:
+        cells[0].source = re.sub(r"^MODEL = .*$", f"MODEL = {model!r}", cells[0].source,
+                                 flags=re.MULTILINE)

@@ -1,0 +1,139 @@
+"""vlens inside vLLM's compiled mode (``enforce_eager=False``).
+
+In compiled mode vLLM traces the decoder stack once with torch.compile and
+from then on runs the compiled code: a Python hook registered after that
+never fires. Two things make vlens work there anyway:
+
+* **hooks that exist before the trace.** The Engine asks vLLM for
+  :class:`CompiledCPUWorker` / :class:`CompiledGPUWorker` (``worker_cls=``),
+  vLLM's own worker with one change: right after the model is loaded, and
+  before anything traces it, vlens installs its per-(site, layer) hooks;
+* **hooks that only call an opaque operator.** Each of those hooks does
+  nothing but call ``torch.ops.vlens.site(target, value, code)`` (or
+  ``vlens.read`` on a read-only site). torch.compile keeps the operator as a
+  call in the compiled graph, so it runs on every step, with the step's
+  real tensors; its implementation, plain Python outside the graph, looks
+  up the worker's current step plan and does exactly what the eager hook
+  does (adds, edits, reads). ``target`` is declared mutated, so the graph
+  uses the edited tensor downstream.
+
+On a GPU, vLLM captures CUDA graphs; a Python operator inside a captured
+graph would run once at capture and never again. The Engine therefore lists
+both operators in ``compilation_config.splitting_ops`` (beside vLLM's own
+attention operators) and asks for piecewise CUDA graphs: the graph is cut
+at each vlens operator, the pieces between are captured, and the operators
+run eagerly between them every step. See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["SPLITTING_OPS", "register", "unregister", "worker_qualname"]
+
+#: operators vLLM must split its compiled graph at (GPU, piecewise graphs)
+SPLITTING_OPS = ["vlens::site", "vlens::read"]
+
+# the hook states of the workers in this process; an operator call carries
+# its worker's slot in the high bits of ``code``
+_WORKERS: list[Any] = []
+_SLOT_BITS = 20
+
+
+def register(hooks: Any) -> int:
+    """Give a worker's hook state a slot; returns the code base for its sites."""
+    _WORKERS.append(hooks)
+    return (len(_WORKERS) - 1) << _SLOT_BITS
+
+
+def unregister(base: int) -> None:
+    _WORKERS[base >> _SLOT_BITS] = None
+
+
+def _dispatch(code: int, target: torch.Tensor | None, value: torch.Tensor) -> None:
+    hooks = _WORKERS[code >> _SLOT_BITS]
+    if hooks is not None:
+        hooks.visit_compiled(code & ((1 << _SLOT_BITS) - 1), target, value)
+
+
+@torch.library.custom_op("vlens::site", mutates_args=("target",))
+def _site(target: torch.Tensor, value: torch.Tensor | None, code: int) -> None:
+    """Run vlens's step plan at one writable (site, layer): ``value`` is the
+    canonical value (None: ``target`` itself), ``target`` the tensor edits
+    are added to."""
+    _dispatch(code, target, target if value is None else value)
+
+
+@_site.register_fake
+def _(target, value, code) -> None:
+    return None
+
+
+@torch.library.custom_op("vlens::read", mutates_args=())
+def _read(value: torch.Tensor, code: int) -> None:
+    """Run vlens's step plan at one read-only (site, layer)."""
+    _dispatch(code, None, value)
+
+
+@_read.register_fake
+def _(value, code) -> None:
+    return None
+
+
+# an operator with no output and no mutation would be removed as dead code
+torch.fx.node.has_side_effect(torch.ops.vlens.read.default)
+
+
+def compiled_hook(spec: Any, code: int, pre: bool):
+    """The hook torch.compile traces into the graph: compute the site's
+    target and value, and hand them to the operator. Nothing else: any
+    Python branch here would be frozen at trace time."""
+
+    def call(args: tuple, kwargs: dict, output: Any) -> None:
+        value = spec.extract(args, kwargs, output)
+        if spec.target is None:
+            torch.ops.vlens.read(value, code)
+            return
+        target = spec.target(args, kwargs, output)
+        torch.ops.vlens.site(target, None if value is target else value, code)
+
+    if pre:
+        return lambda module, args, kwargs: call(args, kwargs, None)
+    return lambda module, args, kwargs, output: call(args, kwargs, output)
+
+
+def worker_qualname(gpu: bool) -> str:
+    return f"{__name__}.{'CompiledGPUWorker' if gpu else 'CompiledCPUWorker'}"
+
+
+def _with_hooks_before_compile(name: str, base: type) -> type:
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        base.load_model(self, *args, **kwargs)
+        self._vlens().install(compiled=True)  # from VlensWorkerExtension
+
+    from vlens.engine.worker import VlensWorkerExtension
+
+    # the extension among the bases already: vLLM then leaves the class as
+    # it is (it would refuse to add it again to a subclass of a worker class
+    # an eager engine in this process has already extended)
+    return type(name, (base, VlensWorkerExtension), {
+        "load_model": load_model,
+        "__module__": __name__,
+        "__doc__": f"vLLM's {base.__name__}, with vlens's hooks installed before compilation.",
+    })
+
+
+def __getattr__(name: str) -> type:
+    # made on first use, so importing this module never imports a worker
+    # class the platform lacks
+    if name == "CompiledCPUWorker":
+        from vllm.v1.worker.cpu_worker import CPUWorker as base
+    elif name == "CompiledGPUWorker":
+        from vllm.v1.worker.gpu_worker import Worker as base
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = _with_hooks_before_compile(name, base)
+    globals()[name] = cls
+    return cls

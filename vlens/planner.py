@@ -1,0 +1,234 @@
+"""The step planner: what every hook does in one forward step.
+
+Once per forward step the worker hands this module the runner's arrays --
+the requests in batch order, each one's plan (or None), vLLM's cumulative
+row offsets (``query_start_loc``), how many tokens each request had already
+computed, the padded row count -- and :func:`plan_step` returns a
+:class:`StepPlan`: for every (site, layer) that anyone wants this step, the
+read groups, the one batched steering add, and the edit calls. The hooks
+then only execute it.
+
+This is the code that decides which rows are whose, so it is pure (torch
+only, no vLLM import) and tested with plain data (tests/test_planner.py),
+like the batcher it builds on. Rules it keeps:
+
+* the layout covers every request in the step, with or without a plan:
+  rows of untraced requests still shift everyone after them;
+* a request's rows in this step are positions ``[first, first + n)`` of its
+  own sequence (``first`` = tokens already computed), so token spans of
+  steering edits are clipped per step, whatever the chunking;
+* all requests' steering adds at one (site, layer) become one index: one
+  ``index_add_`` however many requests there are;
+* requests that read the same (site, layer) the same way form one group:
+  one gather and one reduction for all of them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vlens.batcher import RowSpan, StepLayout
+from vlens.plan import Edit, Plan, Read
+
+__all__ = ["AddBatch", "EditCall", "ReadGroup", "StepPlan", "plan_step", "COLLECTIVE"]
+
+#: reductions that every tensor-parallel rank must join (the unembedding
+#: gathers across ranks), though only the reading rank keeps the result
+COLLECTIVE = ("logit_lens", "logprobs")
+
+Key = tuple[str, int]  # (site, layer)
+
+
+@dataclass(frozen=True)
+class ReadGroup:
+    """Requests reading one (site, layer) the same way in one step."""
+
+    read: Read  # a representative (same key and k for the whole group)
+    spans: tuple[RowSpan, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.spans]
+
+    @property
+    def req_ids(self) -> list[str]:
+        return [s.key for s in self.spans]
+
+
+@dataclass(frozen=True)
+class AddBatch:
+    """Every steering add at one (site, layer) in one step.
+
+    Row ``rows[i]`` of the step gets ``scales[i] * matrix[vectors[i]]``
+    (times the row's own norm where ``relative[i]``)."""
+
+    rows: torch.Tensor  # [m] int64 row numbers in the step
+    vectors: torch.Tensor  # [m] int64 rows of the worker's vector matrix
+    scales: torch.Tensor  # [m] float32
+    relative: torch.Tensor | None  # [m] bool, None when no add is relative
+    req_ids: tuple[str, ...]  # the requests concerned
+
+
+@dataclass(frozen=True)
+class EditCall:
+    """One request's ``edit=`` function at one (site, layer) in one step."""
+
+    span: RowSpan
+    edit: Edit
+    plan: Plan
+
+    @property
+    def req_id(self) -> str:
+        return self.span.key
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        p0 = self.span.first_position
+        return tuple(range(p0, p0 + self.span.length))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    layout: StepLayout
+    #: requests with a plan and rows in this step: req_id -> (plan, span)
+    requests: dict[str, tuple[Plan, RowSpan]]
+    reads: dict[Key, tuple[ReadGroup, ...]]
+    adds: dict[Key, AddBatch]
+    edits: dict[Key, tuple[EditCall, ...]]
+    #: req_id -> what could not be planned for it (e.g. a missing vector)
+    problems: dict[str, list[str]]
+
+    def wants(self, key: Key) -> bool:
+        return key in self.reads or key in self.adds or key in self.edits
+
+
+def plan_step(
+    req_ids: Sequence[str],
+    plans: Sequence[Plan | None],
+    query_start_loc: Sequence[int],
+    num_computed: Sequence[int],
+    *,
+    num_padded: int | None = None,
+    vector_rows: Mapping[str, int] | None = None,
+    reader: bool = True,
+    device: torch.device | str = "cpu",
+) -> StepPlan | None:
+    """Plan one forward step; None when no request in it carries a plan.
+
+    ``vector_rows`` maps steering-vector ids to rows of the worker's matrix
+    (an id it lacks becomes a problem of the request, not an exception).
+    ``reader`` is False on tensor-parallel ranks that keep nothing: they plan
+    only the writes, edits and the reads every rank must join."""
+    if plans.count(None) == len(plans):
+        return None
+    layout = StepLayout.from_query_start_loc(
+        list(req_ids), list(query_start_loc), first_positions=list(num_computed),
+        num_padded=num_padded,
+    )
+    requests: dict[str, tuple[Plan, RowSpan]] = {}
+    edits: dict[Key, list[EditCall]] = defaultdict(list)
+    # requests whose plans read (add) the same way are handled as one group:
+    # the per-step work grows with the number of distinct plans, not requests
+    # (plans parsed in the worker share equal reads/adds tuples, see parse_plan)
+    by_reads: dict[int, tuple[Plan, list[RowSpan]]] = {}
+    by_adds: dict[int, tuple[Plan, list[RowSpan]]] = {}
+    for plan, span in zip(plans, layout.spans):
+        if plan is None or span.stop == span.start:
+            continue
+        requests[span.key] = (plan, span)
+        if plan.reads:
+            group = by_reads.get(id(plan.reads))
+            if group is None:
+                group = by_reads[id(plan.reads)] = (plan, [])
+            group[1].append(span)
+        if plan.adds:
+            group = by_adds.get(id(plan.adds))
+            if group is None:
+                group = by_adds[id(plan.adds)] = (plan, [])
+            group[1].append(span)
+        for edit in plan.edits:
+            edits[(edit.site, edit.layer)].append(EditCall(span, edit, plan))
+    read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
+    for plan, spans in by_reads.values():
+        for where, how, read in plan.read_slots:
+            if reader or read.reduce in COLLECTIVE:
+                group = read_spans[where].get(how)
+                if group is None:
+                    group = read_spans[where][how] = [read]
+                group.extend(spans)
+    reads = {
+        key: tuple(ReadGroup(g[0], tuple(g[1:])) for g in groups.values())
+        for key, groups in read_spans.items()
+    }
+    add_parts: dict[Key, list] = defaultdict(list)
+    problems: dict[str, list[str]] = defaultdict(list)
+    for plan, spans in by_adds.values():
+        _clip_adds(plan, spans, vector_rows or {}, add_parts, problems)
+    return StepPlan(
+        layout=layout,
+        requests=requests,
+        reads=reads,
+        adds={key: _add_batch(parts, layout, device) for key, parts in add_parts.items()},
+        edits={key: tuple(calls) for key, calls in edits.items()},
+        problems=dict(problems),
+    )
+
+
+def _clip_adds(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
+               add_parts: dict, problems: dict) -> None:
+    """Each add of ``plan``, clipped to the rows of ``spans`` whose
+    positions fall in its ``[start, stop)`` (``stop < 0``: to the end):
+    appends ``(first rows, last rows + 1, vector row, scale, relative,
+    request ids)`` arrays to ``add_parts[(site, layer)]``."""
+    start = np.array([s.start for s in spans], dtype=np.int64)
+    first = np.array([s.first_position for s in spans], dtype=np.int64)
+    end = first + np.array([s.stop - s.start for s in spans], dtype=np.int64)
+    for add in plan.adds:
+        lo = np.maximum(add.start, first)
+        hi = end if add.stop < 0 else np.minimum(add.stop, end)
+        hit = np.nonzero(lo < hi)[0]
+        if not hit.size:
+            continue
+        vec = vector_rows.get(add.vec)
+        if vec is None:
+            for i in hit.tolist():
+                problems[spans[i].key].append(
+                    f"site {add.site}, layer {add.layer}: steering vector {add.vec} "
+                    "never reached this worker"
+                )
+            continue
+        add_parts[(add.site, add.layer)].append((
+            start[hit] + lo[hit] - first[hit], start[hit] + hi[hit] - first[hit],
+            vec, add.scale, add.relative, [spans[i].key for i in hit.tolist()],
+        ))
+
+
+def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> AddBatch:
+    """One index for all of a (site, layer)'s adds, built on the host and
+    checked there, so applying it needs no device-to-host read."""
+    lo = np.concatenate([p[0] for p in parts])
+    hi = np.concatenate([p[1] for p in parts])
+    if lo.min() < 0 or hi.max() > layout.num_actual:
+        raise ValueError(f"steering rows outside the step's {layout.num_actual} rows")
+    counts = hi - lo
+    sizes = [len(p[0]) for p in parts]
+    # row numbers: each part's first row, repeated, plus 0, 1, … within the part
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = np.repeat(lo, counts) + offsets
+    per_part = np.add.reduceat(counts, np.cumsum([0] + sizes[:-1]))
+    vec = np.repeat(np.array([p[2] for p in parts], dtype=np.int64), per_part)
+    scale = np.repeat(np.array([p[3] for p in parts], dtype=np.float32), per_part)
+    rel = np.array([p[4] for p in parts], dtype=bool)
+    relative = torch.from_numpy(np.repeat(rel, per_part)).to(device) if rel.any() else None
+    return AddBatch(
+        torch.from_numpy(rows).to(device),
+        torch.from_numpy(vec).to(device),
+        torch.from_numpy(scale).to(device),
+        relative,
+        tuple(r for p in parts for r in p[5]),
+    )

@@ -1,0 +1,48 @@
+"""Plot builders: data in, ``plotly.graph_objects.Figure`` out.
+
+Pure functions: no engine, no display, no session. Widgets, notebooks and
+the demo report call them; tests assert on the returned figure's data.
+Tokens are shown as ``"position:token"`` category labels because plotly
+merges identical categories (two ``"the"`` tokens would share a column).
+
+A few small reductions live here too (:func:`activation_values`,
+:func:`pca_2d`, :func:`token_set_metric`, :func:`first_divergence`): they
+turn what a run holds into the arrays a builder takes, and are pure in the
+same way.
+"""
+
+from __future__ import annotations
+
+from vlens.plots._activations import (
+    activation_heatmap,
+    activation_pca,
+    layer_profile,
+    logit_lens_grid,
+    token_strip,
+)
+from vlens.plots._common import plain_text, token_labels
+from vlens.plots._reductions import (
+    QUANTITIES,
+    activation_values,
+    first_divergence,
+    pca_2d,
+    token_set_metric,
+)
+from vlens.plots._steering import baseline_vs_steered, dose_response
+
+__all__ = [
+    "QUANTITIES",
+    "activation_heatmap",
+    "activation_pca",
+    "activation_values",
+    "baseline_vs_steered",
+    "dose_response",
+    "first_divergence",
+    "layer_profile",
+    "logit_lens_grid",
+    "pca_2d",
+    "plain_text",
+    "token_labels",
+    "token_set_metric",
+    "token_strip",
+]

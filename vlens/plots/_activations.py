@@ -1,0 +1,272 @@
+"""Figures over layers and tokens: heatmap, token strip, layer profile,
+logit-lens grid, PCA of token activations."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+import torch
+
+from vlens.plots._common import (
+    SPAN_LINE,
+    as_float,
+    plain_text,
+    prompt_boundary,
+    span_shape,
+    token_labels,
+)
+from vlens.plots._reductions import pca_2d
+
+__all__ = [
+    "activation_heatmap", "activation_pca", "layer_profile", "logit_lens_grid", "token_strip",
+]
+
+
+def activation_heatmap(
+    values: torch.Tensor,
+    tokens: Sequence[str],
+    layers: Sequence[int],
+    *,
+    quantity: str = "norm",
+    title: str | None = None,
+    layer: int | None = None,
+    span: tuple[int, int] | None = None,
+    n_prompt: int | None = None,
+) -> go.Figure:
+    """Layer x token heatmap of ``values`` ``[n_layers, n_tokens]``.
+
+    Rows are ``layers`` (top to bottom), columns the tokens. Optional marks:
+    ``layer`` outlines that row, ``span`` ``(start, stop)`` outlines those
+    token columns, ``n_prompt`` draws a dotted line where generation starts.
+    """
+    values = as_float(values)
+    if values.shape != (len(layers), len(tokens)):
+        raise ValueError(
+            f"values has shape {list(values.shape)}; expected "
+            f"[{len(layers)} layers, {len(tokens)} tokens]"
+        )
+    ys = [f"layer {x}" for x in layers]
+    fig = go.Figure(
+        go.Heatmap(
+            z=values.tolist(),
+            x=token_labels(tokens),
+            y=ys,
+            colorscale="Viridis",
+            colorbar={"title": {"text": quantity}},
+            hovertemplate="%{y}, token %{x}<br>" + quantity + " %{z:.3f}<extra></extra>",
+        )
+    )
+    shapes = span_shape(span, len(tokens)) + prompt_boundary(n_prompt, len(tokens))
+    if layer is not None and layer in list(layers):
+        row = list(layers).index(layer)
+        shapes.append(
+            {
+                "type": "rect",
+                "xref": "paper",
+                "yref": "y",
+                "x0": 0,
+                "x1": 1,
+                "y0": row - 0.5,
+                "y1": row + 0.5,
+                "line": {"color": "white", "width": 2},
+                "name": "layer",
+            }
+        )
+    fig.update_layout(
+        title={"text": title or f"{quantity} by layer and token"},
+        xaxis_title="token",
+        yaxis_title="layer",
+        yaxis={"autorange": "reversed"},
+        shapes=shapes,
+        margin={"t": 50, "b": 40},
+    )
+    return fig
+
+
+def token_strip(
+    values: Sequence[float] | torch.Tensor,
+    tokens: Sequence[str],
+    *,
+    n_prompt: int | None = None,
+    quantity: str = "value",
+    title: str | None = None,
+    width: int = 16,
+    span: tuple[int, int] | None = None,
+) -> go.Figure:
+    """The tokens as coloured cells, ``width`` per line, coloured by ``values``
+    ``[n_tokens]`` (one layer's quantity). Generated tokens (index >=
+    ``n_prompt``) are shown in italics; the hover says which part each is.
+
+    The heatmap's ``z`` and ``text`` are ``[lines, width]`` (padded with
+    ``None`` / ``""``); ``customdata`` holds each cell's token index.
+    """
+    vals = as_float(values).reshape(-1)
+    n = len(tokens)
+    if vals.shape[0] != n:
+        raise ValueError(f"{vals.shape[0]} values for {n} tokens")
+    if n == 0:
+        raise ValueError("no tokens to show")
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    lines = max(1, math.ceil(n / width))
+    z: list[list[float | None]] = [[None] * width for _ in range(lines)]
+    text = [[""] * width for _ in range(lines)]
+    index: list[list[int | None]] = [[None] * width for _ in range(lines)]
+    part = [[""] * width for _ in range(lines)]
+    for i, tok in enumerate(tokens):
+        r, c = divmod(i, width)
+        generated = n_prompt is not None and i >= n_prompt
+        z[r][c] = float(vals[i])
+        text[r][c] = f"<i>{plain_text(tok)}</i>" if generated else plain_text(tok)
+        index[r][c] = i
+        part[r][c] = "generated" if generated else "prompt"
+    customdata = [[[index[r][c], part[r][c]] for c in range(width)] for r in range(lines)]
+    signed = float(vals.min()) < 0
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            text=text,
+            texttemplate="%{text}",
+            customdata=customdata,
+            # signed values: diverging around 0; unsigned (norms): sequential
+            colorscale="RdBu" if signed else "Blues",
+            zmid=0 if signed else None,
+            textfont={"size": 12},
+            colorbar={"title": {"text": quantity}},
+            xgap=2,
+            ygap=2,
+            hovertemplate="token %{customdata[0]} (%{customdata[1]})<br>"
+            + quantity
+            + " %{z:.3f}<extra></extra>",
+        )
+    )
+    shapes = []
+    if span is not None and span[1] > span[0]:
+        for i in range(max(0, span[0]), min(n, span[1])):
+            r, c = divmod(i, width)
+            shapes.append(
+                {
+                    "type": "rect",
+                    "x0": c - 0.5,
+                    "x1": c + 0.5,
+                    "y0": r - 0.5,
+                    "y1": r + 0.5,
+                    "line": SPAN_LINE,
+                    "name": "span",
+                }
+            )
+    fig.update_layout(
+        title={"text": title or f"{quantity} per token"},
+        xaxis={"visible": False},
+        yaxis={"visible": False, "autorange": "reversed"},
+        height=120 + 40 * lines,
+        shapes=shapes,
+        margin={"t": 50, "b": 10},
+    )
+    return fig
+
+
+def layer_profile(
+    values: torch.Tensor, layers: Sequence[int], *, name: str, quantity: str = "mean norm"
+) -> go.Figure:
+    """One line: a per-layer quantity ``[n_layers]``."""
+    values = as_float(values)
+    fig = go.Figure(
+        go.Scatter(x=list(layers), y=values.tolist(), mode="lines+markers", name=name)
+    )
+    fig.update_layout(title=f"{quantity} by layer", xaxis_title="layer", yaxis_title=quantity)
+    return fig
+
+
+def logit_lens_grid(
+    top_tokens: Sequence[Sequence[str]],
+    top_probs: torch.Tensor,
+    tokens: Sequence[str],
+    layers: Sequence[int],
+    *,
+    title: str | None = None,
+    span: tuple[int, int] | None = None,
+) -> go.Figure:
+    """Layer x position grid: colour = probability of the top next token,
+    text = that token. ``top_tokens`` and ``top_probs`` are
+    ``[n_layers, n_tokens]``; column ``i`` is what layer ``l`` predicts
+    after reading token ``i``."""
+    top_probs = as_float(top_probs)
+    if top_probs.shape != (len(layers), len(tokens)) or len(top_tokens) != len(layers):
+        raise ValueError(
+            f"top_probs has shape {list(top_probs.shape)} and top_tokens "
+            f"{len(top_tokens)} rows; expected [{len(layers)} layers, {len(tokens)} tokens]"
+        )
+    fig = go.Figure(
+        go.Heatmap(
+            z=top_probs.tolist(),
+            x=token_labels(tokens),
+            y=[f"layer {layer}" for layer in layers],
+            text=[[plain_text(t) for t in row] for row in top_tokens],
+            texttemplate="%{text}",
+            textfont={"size": 10},
+            colorscale="Blues",
+            zmin=0,
+            zmax=1,
+            colorbar={"title": {"text": "p(top)"}},
+            hovertemplate="%{y}, after %{x}<br>next: %{text} (p %{z:.2f})<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title={"text": title or "logit lens: top next token per layer"},
+        xaxis_title="input token",
+        yaxis_title="layer",
+        yaxis={"autorange": "reversed"},
+        shapes=span_shape(span, len(tokens)),
+    )
+    return fig
+
+
+def activation_pca(
+    points: torch.Tensor,
+    groups: Sequence[str],
+    *,
+    hover: Sequence[str] | None = None,
+    layer: int | None = None,
+    title: str | None = None,
+) -> go.Figure:
+    """2-D PCA of token activations ``[n, hidden]``, one colour per group.
+
+    ``groups`` ``[n]`` names each point's prompt (one trace per group, in
+    first-seen order); ``hover`` ``[n]`` labels each point (its token).
+    Axis titles give each component's share of the variance.
+    """
+    points = as_float(points)
+    if points.dim() != 2 or len(groups) != points.shape[0]:
+        raise ValueError(
+            f"points must be [n, hidden] with one group per point; got "
+            f"{list(points.shape)} and {len(groups)} groups"
+        )
+    if hover is not None and len(hover) != points.shape[0]:
+        raise ValueError(f"{len(hover)} hover labels for {points.shape[0]} points")
+    coords, explained = pca_2d(points)
+    fig = go.Figure()
+    for g in dict.fromkeys(groups):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        fig.add_trace(
+            go.Scatter(
+                x=coords[idx, 0].tolist(),
+                y=coords[idx, 1].tolist(),
+                mode="markers",
+                name=str(g),
+                text=[plain_text(hover[i]) for i in idx] if hover is not None else None,
+                hovertemplate="%{text}<extra>%{fullData.name}</extra>"
+                if hover is not None
+                else None,
+            )
+        )
+    where = "" if layer is None else f" at layer {layer}"
+    fig.update_layout(
+        title={"text": title or f"token activations{where}, first two principal components"},
+        xaxis_title=f"PC1 ({explained[0]:.0%} of variance)",
+        yaxis_title=f"PC2 ({explained[1]:.0%} of variance)",
+        legend_title_text="prompt",
+    )
+    return fig

@@ -1,0 +1,189 @@
+"""What one request has been seen to compute, kept as one clean pass.
+
+A worker keeps one :class:`RequestRecord` per traced engine request: the
+token ids and positions of the rows the hooks saw, and what each read
+kept, step by step. vLLM does not always run a request's rows once, in
+order:
+
+* **preemption**: when the KV cache runs out, vLLM drops a running request's
+  cache and later recomputes it from position 0 (or from the end of a
+  prefix it still holds in its cache), so rows the record already holds
+  reach the hooks again;
+* **the prefix cache**: a request that does not skip it (vlens lets
+  steer-only requests share KV computed under the same edits) starts at the
+  end of the cached prefix; the hooks never see the cached rows.
+
+So a step's rows for a request start at ``first`` (the number of tokens
+vLLM has already computed for it). When ``first`` is a position the record
+already holds, the record is cut back to it and refilled (``restarts``
+counts this); when the record is empty, ``first`` is where it starts
+(``start``: rows before it came from the prefix cache). What ``pack``
+hands the client therefore always describes one pass over positions
+``[start, end)``. Pure torch: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlens._wire import encode_tensor
+from vlens.plan import Plan
+
+__all__ = ["RequestRecord"]
+
+
+@dataclass
+class _StepRows:
+    """The rows of one request in one engine step."""
+
+    first: int  # sequence position of the first row
+    n: int
+    token_ids: list[int]
+    positions: list[int]
+    # (read key, part, layer) -> [n, ...] kept rows
+    reads: dict[tuple[str, str, int], torch.Tensor] = field(default_factory=dict)
+
+    def head(self, n: int) -> _StepRows:
+        """The first ``n`` rows only."""
+        return _StepRows(
+            self.first, n, self.token_ids[:n], self.positions[:n],
+            {k: v[:n] for k, v in self.reads.items()},
+        )
+
+
+class RequestRecord:
+    """Everything read for one engine request (one sample of a prompt)."""
+
+    def __init__(self, plan: Plan, req_id: str) -> None:
+        self.plan = plan
+        self.req_id = req_id
+        self.steps: list[_StepRows] = []
+        self.errors: list[str] = []
+        self.restarts = 0  # how often vLLM went back over rows already seen
+        self.copied_bytes = 0
+
+    @property
+    def start(self) -> int:
+        """Position of the first row seen (rows before it: prefix cache)."""
+        return self.steps[0].first if self.steps else 0
+
+    @property
+    def end(self) -> int:
+        """One past the position of the last row seen."""
+        return self.steps[-1].first + self.steps[-1].n if self.steps else 0
+
+    def error(self, msg: str) -> None:
+        if msg not in self.errors:
+            self.errors.append(msg)
+
+    def begin_step(self, first: int, n: int, token_ids: list[int] | None = None,
+                   positions: list[int] | None = None) -> None:
+        """This step runs the request's rows at positions ``[first, first + n)``."""
+        if self.steps and first < self.end:
+            self.cut(first)
+            self.restarts += 1
+        elif self.steps and first > self.end:
+            self.error(
+                f"positions {self.end} to {first - 1} never reached the hooks "
+                "(the engine skipped them)"
+            )
+        self.steps.append(_StepRows(first, n, list(token_ids or []), list(positions or [])))
+
+    def cut(self, position: int) -> None:
+        """Forget every row at ``position`` or later."""
+        kept = []
+        for s in self.steps:
+            if s.first >= position:
+                continue
+            kept.append(s if s.first + s.n <= position else s.head(position - s.first))
+        self.steps = kept
+
+    def keep(self, key: str, part: str, layer: int, rows: torch.Tensor) -> None:
+        """Keep this step's read rows (``[n, ...]``, a copy) of ``key``."""
+        self.steps[-1].reads[(key, part, layer)] = rows
+        self.copied_bytes += rows.numel() * rows.element_size()
+
+    # -- what the client receives -------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.steps for t in s.token_ids]
+
+    @property
+    def positions(self) -> list[int]:
+        return [p for s in self.steps for p in s.positions]
+
+    def steered_rows(self) -> int:
+        """Rows seen that fell inside a steering span of the plan."""
+        lo, hi = self.start, self.end
+        total = 0
+        for add in self.plan.adds:
+            stop = hi if add.stop < 0 else min(add.stop, hi)
+            total += max(0, stop - max(add.start, lo))
+        return total
+
+    def _stacked(self, key: str, part: str, layers: tuple[int, ...]) -> torch.Tensor | None:
+        per_layer = []
+        for layer in layers:
+            chunks = [s.reads.get((key, part, layer)) for s in self.steps]
+            if not chunks or any(c is None for c in chunks):
+                self.error(f"read {key}, layer {layer}: the hook never saw some of this "
+                           "request's rows")
+                return None
+            per_layer.append(torch.cat(chunks, 0))
+        n = self.end - self.start
+        lengths = {t.shape[0] for t in per_layer}
+        if lengths != {n}:
+            self.error(f"read {key}: layers read {sorted(lengths)} rows but the request "
+                       f"processed {n} tokens")
+            return None
+        return torch.stack(per_layer)
+
+    def pack(self) -> dict[str, Any]:
+        """Plain data for the client: token ids, positions and reads of the
+        one clean pass over ``[start, end)``, and what went wrong."""
+        reads: dict[str, dict[str, Any]] = {}
+        for read in self.plan.reads:
+            parts = sorted({p for s in self.steps for (k, p, _) in s.reads if k == read.key})
+            out: dict[str, Any] = {"layers": list(read.layers), "site": read.site,
+                                   "reduce": read.reduce}
+            for part in parts or ["value"]:
+                stacked = self._stacked(read.key, part, read.layers)
+                if stacked is None:
+                    break
+                out[part] = encode_tensor(stacked)
+            else:
+                reads[read.key] = out
+        return {
+            "req_id": self.req_id,
+            "token_ids": self.token_ids,
+            "positions": self.positions,
+            "start": self.start,
+            "restarts": self.restarts,
+            "reads": reads,
+            "errors": list(self.errors),
+            "copied_bytes": self.copied_bytes,
+            "steered_rows": self.steered_rows(),
+            "step_rows": [s.n for s in self.steps],
+        }
+
+
+def to_host(records: list[RequestRecord]) -> None:
+    """Move what these records kept in the current step to the host, with
+    one device-to-host copy per dtype (into pinned memory, not blocking the
+    device) instead of one per read. Called once at the end of a step."""
+    kept = [(s.reads, k, t) for r in records if r.steps for s in (r.steps[-1],)
+            for k, t in s.reads.items() if t.device.type != "cpu"]
+    by_dtype: dict[torch.dtype, list] = {}
+    for item in kept:
+        by_dtype.setdefault(item[2].dtype, []).append(item)
+    for dtype, items in by_dtype.items():
+        flat = torch.cat([t.reshape(-1) for _, _, t in items])
+        host = torch.empty(flat.shape, dtype=dtype, device="cpu", pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        at = 0
+        for reads, key, t in items:
+            reads[key] = host[at : at + t.numel()].view(t.shape)
+            at += t.numel()

@@ -1,0 +1,104 @@
+"""What the widgets show and who calls the engine.
+
+* :class:`Selection` -- one layer, one token span, one site. Every view of
+  an explorer holds the same Selection: a picker in any view writes it, and
+  every view redraws from it. A view made alone makes its own.
+* :class:`Controller` -- the one widget object that calls the Session. It
+  traces the prompt (every site, every layer, the logit lens's top token),
+  keeps that Run, and runs the steering calls; views are handed Runs and
+  only draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import traitlets
+
+from vlens.results import Run
+
+__all__ = ["Controller", "Selection"]
+
+Progress = Callable[[int, int], None]
+
+
+class Selection(traitlets.HasTraits):
+    """``layer`` (int), ``span`` ``(start, stop)`` of token positions (stop
+    exclusive; ``(0, 0)`` selects nothing) and ``site``."""
+
+    layer = traitlets.Int(0)
+    span = traitlets.Tuple(traitlets.Int(), traitlets.Int(), default_value=(0, 0))
+    site = traitlets.Unicode("resid_post")
+
+    @traitlets.validate("layer")
+    def _check_layer(self, proposal):
+        if proposal["value"] < 0:
+            raise traitlets.TraitError(f"layer must be >= 0, got {proposal['value']}")
+        return proposal["value"]
+
+    @traitlets.validate("span")
+    def _check_span(self, proposal):
+        start, stop = (int(x) for x in proposal["value"])
+        if not 0 <= start <= stop:
+            raise traitlets.TraitError(
+                f"span ({start}, {stop}) is not a token span: need 0 <= start <= stop"
+            )
+        return (start, stop)
+
+
+class Controller(traitlets.HasTraits):
+    """Calls the Session for the widgets; ``run`` is the traced prompt's Run.
+
+    ``trace(prompt)`` reads every site at every layer and the logit lens's
+    top token (one engine batch) and sets ``run``. ``direction`` is computed
+    once per (prompt lists, layer, site) and reused. ``compare`` and
+    ``sweep`` return the Session's Comparison and Sweep. Every call
+    generates ``max_new_tokens`` tokens and passes ``progress`` on.
+    """
+
+    run = traitlets.Instance(Run, allow_none=True, help="the Run of the traced prompt")
+
+    def __init__(self, session: Any, *, max_new_tokens: int = 16) -> None:
+        super().__init__()
+        self.session = session
+        self.max_new_tokens = max_new_tokens
+        self._directions: dict[tuple, Any] = {}
+
+    def trace(self, prompt: str, *, progress: Progress | None = None) -> Run:
+        """Trace ``prompt`` for every view and set ``run``."""
+        s = self.session
+        run = s.trace([prompt], layers=None, sites=s.sites, logit_lens=1,
+                      max_new_tokens=self.max_new_tokens, progress=progress)
+        self.run = run
+        return run
+
+    def prompt_tokens(self, prompt: str) -> list[str]:
+        """The tokens of ``prompt`` as text (no engine call; ``[]`` for blank)."""
+        s = self.session
+        return s.token_strings(s.tokenize(prompt)) if prompt.strip() else []
+
+    def has_direction(self, positive: Sequence[str], negative: Sequence[str], *,
+                      layer: int, site: str) -> bool:
+        return (tuple(positive), tuple(negative), layer, site) in self._directions
+
+    def direction(self, positive: Sequence[str], negative: Sequence[str], *, layer: int,
+                  site: str, progress: Progress | None = None) -> Any:
+        """``session.direction(positive, negative, layer=, site=)``, cached."""
+        key = (tuple(positive), tuple(negative), layer, site)
+        if key not in self._directions:
+            self._directions[key] = self.session.direction(
+                positive=list(positive), negative=list(negative), layer=layer, site=site,
+                progress=progress)
+        return self._directions[key]
+
+    def compare(self, prompt: str, steer: Any, *, progress: Progress | None = None) -> Any:
+        """Baseline vs ``steer`` on ``prompt``, one engine batch."""
+        return self.session.compare([prompt], steer=steer, progress=progress,
+                                    max_new_tokens=self.max_new_tokens)
+
+    def sweep(self, prompt: str, steer: Any, scales: Sequence[float], *,
+              progress: Progress | None = None) -> Any:
+        """``steer`` at each of ``scales`` on ``prompt``, one engine batch."""
+        return self.session.sweep(prompt, steer=steer, scales=list(scales),
+                                  max_new_tokens=self.max_new_tokens, progress=progress)
