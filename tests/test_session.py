@@ -54,11 +54,6 @@ def test_bad_input_is_a_clear_error_and_the_engine_still_serves(llama_session, k
     _valid_call_works(llama_session)
 
 
-def test_compiled_mode_is_refused_before_anything_starts(tiny_llama):
-    with pytest.raises(VlensError, match="enforce_eager=False is not supported"):
-        vlens.Session(tiny_llama, enforce_eager=False)
-
-
 def test_missing_model_folder_is_refused():
     with pytest.raises(VlensError, match="not a folder on this machine"):
         vlens.Session("/nonexistent/model")
