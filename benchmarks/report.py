@@ -408,7 +408,7 @@ machine; the file is rewritten.
 * **Interleaved A/B in one process**: one engine per model; every
   repetition runs every condition once, in an order rotated by one each
   repetition. (a) is the same engine with vlens's hooks removed in place
-  (`s._engine.rpc("vlens_teardown")`, then `"vlens_setup"` to put them back),
+  (`s.engine.rpc("vlens_teardown")`, then `"vlens_setup"` to put them back),
   so (a) and (b) differ only by the hooks. Each condition is warmed up
   (4 prompts × 4 tokens) before any timing.
 * **Ratios are time ratios** (1.00 = as fast as the reference; 1.10 = 10 %

@@ -295,7 +295,7 @@ def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
     s = vlens.Session(path, reuse=False, **engine_kwargs)
     result["engine_start_s"] = round(time.perf_counter() - t0, 1)
     result["engine_kwargs"] = engine_kwargs
-    result["engine_env"] = dict(s._engine.env)
+    result["engine_env"] = dict(s.engine.env)
     result["torch_threads"] = torch.get_num_threads()
     result["hooks"] = s.status().get("hooks")
     assert [s.tokenize(p) for p in prompts] == ids, "the engine tokenises the prompts differently"

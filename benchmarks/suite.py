@@ -199,7 +199,7 @@ class Conditions:
 
     # -- the engine without vlens, and idle ---------------------------------
     def _plain(self, prompts=None, params=None) -> tuple[int, dict]:
-        outs = self.s._engine.generate(prompts or self.engine_prompts, params or self.params)
+        outs = self.s.engine.generate(prompts or self.engine_prompts, params or self.params)
         return sum(len(o.outputs[0].token_ids) for o in outs), {
             "token_ids": [list(o.outputs[0].token_ids) for o in outs]
         }
@@ -227,11 +227,12 @@ class Conditions:
         return self._trace(sites=[], steer=self.shared, **kw)
 
     def run_d(self, **kw):
-        return self._trace(sites=[], steer=self.every_layer, **kw)
+        every = vlens.PerPrompt([self.every_layer] * len(self.setup.prompts))
+        return self._trace(sites=[], steer=every, **kw)
 
     def run_e(self, prompts=None, **kw):
         steer = self.distinct if prompts is None else self.distinct[: len(prompts)]
-        return self._trace(prompts=prompts, sites=[], steer=steer, **kw)
+        return self._trace(prompts=prompts, sites=[], steer=vlens.PerPrompt(steer), **kw)
 
     def run_f(self, **kw):
         return self._trace(layers=[self.setup.layer], sites=["resid_post"], **kw)
@@ -262,7 +263,7 @@ class Conditions:
         return tokens, extra
 
     def _elem_size(self) -> int:
-        dtype = str(self.s._engine.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        dtype = str(self.s.engine.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
     def run_i_edit_off(self, **kw):
@@ -282,7 +283,7 @@ class Conditions:
 def timed(cond: Conditions, key: str, **kw) -> Sample:
     """One run of condition ``key``, with the worker counters around it."""
     s = cond.s
-    engine = s._engine
+    engine = s.engine
     vlens_cond = key not in SLOW
     if key == "a":
         engine.rpc("vlens_teardown")

@@ -25,7 +25,7 @@ import json, os, sys, time
 import vlens
 from vllm import SamplingParams
 s = vlens.Session(sys.argv[1] if sys.argv[1] != "-" else None)
-e = s._engine
+e = s.engine
 words = s.tokenizer.convert_ids_to_tokens(list(range(8, 40)))
 prompts = [{"prompt_token_ids": s.tokenize(" ".join(words[i % 7 : i % 7 + 6]))} for i in range(32)]
 p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

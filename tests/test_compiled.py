@@ -111,6 +111,7 @@ def test_the_write_path_never_reads_back_to_the_host(mode, request, monkeypatch)
     steers = [vlens.Steer(d, layer=0, scale=1.0),
               vlens.Steer(d, layer=2, scale=0.3, relative=True, span=(1, 5)),
               vlens.Steer(d, layer=1, scale=0.5, site="mlp_out", span="generated")]
+    steers = vlens.PerPrompt([steers] * len(PROMPTS))  # all three on every prompt
     before = s.trace(PROMPTS, sites=[], logprobs=False, max_new_tokens=4, steer=steers)
     guard = _NoHostSync(monkeypatch)
     run = s.trace(PROMPTS, sites=[], logprobs=False, max_new_tokens=4, steer=steers)

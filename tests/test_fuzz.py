@@ -2,12 +2,15 @@
 
 Every case must end in a ``vlens.VlensError`` (the one documented class for
 bad input) before anything reaches the engine, never a crash, a hang or a
-silently wrong result; afterwards the engine still serves a valid request.
+silently wrong result; nothing of the call stays in the workers (records,
+plans, edit functions), and afterwards the engine still serves a valid
+request. Each test counts its own cases, so it passes run alone.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -20,7 +23,8 @@ from vlens.errors import VlensError
 pytestmark = pytest.mark.engine
 
 N_LAYERS, HIDDEN = 3, 128  # the tiny Llama of conftest
-SEEN: dict[str, int] = {}
+# which kinds of bad vector / Steer the strategies drew (reported, not asserted)
+KINDS: Counter = Counter()
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -49,7 +53,7 @@ bad_tokens = st.one_of(st.integers(-5, 0), st.floats(), st.text(max_size=3), st.
 @st.composite
 def bad_vectors(draw):
     kind = draw(st.sampled_from(["size", "int", "nan", "inf", "2d", "list", "meta", "empty"]))
-    SEEN[f"vector:{kind}"] = SEEN.get(f"vector:{kind}", 0) + 1
+    KINDS[f"vector:{kind}"] += 1
     if kind == "size":
         return torch.randn(draw(st.integers(1, 400).filter(lambda n: n != HIDDEN)))
     if kind == "int":
@@ -72,7 +76,7 @@ def bad_steers(draw):
     """A callable that builds a bad Steer (Steer itself may raise)."""
     good = torch.randn(HIDDEN)
     kind = draw(st.sampled_from(["vector", "layer", "span", "scale", "site", "type"]))
-    SEEN[f"steer:{kind}"] = SEEN.get(f"steer:{kind}", 0) + 1
+    KINDS[f"steer:{kind}"] += 1
     if kind == "vector":
         v = draw(bad_vectors())
         return lambda: vlens.Steer(v, layer=1)
@@ -98,76 +102,116 @@ def bad_steers(draw):
     return lambda: obj
 
 
-def _refused(session, call, category: str) -> None:
-    SEEN[category] = SEEN.get(category, 0) + 1
-    before = session._engine.generate_calls
+def _refused(session, call, category: str, seen: Counter) -> None:
+    seen[category] += 1
+    before = session.engine.generate_calls
     with pytest.raises(VlensError):
         call()
-    assert session._engine.generate_calls == before, f"{category}: the engine ran"
+    assert session.engine.generate_calls == before, f"{category}: the engine ran"
+    _nothing_left(session, category)
 
 
-@FUZZ
-@given(prompt=bad_prompt)
-def test_bad_prompts(llama_session, prompt):
-    _refused(llama_session, lambda: llama_session.trace(prompt, max_new_tokens=2), "prompt")
+def _nothing_left(session, what: str = "") -> None:
+    st = session.status()
+    assert (st["records"], st["plans"], st["edit_fns"]) == (0, 0, 0), (what, st)
 
 
-@FUZZ
-@given(layers=bad_layers, site=bad_site, tokens=bad_tokens)
-def test_bad_layers_sites_and_lengths(llama_session, layers, site, tokens):
-    _refused(llama_session, lambda: llama_session.trace("w1 w2", layers=layers), "layers")
-    _refused(llama_session, lambda: llama_session.trace("w1 w2", sites=[site]), "site")
-    _refused(llama_session, lambda: llama_session.trace("w1 w2", max_new_tokens=tokens), "max_new_tokens")
-
-
-@FUZZ
-@given(make=bad_steers(), how=st.sampled_from(["trace", "compare", "sweep"]))
-def test_bad_steers(llama_session, make, how):
-    def call():
-        steer = make()
-        if how == "trace":
-            return llama_session.trace("w1 w2 w3", steer=steer, max_new_tokens=3)
-        if how == "compare":
-            return llama_session.compare("w1 w2 w3", steer=steer, max_new_tokens=3)
-        return llama_session.sweep("w1 w2 w3", steer=steer, scales=[0, 1], max_new_tokens=3)
-
-    _refused(llama_session, call, f"steer via {how}")
-
-
-@FUZZ
-@given(
-    which=st.sampled_from(["positive", "negative", "layer", "site", "position", "scales", "sampling"]),
-    junk=st.one_of(st.none(), st.integers(), st.text(max_size=4), st.just([]), st.just(""),
-                   st.floats(allow_nan=True)),
-)
-def test_bad_direction_sweep_and_sampling(llama_session, which, junk):
-    ok = ["w1 w2", "w3 w4"]
-    if which in ("positive", "negative"):
-        kw = {"positive": ok, "negative": ok, "layer": 1, which: junk if junk != "w1" else None}
-        call = lambda: llama_session.direction(**kw)  # noqa: E731
-    elif which == "layer":
-        call = lambda: llama_session.direction(ok, ok, layer=junk if junk not in (0, 1, 2) else 99)  # noqa: E731
-    elif which == "site":
-        call = lambda: llama_session.direction(ok, ok, layer=1, site=str(junk) + "?")  # noqa: E731
-    elif which == "position":
-        call = lambda: llama_session.direction(ok, ok, layer=1, position=f"{junk}!")  # noqa: E731
-    elif which == "scales":
-        st_ = vlens.Steer(torch.randn(HIDDEN), layer=1)
-        scales = junk if not isinstance(junk, (int, float)) or isinstance(junk, bool) else [junk, "x"]
-        call = lambda: llama_session.sweep("w1", steer=st_, scales=scales)  # noqa: E731
-    else:
-        key = {None: "max_tokens", "": "temprature"}.get(junk if junk in (None, "") else None, "top_p")
-        value = 3.5 if key == "top_p" else 1
-        call = lambda: llama_session.trace("w1", **{key: value})  # noqa: E731
-    _refused(llama_session, call, which)
-
-
-def test_engine_serves_after_the_fuzzing_and_enough_cases_ran(llama_session):
-    # runs after the fuzz tests above (file order)
-    total = sum(v for k, v in SEEN.items() if ":" not in k)
-    print(f"\nfuzz: {total} bad inputs refused; by kind: {dict(sorted(SEEN.items()))}")
-    assert total >= 200, SEEN
-    run = llama_session.trace(["w1 w2 w3", "w4"], layers=[0, 2], max_new_tokens=3)
+def _serves(session, seen: Counter, at_least: int) -> None:
+    """Enough cases ran, and the engine then serves a normal call."""
+    print(f"\nfuzz: {sum(seen.values())} bad inputs refused: {dict(seen)}")
+    assert sum(seen.values()) >= at_least, seen
+    run = session.trace(["w1 w2 w3", "w4"], layers=[0, 2], max_new_tokens=3)
     assert [t.n_tokens for t in run] == [6, 4]
-    st = llama_session.status()
-    assert st["records"] == 0 and st["plans"] == 0
+    _nothing_left(session)
+
+
+def test_bad_prompts(llama_session):
+    seen: Counter = Counter()
+
+    @FUZZ
+    @given(prompt=bad_prompt)
+    def case(prompt):
+        _refused(llama_session, lambda: llama_session.trace(prompt, max_new_tokens=2), "prompt", seen)
+
+    case()
+    _serves(llama_session, seen, 40)
+
+
+def test_bad_layers_sites_and_lengths(llama_session):
+    seen: Counter = Counter()
+
+    @FUZZ
+    @given(layers=bad_layers, site=bad_site, tokens=bad_tokens)
+    def case(layers, site, tokens):
+        s = llama_session
+        _refused(s, lambda: s.trace("w1 w2", layers=layers), "layers", seen)
+        _refused(s, lambda: s.trace("w1 w2", sites=[site]), "site", seen)
+        _refused(s, lambda: s.trace("w1 w2", max_new_tokens=tokens), "max_new_tokens", seen)
+
+    case()
+    _serves(llama_session, seen, 120)
+
+
+def test_bad_steers(llama_session):
+    seen: Counter = Counter()
+
+    @FUZZ
+    @given(make=bad_steers(), how=st.sampled_from(["trace", "compare", "sweep", "edit"]))
+    def case(make, how):
+        s = llama_session
+
+        def call():
+            steer = make()
+            if how == "trace":
+                return s.trace("w1 w2 w3", steer=steer, max_new_tokens=3)
+            if how == "edit":  # an edit function rides along: it must not stay behind
+                return s.trace("w1 w2 w3", steer=steer, max_new_tokens=3,
+                               edit=lambda rows, ctx: None, edit_at=[("resid_post", 1)])
+            if how == "compare":
+                return s.compare("w1 w2 w3", steer=steer, max_new_tokens=3)
+            return s.sweep("w1 w2 w3", steer=steer, scales=[0, 1], max_new_tokens=3)
+
+        _refused(s, call, f"steer via {how}", seen)
+
+    KINDS.clear()
+    case()
+    print(f"\nfuzz: bad Steers by kind: {dict(KINDS)}")
+    _serves(llama_session, seen, 40)
+
+
+def test_bad_direction_sweep_and_sampling(llama_session):
+    seen: Counter = Counter()
+
+    @FUZZ
+    @given(
+        which=st.sampled_from(["positive", "negative", "layer", "site", "position", "scales",
+                               "sampling", "edit+sampling"]),
+        junk=st.one_of(st.none(), st.integers(), st.text(max_size=4), st.just([]), st.just(""),
+                       st.floats(allow_nan=True)),
+    )
+    def case(which, junk):
+        s = llama_session
+        ok = ["w1 w2", "w3 w4"]
+        if which in ("positive", "negative"):
+            kw = {"positive": ok, "negative": ok, "layer": 1, which: junk if junk != "w1" else None}
+            call = lambda: s.direction(**kw)  # noqa: E731
+        elif which == "layer":
+            call = lambda: s.direction(ok, ok, layer=junk if junk not in (0, 1, 2) else 99)  # noqa: E731
+        elif which == "site":
+            call = lambda: s.direction(ok, ok, layer=1, site=str(junk) + "?")  # noqa: E731
+        elif which == "position":
+            call = lambda: s.direction(ok, ok, layer=1, position=f"{junk}!")  # noqa: E731
+        elif which == "scales":
+            st_ = vlens.Steer(torch.randn(HIDDEN), layer=1)
+            scales = junk if not isinstance(junk, (int, float)) or isinstance(junk, bool) else [junk, "x"]
+            call = lambda: s.sweep("w1", steer=st_, scales=scales)  # noqa: E731
+        else:
+            key = {None: "max_tokens", "": "temprature"}.get(junk if junk in (None, "") else None, "top_p")
+            kw = {key: 3.5 if key == "top_p" else 1}
+            if which == "edit+sampling":  # vLLM refuses these only when SamplingParams is built
+                kw.update(edit=lambda rows, ctx: rows, edit_at=[("mlp_out", 0)])
+            call = lambda: s.trace("w1", **kw)  # noqa: E731
+        _refused(s, call, which, seen)
+
+    case()
+    _serves(llama_session, seen, 40)

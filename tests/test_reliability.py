@@ -23,7 +23,7 @@ def _clean(session) -> None:
     assert st["records"] == 0, st
     assert st["plans"] == 0, st
     assert st["edit_fns"] == 0, st
-    assert session._engine.unfinished() == 0
+    assert session.engine.unfinished() == 0
 
 
 def test_interrupt_mid_generation_leaves_nothing_behind(llama_session):
@@ -92,7 +92,7 @@ def test_concurrent_calls_are_serialised_not_interleaved(llama_session):
 
 
 def test_read_budget_refuses_huge_plans_with_the_estimate(llama_session):
-    before = llama_session._engine.generate_calls
+    before = llama_session.engine.generate_calls
     budget = llama_session.read_budget
     llama_session.read_budget = 2**20  # 1 MiB
     try:
@@ -103,7 +103,7 @@ def test_read_budget_refuses_huge_plans_with_the_estimate(llama_session):
         assert run[0].norms().shape == (3, run[0].n_tokens)
     finally:
         llama_session.read_budget = budget
-    assert llama_session._engine.generate_calls == before + 1
+    assert llama_session.engine.generate_calls == before + 1
 
 
 def test_norm_reduction_matches_full_reads(llama_session):

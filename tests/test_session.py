@@ -54,11 +54,6 @@ def test_bad_input_is_a_clear_error_and_the_engine_still_serves(llama_session, k
     _valid_call_works(llama_session)
 
 
-def test_compiled_mode_is_refused_before_anything_starts(tiny_llama):
-    with pytest.raises(VlensError, match="enforce_eager=False is not supported"):
-        vlens.Session(tiny_llama, enforce_eager=False)
-
-
 def test_missing_model_folder_is_refused():
     with pytest.raises(VlensError, match="not a folder on this machine"):
         vlens.Session("/nonexistent/model")
@@ -69,8 +64,8 @@ def test_second_session_reuses_the_live_engine_and_close_is_safe(tiny_llama, lla
 
     before = live_engines()
     again = vlens.Session(tiny_llama, max_num_batched_tokens=64, max_model_len=512,
-                          kv_cache_memory_bytes=llama_session._shared.engine.llm_kwargs["kv_cache_memory_bytes"])
-    assert again.reused and again._shared is llama_session._shared
+                          kv_cache_memory_bytes=llama_session.engine.llm_kwargs["kv_cache_memory_bytes"])
+    assert again.reused and again.engine is llama_session.engine
     assert live_engines() == before
     again.close()
     again.close()  # harmless

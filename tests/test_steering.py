@@ -65,7 +65,7 @@ def test_steering_one_request_changes_only_that_request(session, direction):
     st = vlens.Steer(direction * 8, layer=1, scale=1.0)
     base = session.trace(PROMPTS, layers=[2], max_new_tokens=8)
     for k in (0, 2, 5):
-        per_prompt = [st if i == k else None for i in range(len(PROMPTS))]
+        per_prompt = vlens.PerPrompt([st if i == k else None for i in range(len(PROMPTS))])
         run = session.trace(PROMPTS, layers=[2], steer=per_prompt, max_new_tokens=8)
         if os.environ.get("VLENS_TEST_ENGINE", "inproc") == "inproc":
             assert _same_schedule(base, run)  # so the exact comparison below runs
@@ -130,13 +130,13 @@ def test_span_limits_the_rows_steered(llama_session, direction):
     (lambda d: vlens.Steer(d, layer=1, span=(5, 5)), r"empty or negative"),
     (lambda d: vlens.Steer(d, layer=1, span="middle"), r"span 'middle' is unknown"),
     (lambda d: vlens.Steer(d, layer=1, site="positions"), r"cannot be written"),
-    (lambda d: [vlens.Steer(d, layer=1), None], r"2 per-prompt entries for 1 prompts"),
+    (lambda d: vlens.PerPrompt([vlens.Steer(d, layer=1), None]), r"2 per-prompt entries for 1 prompts"),
 ])
 def test_bad_steering_is_refused_before_anything_runs(llama_session, direction, bad, match):
-    before = llama_session._engine.generate_calls
+    before = llama_session.engine.generate_calls
     with pytest.raises(VlensError, match=match):
         llama_session.trace(PROMPTS[0], steer=bad(direction), max_new_tokens=4)
-    assert llama_session._engine.generate_calls == before
+    assert llama_session.engine.generate_calls == before
     assert llama_session.trace(PROMPTS[0], layers=[0], max_new_tokens=2)[0].n_tokens > 0
 
 
@@ -211,7 +211,7 @@ def test_error_in_edit_function_names_site_and_layer_and_engine_serves(llama_ses
 def test_steered_kv_never_leaks_into_unsteered_requests(llama_session, direction):
     from vllm import SamplingParams
 
-    engine = llama_session._engine
+    engine = llama_session.engine
     prompt = _prompt(300, 77)  # > 256 tokens: two full 128-token cache blocks
     ids = llama_session.tokenize(prompt)
     assert len(ids) > 256
@@ -235,7 +235,7 @@ def test_steered_kv_never_leaks_into_unsteered_requests(llama_session, direction
 
 
 def test_compare_and_sweep_each_run_one_batch(llama_session, direction):
-    engine = llama_session._engine
+    engine = llama_session.engine
     st = vlens.Steer(direction * 8, layer=1)
     before = engine.generate_calls
     cmp = llama_session.compare(PROMPTS[:3], steer=st, max_new_tokens=6)

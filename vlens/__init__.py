@@ -20,13 +20,14 @@ if TYPE_CHECKING:
     from vlens.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
-    from vlens.steering import Steer
+    from vlens.steering import PerPrompt, Steer
     from vlens.widgets import explore
 
 __all__ = [
     "ClosedError",
     "EditContext",
     "EngineError",
+    "PerPrompt",
     "Run",
     "Session",
     "Steer",
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "EditContext": "vlens.plan",
+    "PerPrompt": "vlens.steering",
     "Session": "vlens.session",
     "Steer": "vlens.steering",
     "Run": "vlens.results",

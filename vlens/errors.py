@@ -28,4 +28,6 @@ class TokenAxisError(VlensError):
 
 
 class VlensWarning(UserWarning):
-    """Something vlens could not do exactly as asked, and said so."""
+    """Something vlens could not do exactly as asked, and said so: for
+    example a steer on generated tokens that covered none because the
+    request stopped first (the run is kept; its ``steered_rows`` is 0)."""

@@ -35,6 +35,15 @@ class Trace:
     * ``norms(site)`` -- ``[n_layers_read, n_tokens]``;
     * ``logit_lens()`` -- top-k ids and probabilities, ``[layers, tokens, k]``;
     * ``read_keys`` -- what was read: ``"resid_post"``, ``"resid_post:norm"`` …
+    * ``steered_rows`` -- rows a Steer added to (one count per Steer per row);
+    * ``cached_tokens`` -- prompt rows served from vLLM's prefix cache, which
+      the hooks never saw: ``token_ids`` and ``positions`` then start at
+      this position. Only requests without reads use the cache (a steered
+      one only reuses KV made under the same steers), so it is 0 whenever
+      anything was read;
+    * ``restarts`` -- how many times vLLM recomputed the request from the
+      start (preempted when the KV cache ran short); what was read is one
+      clean pass either way.
     """
 
     index: int
@@ -55,6 +64,8 @@ class Trace:
     steered_rows: int = 0
     #: how the engine scheduled this request: its row count in each step
     step_rows: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    restarts: int = 0
 
     @property
     def read_keys(self) -> list[str]:

@@ -1,72 +1,33 @@
 """The notebook's handle on a live engine.
 
-A ``Session`` owns (a share of) one :class:`~vlens.engine.Engine`, checks
-every input before anything runs, turns a call into one request per prompt,
-each carrying a small plan, and turns what the workers read back into
-:class:`~vlens.results.Run` objects. Widgets and notebooks use only this API.
+A ``Session`` holds (a share of) one :class:`~vlens.engine.Engine`. Each of
+its calls does the same three things: check every input
+(:mod:`vlens.checks`), build one request per prompt, each carrying a small
+plan, and hand them to its runner (:mod:`vlens._runner`), which runs them in
+one engine batch and turns what the workers read into
+:class:`~vlens.results.Run` objects. The steering workflows (``direction``,
+``compare``, ``sweep``) are methods here like ``trace``. Widgets and
+notebooks use only this API.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
-import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlens._checks import InputChecks
-from vlens._progress import progress_factory
-from vlens._steering_api import SteeringMethods
-from vlens._wire import decode_tensor
-from vlens._wire import encode_tensor as encode_vector
-from vlens.errors import ClosedError, EngineError, VlensError
-from vlens.plan import PLAN_KEY, Add, Edit, Plan, Read
+import torch
+
+from vlens import checks
+from vlens._runner import Runner, env_flag, live_engines
+from vlens.errors import VlensError
+from vlens.plan import Edit, Read
 from vlens.results import Run, Trace
-from vlens.steering import (
-    Steer,
-    edit_salt,
-)
+from vlens.steering import Comparison, Steer, Sweep, kl_per_position
 
 __all__ = ["Session", "live_engines"]
-
-# Sampling settings vlens manages itself: the user sets them another way.
-_MANAGED = {
-    "max_tokens": "use max_new_tokens=",
-    "extra_args": "vlens uses extra_args to carry its plan",
-    "logprobs": "use logprobs=True/False",
-    "prompt_logprobs": "use logprobs=True/False",
-    "skip_reading_prefix_cache": "traced requests always recompute their prompt",
-}
-
-
-@dataclass
-class _Shared:
-    engine: Any
-    users: int = 0
-
-
-_LIVE: dict[tuple, _Shared] = {}
-_LIVE_LOCK = threading.Lock()
-
-
-_FALSY = {"", "0", "false", "no", "off"}
-
-
-def _env_flag(name: str) -> bool:
-    """True unless the variable is unset or one of "", 0, false, no, off."""
-    return os.environ.get(name, "").strip().lower() not in _FALSY
-
-
-def live_engines() -> int:
-    """How many engines vlens holds open in this process."""
-    return len(_LIVE)
-
-
-def _engine_key(model: str, kwargs: dict[str, Any]) -> tuple:
-    return (model, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
 
 
 def _resolve_model(model: str | os.PathLike | None) -> str:
@@ -84,7 +45,7 @@ def _resolve_model(model: str | os.PathLike | None) -> str:
     )
 
 
-class Session(InputChecks, SteeringMethods):
+class Session:
     """A live vLLM engine with vlens's hooks, from a notebook.
 
     ``Session()`` loads the bundled toy-world model; ``Session(path, **kw)``
@@ -94,72 +55,53 @@ class Session(InputChecks, SteeringMethods):
     arguments in one process shares the live engine unless ``reuse=False``.
     """
 
-    _ids = itertools.count()
-
-    def __init__(
-        self,
-        model: str | os.PathLike | None = None,
-        *,
-        reuse: bool = True,
-        **llm_kwargs: Any,
-    ) -> None:
-        from vlens.engine import Engine
-
+    def __init__(self, model: str | os.PathLike | None = None, *, reuse: bool = True,
+                 **llm_kwargs: Any) -> None:
         self.model = _resolve_model(model)
-        self._key = _engine_key(self.model, llm_kwargs)
-        self._closed = False
-        self._calls = itertools.count()
-        self._name = f"s{next(Session._ids)}-{uuid.uuid4().hex[:6]}"
-        with _LIVE_LOCK:
-            shared = _LIVE.get(self._key) if reuse else None
-            if shared is None or shared.engine.closed:
-                shared = _Shared(Engine(self.model, **llm_kwargs))
-                if reuse:
-                    _LIVE[self._key] = shared
-            shared.users += 1
-        self._shared = shared
-        self.reused = shared.users > 1
-        self.clone_reads = _env_flag("VLENS_CLONE_READS")
-        self._token_text: dict[int, str] = {}
+        self._runner = Runner(self.model, llm_kwargs, reuse=reuse)
+        self.reused = self._runner.reused
+        self.clone_reads = env_flag("VLENS_CLONE_READS")
         #: the most bytes of activations one call may read (refused above it)
         self.read_budget = int(float(os.environ.get("VLENS_READ_BUDGET_MB", "2048")) * 2**20)
 
-    # -- what the model is --------------------------------------------------
+    # -- what the model is ----------------------------------------------------
     @property
-    def _engine(self):
-        if self._closed:
-            raise ClosedError(
-                "this Session is closed; make a new one with vlens.Session(...)"
-            )
-        return self._shared.engine
+    def engine(self):
+        """The live :class:`~vlens.engine.Engine` (shared with other Sessions
+        of the same model and arguments)."""
+        return self._runner.engine
 
     @property
     def info(self) -> dict[str, Any]:
-        return dict(self._engine.info)
+        return dict(self.engine.info)
 
     @property
     def n_layers(self) -> int:
-        return self._engine.info["n_layers"]
+        return self._facts.n_layers
 
     @property
     def hidden_size(self) -> int:
-        return self._engine.info["hidden_size"]
+        return self._facts.hidden_size
 
     @property
     def sites(self) -> list[str]:
-        return list(self._engine.info["sites"])
+        return list(self._facts.sites)
 
     @property
     def max_model_len(self) -> int:
-        return self._engine.info["max_model_len"]
+        return self._facts.max_model_len
+
+    @property
+    def _facts(self) -> checks.ModelFacts:
+        return self._runner.facts
 
     @property
     def tokenizer(self):
-        return self._engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._runner.closed
 
     def tokenize(self, text: str) -> list[int]:
         """The token ids the engine will see for ``text`` (with BOS if any)."""
@@ -167,14 +109,7 @@ class Session(InputChecks, SteeringMethods):
 
     def token_strings(self, ids: Iterable[int]) -> list[str]:
         """Each id as readable text (decoded one by one, cached per id)."""
-        cache = self._token_text
-        out = []
-        for i in ids:
-            text = cache.get(i)
-            if text is None:
-                text = cache[i] = self.tokenizer.decode([int(i)])
-            out.append(text)
-        return out
+        return self._runner.token_strings(list(ids))
 
     @property
     def clone_reads(self) -> bool:
@@ -190,99 +125,7 @@ class Session(InputChecks, SteeringMethods):
             raise VlensError(f"clone_reads must be True or False, got {value!r}")
         self._clone_reads = value
 
-    def _ship_vectors(self, steers: Iterable[Steer]) -> None:
-        # interim: pin nothing (the house refactor holds vectors per call)
-        with self._engine.hold_vectors({st.id: st.vector for st in steers}):
-            pass
-
-    def _sampling_params(self, max_new_tokens: int, logprobs: bool, plan: Plan | None,
-                         sampling: dict):
-        from vllm import SamplingParams
-
-        for key, how in _MANAGED.items():
-            if key in sampling:
-                raise VlensError(f"{key}= is set by vlens: {how}")
-        if (
-            not isinstance(max_new_tokens, int)
-            or isinstance(max_new_tokens, bool)
-            or max_new_tokens < 1
-        ):
-            raise VlensError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if sampling.get("seed") is not None and self._engine.info.get("device") == "cpu":
-            raise VlensError(
-                "seed= is refused on vLLM's CPU build: when a seeded request's "
-                "prompt is split across engine steps (chunked prefill) its worker "
-                "calls Generator.set_offset, which CPU generators lack, and the "
-                "engine dies. Sample without a seed, or run on a GPU."
-            )
-        args = {"temperature": 0.0, **sampling}
-        needs_rows = plan is not None and bool(plan.reads or plan.edits)
-        try:
-            return SamplingParams(
-                max_tokens=max_new_tokens,
-                logprobs=0 if logprobs else None,
-                prompt_logprobs=0 if logprobs else None,
-                # reads need every prompt row; steer-only requests may reuse
-                # KV made under the same edits (their cache_salt)
-                skip_reading_prefix_cache=True if needs_rows else None,
-                extra_args={PLAN_KEY: plan.to_wire()} if plan else None,
-                **args,
-            )
-        except Exception as exc:  # vLLM's own validation errors vary by version
-            raise VlensError(f"bad sampling settings {sampling!r}: {exc}") from None
-
-    def _request(self, tag: str, index: int, ids: list[int], reads: list[Read],
-                 steers: list[Steer], edit_ids: list[tuple[str, int, str]],
-                 max_new_tokens: int, logprobs: bool, sampling: dict) -> tuple:
-        """One traced request, as ``_execute`` takes it: ``(prompt ids, plan,
-        SamplingParams)``. Every traced request carries a plan, even one that
-        reads and writes nothing, so its processed tokens are still recorded."""
-        adds = tuple(
-            Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
-                  relative=st.relative)
-            for st in steers
-        )
-        edits = tuple(Edit(site, layer, fid) for site, layer, fid in edit_ids)
-        plan = Plan(tag=tag, reads=tuple(reads), adds=adds, edits=edits,
-                    clone=self._clone_reads, prompt_len=len(ids), index=index)
-        return ids, plan, self._sampling_params(max_new_tokens, logprobs, plan, sampling)
-
-    # -- running ------------------------------------------------------------
-    def _execute(self, items: list[tuple[list[int], Plan | None, Any]],
-                 progress: Any = None) -> tuple[list, dict]:
-        """Run ``(prompt ids, plan, SamplingParams)`` items in ONE generate
-        call; return vLLM's outputs and what the workers read, by tag.
-
-        Runs are serialised per engine (two widget callbacks at once queue,
-        they do not interleave). If the run is interrupted or fails, the
-        engine aborts what is left and the workers forget this call's
-        records, then the exception goes on."""
-        engine = self._engine
-        self._check_budget(items)
-        factory = progress_factory(progress)
-        prompts = []
-        for ids, plan, _ in items:
-            p: dict[str, Any] = {"prompt_token_ids": ids}
-            if plan is not None:
-                salt = edit_salt(
-                    [w.__dict__ for w in plan.adds], [e.__dict__ for e in plan.edits]
-                )
-                if salt:
-                    p["cache_salt"] = salt
-            prompts.append(p)
-        tags = [plan.tag for _, plan, _ in items if plan is not None]
-        with engine.lock:
-            try:
-                outputs = engine.generate(prompts, [sp for _, _, sp in items], factory)
-                collected = engine.rpc("vlens_collect", tags)[0] if tags else {}
-            except BaseException:
-                try:
-                    engine.rpc("vlens_drop", tags)
-                except Exception:
-                    pass
-                raise
-        return outputs, collected
-
+    # -- tracing --------------------------------------------------------------
     def trace(
         self,
         prompts: str | Sequence[str],
@@ -308,8 +151,9 @@ class Session(InputChecks, SteeringMethods):
         rows. Returns a :class:`~vlens.results.Run` with one trace per
         request (``n`` per prompt when ``n > 1``).
 
-        * ``steer``: a :class:`~vlens.Steer`, a list of them (all applied to
-          every prompt), or one entry per prompt (Steer, list, or None);
+        * ``steer``: a :class:`~vlens.Steer` or a list of them (all on every
+          prompt), or ``vlens.PerPrompt([...])`` (one entry per prompt: a
+          Steer, a list of Steers, or None);
         * ``edit``: ``fn(rows, ctx) -> rows | None`` called with one
           request's rows (``[n, hidden]`` or ``[1, n, hidden]``) at each
           ``edit_at`` (site, layer) pair, every step; return the edited
@@ -324,169 +168,162 @@ class Session(InputChecks, SteeringMethods):
           other users' traffic would (``run.background_texts``);
         * ``progress``: True for a progress bar, or ``fn(done, total)``
           called as requests finish (raising in it stops the run cleanly).
+
+        A steer on generated tokens that covers none (the request stopped
+        at its first token) is recorded (``steered_rows == 0``) with a
+        :class:`~vlens.errors.VlensWarning` naming the prompts.
         """
-        prompts, prompt_ids = self._check_prompts(prompts)
-        layers = self._check_layers(layers)
-        sites = self._check_sites(sites)
-        reads = self._reads(sites, layers, reduce, logit_lens)
-        per_prompt = self._steers_per_prompt(steer, len(prompts))
-        for ids, steers in zip(prompt_ids, per_prompt):
-            for st in steers:
-                self._check_steer(st, len(ids), max_new_tokens)
-        edit_ids = self._register_edit(edit, edit_at)
-        self._ship_vectors(st for steers in per_prompt for st in steers)
-        call = f"{self._name}-{next(self._calls)}"
-        items = [
-            self._request(f"{call}-{i}", i, ids, reads, steers, edit_ids,
-                          max_new_tokens, logprobs, sampling)
+        facts = self._facts
+        prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
+        layers = checks.check_layers(layers, facts)
+        sites = checks.check_sites(sites, facts)
+        reads = checks.check_reads(sites, layers, reduce, logit_lens, facts)
+        checks.check_generation(max_new_tokens, sampling, facts)
+        lens = [len(ids) for ids in prompt_ids]
+        per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
+        pairs = checks.check_edit(edit, edit_at, facts,
+                                  can_ship=self._runner.can_ship_functions)
+        bg_ids = []
+        if background:
+            bg_ids = checks.check_prompts(list(background), facts, self.tokenize)[1]
+        fid = f"fn-{uuid.uuid4().hex[:12]}"
+        edits = [Edit(site, layer, fid) for site, layer in pairs]
+        call = self._runner.next_call()
+        requests = [
+            self._runner.request(f"{call}-{i}", i, ids, reads, steers, edits, max_new_tokens,
+                                 logprobs, sampling, clone=self.clone_reads)
             for i, (ids, steers) in enumerate(zip(prompt_ids, per_prompt))
         ]
-        if background:
-            _, bg_ids = self._check_prompts(list(background))
-            plain = self._sampling_params(max_new_tokens, False, None, sampling)
-            items += [(ids, None, plain) for ids in bg_ids]
-        try:
-            outputs, collected = self._execute(items, progress)
-        finally:
-            if edit_ids:
-                self._engine.rpc("vlens_drop_edits", list({f for *_, f in edit_ids}))
-        run = self._build_run(prompts, prompt_ids, [it[1] for it in items[: len(prompts)]],
-                              outputs, collected, logprobs)
-        run.background_texts = [o.outputs[0].text for o in outputs[len(prompts):]]
-        return run
+        requests += [self._runner.background(ids, max_new_tokens, sampling) for ids in bg_ids]
+        n = len(prompts)
 
-    def _reads(self, sites: list[str], layers: list[int], reduce: str, k: int) -> list[Read]:
-        if reduce not in ("full", "norm"):
-            raise VlensError(f"reduce must be 'full' or 'norm', got {reduce!r}")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise VlensError(f"logit_lens must be a non-negative int (top-k), got {k!r}")
-        reads = [Read(site, tuple(layers), reduce) for site in sites]
-        if k:
-            vocab = self._engine.info["vocab_size"]
-            if k > vocab:
-                raise VlensError(f"logit_lens={k} is more than the vocabulary ({vocab} tokens)")
-            reads.append(Read("resid_post", tuple(layers), "logit_lens", k))
-        return reads
+        def assemble(outputs: list, collected: dict) -> Run:
+            run = self._runner.build_run(prompts, requests[:n], outputs[:n], collected, logprobs)
+            run.background_texts = [o.outputs[0].text for o in outputs[n:]]
+            return run
 
-    def _register_edit(self, edit: Any, edit_at: Any) -> list[tuple[str, int, str]]:
-        if edit is None:
-            if edit_at is not None:
-                raise VlensError("edit_at= given without edit=: pass the function too")
-            return []
-        if not callable(edit):
-            raise VlensError(f"edit must be a function fn(rows, ctx), got {type(edit).__name__}")
-        if not self._engine.in_process and not _env_flag("VLLM_ALLOW_INSECURE_SERIALIZATION"):
-            raise VlensError(
-                "edit= functions run inside the workers and this engine runs in other "
-                "processes: use an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
-                "the default), or set VLLM_ALLOW_INSECURE_SERIALIZATION=1 before starting "
-                "it and pass a picklable function; a Steer needs neither"
-            )
-        if not edit_at:
-            raise VlensError("edit= needs edit_at=[(site, layer), ...]: where to call it")
-        pairs = []
-        for pair in edit_at:
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                raise VlensError(f"edit_at entries are (site, layer) pairs, got {pair!r}")
-            site, layer = pair
-            if site not in self.sites:
-                raise VlensError(f"unknown edit site {site!r}: this model has {', '.join(self.sites)}")
-            self._check_layers([layer])
-            pairs.append((site, int(layer)))
-        fid = f"fn-{uuid.uuid4().hex[:12]}"
-        self._engine.rpc("vlens_put_edits", {fid: edit})
-        return [(site, layer, fid) for site, layer in pairs]
+        return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress,
+                                edit_fns={fid: edit} if edits else None)
 
-    def _build_run(self, prompts, prompt_ids, plans, outputs, collected, logprobs) -> Run:
-        traces = []
-        for i, (prompt, ids, plan, out) in enumerate(zip(prompts, prompt_ids, plans, outputs)):
-            records = list(collected.get(plan.tag, [])) if plan is not None else []
-            for comp in sorted(out.outputs, key=lambda c: c.index):
-                expected = list(ids) + list(comp.token_ids[:-1])
-                match = next((r for r in records if r["token_ids"] == expected), None)
-                if match is None:
-                    seen = [len(r["token_ids"]) for r in records]
-                    raise EngineError(
-                        f"prompt {i}, sample {comp.index}: the rows vlens read do not "
-                        f"match the tokens vLLM processed ({len(expected)} expected, "
-                        f"records of {seen} rows). This is a vlens bug; please report it."
-                    )
-                records.remove(match)
-                if match["errors"]:
-                    raise EngineError(
-                        f"prompt {i} ({prompt[:40]!r}): " + "; ".join(match["errors"])
-                    )
-                if plan.adds and match["steered_rows"] == 0:
-                    raise EngineError(
-                        f"prompt {i}: its steering edits landed on no token (span "
-                        f"{[(w.start, w.stop) for w in plan.adds]} of a request of "
-                        f"{len(expected)} tokens): widen the span"
-                    )
-                reads = {
-                    key: {part: decode_tensor(v) for part, v in p.items()
-                          if isinstance(v, dict)}
-                    for key, p in match["reads"].items()
-                }
-                traces.append(
-                    Trace(
-                        index=i,
-                        prompt=prompt,
-                        sample=comp.index,
-                        prompt_token_ids=list(ids),
-                        output_token_ids=list(comp.token_ids),
-                        text=comp.text,
-                        token_ids=match["token_ids"],
-                        tokens=self.token_strings(match["token_ids"]),
-                        output_tokens=self.token_strings(comp.token_ids),
-                        positions=match["positions"],
-                        logprobs=_token_logprobs(out, comp, ids) if logprobs else [],
-                        finish_reason=comp.finish_reason,
-                        layers={key: p["layers"] for key, p in match["reads"].items()},
-                        _reads=reads,
-                        copied_bytes=match["copied_bytes"],
-                        steered_rows=match["steered_rows"],
-                        step_rows=match["step_rows"],
-                    )
-                )
-        return Run(traces, prompts=prompts)
-
-    def generate(
-        self, prompts: str | Sequence[str], *, max_new_tokens: int = 16, **sampling: Any
-    ) -> list[str]:
+    def generate(self, prompts: str | Sequence[str], *, max_new_tokens: int = 16,
+                 **sampling: Any) -> list[str]:
         """Plain generation with no plan (the hooks stay idle): the texts."""
-        engine = self._engine
-        prompts, prompt_ids = self._check_prompts(prompts)
-        params = self._sampling_params(max_new_tokens, False, None, sampling)
-        with engine.lock:
-            outs = engine.generate([{"prompt_token_ids": i} for i in prompt_ids], params)
-        return [o.outputs[0].text for o in outs]
+        _, prompt_ids = checks.check_prompts(prompts, self._facts, self.tokenize)
+        checks.check_generation(max_new_tokens, sampling, self._facts)
+        requests = [self._runner.background(ids, max_new_tokens, sampling) for ids in prompt_ids]
+        return self._runner.run(requests, lambda outs, _: [o.outputs[0].text for o in outs],
+                                budget=self.read_budget)
 
-    def explore(self, prompt: str, **kwargs: Any):
-        """An explorer widget on ``prompt``: layer and span pickers, heatmap,
-        logit lens and steering panel sharing one selection (ipywidgets)."""
-        from vlens.widgets import explore
+    # -- steering workflows ---------------------------------------------------
+    def direction(self, positive: Sequence[str], negative: Sequence[str], *, layer: int,
+                  site: str = "resid_post", position: str = "last",
+                  progress: Any = None) -> torch.Tensor:
+        """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
+        at ``layer``, ``[hidden]`` float32. ``position="last"`` takes each
+        prompt's last token, ``"mean"`` the mean over its tokens (the BOS row,
+        the same for every prompt, left out)."""
+        if position not in ("last", "mean"):
+            raise VlensError(f"position must be 'last' or 'mean', got {position!r}")
+        for name, group in (("positive", positive), ("negative", negative)):
+            if isinstance(group, str) or not isinstance(group, (list, tuple)) or not group:
+                raise VlensError(f"{name} must be a non-empty list of prompt strings")
+        layer = checks.check_layers([layer], self._facts)[0]
+        checks.check_sites([site], self._facts)
+        run = self.trace(list(positive) + list(negative), layers=[layer], sites=[site],
+                         max_new_tokens=1, logprobs=False, progress=progress)
+        bos = self.tokenizer.bos_token_id
+        means = []
+        for t in run:
+            rows = t.activations(site)[0]  # [prompt tokens, hidden]
+            if position == "last":
+                means.append(rows[-1])
+            else:
+                skip = 1 if bos is not None and t.token_ids[0] == bos and len(rows) > 1 else 0
+                means.append(rows[skip:].mean(0))
+        stacked = torch.stack(means)
+        k = len(positive)
+        return stacked[:k].mean(0) - stacked[k:].mean(0)
 
-        return explore(self, prompt, **kwargs)
+    def compare(self, prompts: str | Sequence[str], *, steer: Any, max_new_tokens: int = 16,
+                progress: Any = None, **sampling: Any) -> Comparison:
+        """Baseline and steered generations of the same prompts in ONE engine
+        batch: both texts, per-token logprobs, KL per position, first
+        divergence. ``steer`` takes the same forms as in ``trace``."""
+        facts = self._facts
+        prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
+        checks.check_generation(max_new_tokens, sampling, facts)
+        lens = [len(ids) for ids in prompt_ids]
+        per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
+        if not any(per_prompt):
+            raise VlensError("compare needs a steer= (nothing would differ)")
+        arms = [("b", [[] for _ in prompts]), ("s", per_prompt)]
+        base, steered = self._steering_run(prompts, prompt_ids, arms, max_new_tokens,
+                                           progress, sampling)
+        return Comparison(base, steered, [_generated_kl(b, s) for b, s in zip(base, steered)])
 
+    def sweep(self, prompt: str, *, steer: Steer, scales: Sequence[float],
+              max_new_tokens: int = 16, progress: Any = None, **sampling: Any) -> Sweep:
+        """``steer`` at each of ``scales`` on one prompt, all in ONE batch
+        (plus an unsteered baseline when 0 is not among the scales)."""
+        if not isinstance(prompt, str):
+            raise VlensError("sweep takes one prompt string")
+        if not isinstance(steer, Steer):
+            raise VlensError("sweep takes one vlens.Steer as steer=")
+        if not isinstance(scales, (list, tuple)) or not scales:
+            raise VlensError("scales must be a non-empty list of numbers")
+        bad = [x for x in scales if isinstance(x, bool) or not isinstance(x, (int, float))]
+        if bad:
+            raise VlensError(f"scales must be numbers; {bad[0]!r} is not")
+        scales = [float(x) for x in scales]
+        variants = [steer.with_scale(x) for x in scales]  # validates each
+        facts = self._facts
+        _, prompt_ids = checks.check_prompts([prompt], facts, self.tokenize)
+        checks.check_generation(max_new_tokens, sampling, facts)
+        checks.check_steer(steer, facts, len(prompt_ids[0]), max_new_tokens)
+        arms = [(str(j), [[] if st.scale == 0 else [st]]) for j, st in enumerate(variants)]
+        if 0.0 not in scales:
+            arms.append(("base", [[]]))
+        runs = self._steering_run([prompt], prompt_ids, arms, max_new_tokens, progress, sampling)
+        traces = [run[0] for run in runs]
+        baseline = traces[scales.index(0.0)] if 0.0 in scales else traces[-1]
+        steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
+        return Sweep(prompt, scales, steered, baseline,
+                     [_generated_kl(baseline, t) for t in steered])
+
+    def _steering_run(self, prompts: list[str], prompt_ids: list[list[int]],
+                      arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
+                      progress: Any, sampling: dict[str, Any]) -> list[Run]:
+        """Every arm (a name and the steers of each prompt) over ``prompts``
+        in ONE batch, each request reading the last layer's logprobs: one
+        Run per arm."""
+        reads = [Read("resid_post", (self.n_layers - 1,), "logprobs")]
+        call = self._runner.next_call()
+        requests = [
+            self._runner.request(f"{call}-{arm}{i}", i, ids, reads, steers, [], max_new_tokens,
+                                 True, sampling, clone=self.clone_reads)
+            for arm, per_prompt in arms
+            for i, (ids, steers) in enumerate(zip(prompt_ids, per_prompt))
+        ]
+        n = len(prompts)
+
+        def assemble(outputs: list, collected: dict) -> list[Run]:
+            return [self._runner.build_run(prompts, requests[k:k + n], outputs[k:k + n],
+                                           collected, True)
+                    for k in range(0, len(requests), n)]
+
+        return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress)
+
+    # -- state and lifecycle --------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """The workers' hook state (rank 0): hooks, pending records, steps."""
-        return self._engine.rpc("vlens_status")[0]
+        """The workers' hook state (rank 0): ``records`` and ``plans``
+        pending, ``edit_fns`` and ``vectors`` (with ``vector_bytes``) held,
+        hooks and step counters."""
+        return self.engine.rpc("vlens_status")[0]
 
-    # -- lifecycle ----------------------------------------------------------
     def close(self) -> None:
         """Release this session's share of the engine; the engine shuts down
         when its last session closes. Calling it twice is harmless."""
-        if self._closed:
-            return
-        self._closed = True
-        with _LIVE_LOCK:
-            shared = self._shared
-            shared.users -= 1
-            if shared.users <= 0:
-                for key, value in list(_LIVE.items()):
-                    if value is shared:
-                        del _LIVE[key]
-                shared.engine.close()
+        self._runner.release()
 
     def __enter__(self) -> Session:
         return self
@@ -495,18 +332,12 @@ class Session(InputChecks, SteeringMethods):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self.n_layers} layers, {self.info['impl']}"
+        state = "closed" if self.closed else f"{self.n_layers} layers, {self.info['impl']}"
         return f"Session({self.model!r}, {state})"
 
 
-def _token_logprobs(out: Any, comp: Any, prompt_ids: list[int]) -> list[float | None]:
-    """Logprob of each prompt and generated token (None for the first)."""
-    values: list[float | None] = [None]
-    prompt_lp = out.prompt_logprobs or []
-    for pos in range(1, len(prompt_ids)):
-        entry = prompt_lp[pos] if pos < len(prompt_lp) else None
-        values.append(None if entry is None else float(entry[prompt_ids[pos]].logprob))
-    for step, tok in enumerate(comp.token_ids):
-        entry = comp.logprobs[step] if comp.logprobs and step < len(comp.logprobs) else None
-        values.append(None if entry is None else float(entry[tok].logprob))
-    return values
+def _generated_kl(base: Trace, steered: Trace) -> torch.Tensor:
+    """KL at each generated position: the distributions that chose each
+    generated token (rows prompt_len - 1 onwards)."""
+    start = len(base.prompt_token_ids) - 1
+    return kl_per_position(base.vocab_logprobs()[0, start:], steered.vocab_logprobs()[0, start:])

@@ -3,8 +3,9 @@
 ``Steer`` says what to add where: a vector ``[hidden]``, a layer, a site, a
 scale and a token span. The Session checks it against the model, ships the
 vector to the workers once (named by a hash of its bytes), and puts a small
-write entry in each request's plan; the workers apply every request's
-writes at a site in one batched ``index_add_``.
+add entry in each request's plan; the workers apply every request's
+adds at a site in one batched ``index_add_``. ``PerPrompt`` gives each
+prompt of a call its own steers.
 
 ``Comparison`` and ``Sweep`` hold the results of ``Session.compare`` and
 ``Session.sweep`` and turn them into tidy frames. Nothing here touches the
@@ -24,7 +25,15 @@ import torch
 from vlens.errors import VlensError
 from vlens.results import Run
 
-__all__ = ["Steer", "Comparison", "Sweep", "vector_id", "edit_salt", "kl_per_position"]
+__all__ = [
+    "Steer",
+    "PerPrompt",
+    "Comparison",
+    "Sweep",
+    "vector_id",
+    "edit_salt",
+    "kl_per_position",
+]
 
 SPANS = ("all", "prompt", "generated")
 
@@ -119,6 +128,46 @@ class Steer:
         if self.span == "generated":
             return prompt_len, -1
         return self.span  # type: ignore[return-value]
+
+
+class PerPrompt(Sequence):
+    """``steer=`` with one entry per prompt, in prompt order: each entry a
+    :class:`Steer`, a list of Steers (all on that prompt), or None (that
+    prompt runs unsteered)::
+
+        s.trace([a, b, c], steer=vlens.PerPrompt([st, None, [st, st2]]))
+
+    A plain Steer or list of Steers means "all of these on every prompt";
+    this is the only spelling for "one each"."""
+
+    def __init__(self, entries: Sequence[Steer | Sequence[Steer] | None]) -> None:
+        if isinstance(entries, (str, Steer)) or not isinstance(entries, (list, tuple)):
+            raise VlensError(
+                "PerPrompt takes a list with one entry per prompt (a Steer, a list of "
+                f"Steers, or None), got {type(entries).__name__}"
+            )
+        out: list[tuple[Steer, ...]] = []
+        for i, entry in enumerate(entries):
+            if entry is None:
+                out.append(())
+            elif isinstance(entry, Steer):
+                out.append((entry,))
+            elif isinstance(entry, (list, tuple)) and all(isinstance(x, Steer) for x in entry):
+                out.append(tuple(entry))
+            else:
+                raise VlensError(
+                    f"PerPrompt entry {i} is {entry!r:.80}: use a Steer, a list of Steers, or None"
+                )
+        self._entries = tuple(out)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._entries[i]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"PerPrompt({[len(e) for e in self._entries]} steers per prompt)"
 
 
 def edit_salt(writes: list[dict[str, Any]], edits: list[dict[str, Any]]) -> str | None:

@@ -1,0 +1,346 @@
+"""The Session's running machinery: the engine share, requests, one run,
+and turning what the workers read back into a :class:`~vlens.results.Run`.
+
+The order of one call is fixed here: every request is built (and so
+validated, sampling settings included) before the first byte is shipped;
+then steering vectors and edit functions go to the workers, the batch runs,
+and the call's worker state (records, edit functions) is removed on every
+way out, an interrupt or a failure while assembling the results included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlens._progress import progress_factory
+from vlens._wire import decode_tensor
+from vlens.checks import ModelFacts, check_budget
+from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
+from vlens.plan import PLAN_KEY, Add, Edit, Plan, Read
+from vlens.results import Run, Trace
+from vlens.steering import Steer, edit_salt
+
+__all__ = ["Request", "Runner", "env_flag", "live_engines"]
+
+_FALSY = {"", "0", "false", "no", "off"}
+
+
+def env_flag(name: str) -> bool:
+    """True unless the variable is unset or one of "", 0, false, no, off."""
+    return os.environ.get(name, "").strip().lower() not in _FALSY
+
+
+@dataclass
+class _Shared:
+    engine: Any
+    users: int = 0
+
+
+# Engines shared by Sessions with the same model and arguments.
+_LIVE: dict[tuple, _Shared] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def live_engines() -> int:
+    """How many engines vlens holds open in this process."""
+    return len(_LIVE)
+
+
+@dataclass
+class Request:
+    """One engine request: prompt ids, its plan (None: untraced background
+    traffic), vLLM's SamplingParams, and the steering vectors it names."""
+
+    ids: list[int]
+    plan: Plan | None
+    params: Any
+    vectors: dict[str, Any] = field(default_factory=dict)
+
+
+class Runner:
+    """Owns one Session's share of a live engine and runs its calls."""
+
+    _ids = itertools.count()
+
+    def __init__(self, model: str, llm_kwargs: dict[str, Any], *, reuse: bool) -> None:
+        from vlens.engine import Engine
+
+        key = (model, tuple(sorted((k, repr(v)) for k, v in llm_kwargs.items())))
+        with _LIVE_LOCK:
+            shared = _LIVE.get(key) if reuse else None
+            if shared is None or shared.engine.closed:
+                shared = _Shared(Engine(model, **llm_kwargs))
+                if reuse:
+                    _LIVE[key] = shared
+            shared.users += 1
+        self._shared = shared
+        self.reused = shared.users > 1
+        self.closed = False
+        self._name = f"s{next(Runner._ids)}-{uuid.uuid4().hex[:6]}"
+        self._calls = itertools.count()
+        self._token_text: dict[int, str] = {}
+        self._facts = ModelFacts.from_info(shared.engine.info)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("this Session is closed; make a new one with vlens.Session(...)")
+
+    @property
+    def engine(self):
+        self._check_open()
+        return self._shared.engine
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the model is, for the input checks."""
+        self._check_open()
+        return self._facts
+
+    @property
+    def can_ship_functions(self) -> bool:
+        """Whether an ``edit=`` function can reach this engine's workers."""
+        return self.engine.in_process or env_flag("VLLM_ALLOW_INSECURE_SERIALIZATION")
+
+    def release(self) -> None:
+        """Give up this share; the engine closes with its last user."""
+        if self.closed:
+            return
+        self.closed = True
+        with _LIVE_LOCK:
+            shared = self._shared
+            shared.users -= 1
+            if shared.users <= 0:
+                for key, value in list(_LIVE.items()):
+                    if value is shared:
+                        del _LIVE[key]
+                shared.engine.close()
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id as readable text (decoded one by one, cached per id)."""
+        cache = self._token_text
+        out = []
+        for i in ids:
+            text = cache.get(i)
+            if text is None:
+                text = cache[i] = self.engine.tokenizer.decode([int(i)])
+            out.append(text)
+        return out
+
+    # -- requests -------------------------------------------------------------
+    def next_call(self) -> str:
+        """A tag prefix no other call of any Session in this process uses."""
+        return f"{self._name}-{next(self._calls)}"
+
+    def sampling_params(self, max_new_tokens: int, logprobs: bool, plan: Plan | None,
+                        sampling: dict[str, Any]):
+        from vllm import SamplingParams
+
+        args = {"temperature": 0.0, **sampling}
+        needs_rows = plan is not None and bool(plan.reads or plan.edits)
+        try:
+            return SamplingParams(
+                max_tokens=max_new_tokens,
+                logprobs=0 if logprobs else None,
+                prompt_logprobs=0 if logprobs else None,
+                # reads and edit functions need every prompt row; steer-only
+                # requests may reuse KV made under the same steers (their
+                # cache_salt)
+                skip_reading_prefix_cache=True if needs_rows else None,
+                extra_args={PLAN_KEY: plan.to_wire()} if plan else None,
+                **args,
+            )
+        except Exception as exc:  # vLLM's own validation errors vary by version
+            raise VlensError(f"bad sampling settings {sampling!r}: {exc}") from None
+
+    def request(self, tag: str, index: int, ids: list[int], reads: Sequence[Read],
+                steers: Sequence[Steer], edits: Sequence[Edit], max_new_tokens: int,
+                logprobs: bool, sampling: dict[str, Any], *, clone: bool) -> Request:
+        """One traced request. Every traced request carries a plan, even one
+        that reads and writes nothing, so its processed tokens are recorded."""
+        adds = tuple(
+            Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
+                relative=st.relative)
+            for st in steers
+        )
+        plan = Plan(tag=tag, reads=tuple(reads), adds=adds, edits=tuple(edits), clone=clone,
+                    prompt_len=len(ids), index=index)
+        params = self.sampling_params(max_new_tokens, logprobs, plan, sampling)
+        return Request(ids, plan, params, {st.id: st.vector for st in steers})
+
+    def background(self, ids: list[int], max_new_tokens: int, sampling: dict[str, Any]) -> Request:
+        """An untraced request, as other users' traffic would be."""
+        return Request(ids, None, self.sampling_params(max_new_tokens, False, None, sampling))
+
+    # -- one run --------------------------------------------------------------
+    def run(self, requests: Sequence[Request], assemble: Callable[[list, dict], Any], *,
+            budget: int, progress: Any = None, edit_fns: dict[str, Any] | None = None) -> Any:
+        """Run ``requests`` in ONE engine batch and return
+        ``assemble(vLLM outputs, records by tag)``.
+
+        Runs are serialised per engine (two widget callbacks at once queue,
+        they do not interleave). The vectors the requests name are held for
+        the call; the edit functions live in the workers only during it; if
+        anything fails, the engine aborts what is left and the workers forget
+        this call's records before the exception goes on."""
+        engine = self.engine
+        check_budget([(len(r.ids), r.plan.reads, r.params.max_tokens, r.params.n)
+                      for r in requests if r.plan is not None], self.facts, budget)
+        factory = progress_factory(progress)
+        vectors = {vid: v for r in requests for vid, v in r.vectors.items()}
+        prompts = [_engine_prompt(r) for r in requests]
+        tags = [r.plan.tag for r in requests if r.plan is not None]
+        done = False
+        try:
+            with engine.lock, engine.hold_vectors(vectors):
+                if edit_fns:
+                    engine.rpc("vlens_put_edits", edit_fns)
+                outputs = engine.generate(prompts, [r.params for r in requests], factory)
+                collected = engine.rpc("vlens_collect", tags)[0] if tags else {}
+            result = assemble(outputs, collected)
+            done = True
+            return result
+        finally:
+            self._forget(edit_fns, [] if done else tags)
+
+    def _forget(self, edit_fns: dict[str, Any] | None, tags: list[str]) -> None:
+        """Remove a call's edit functions and uncollected records from the
+        workers. Never raises: it runs while another exception may be on its
+        way out, and a closed engine holds nothing anyway."""
+        if not edit_fns and not tags:
+            return
+        engine = self._shared.engine
+        if engine.closed:
+            return
+        with engine.lock:
+            for method, arg in (("vlens_drop_edits", list(edit_fns or ())), ("vlens_drop", tags)):
+                if arg:
+                    try:
+                        engine.rpc(method, arg)
+                    except Exception:  # noqa: BLE001 - the original error matters more
+                        pass
+
+    # -- results --------------------------------------------------------------
+    def build_run(self, prompts: Sequence[str], requests: Sequence[Request], outputs: Sequence,
+                  collected: dict[str, list[dict[str, Any]]], logprobs: bool) -> Run:
+        """Match each completion to the record of the rows the workers saw
+        (by token ids) and make a Trace of each."""
+        traces = []
+        unlanded: list[int] = []
+        for i, (prompt, req, out) in enumerate(zip(prompts, requests, outputs)):
+            records = list(collected.get(req.plan.tag, []))
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                rec = _match(i, prompt, req, comp, records)
+                steered = rec["steered_rows"] + _cached_adds(req.plan.adds, rec.get("start", 0))
+                if req.plan.adds and steered == 0:
+                    if not all(a.start >= len(req.ids) for a in req.plan.adds):
+                        raise EngineError(
+                            f"prompt {i}: its steering edits landed on no token (spans "
+                            f"{[(a.start, a.stop) for a in req.plan.adds]}). This is a vlens "
+                            "bug; please report it."
+                        )
+                    unlanded.append(i)
+                traces.append(self._trace(i, prompt, req, out, comp, rec, steered, logprobs))
+        if unlanded:
+            warnings.warn(
+                f"steering on generated tokens covered no token in prompt(s) "
+                f"{sorted(set(unlanded))}: those requests stopped (a stop token or EOS) "
+                "before their span began; their traces have steered_rows == 0",
+                VlensWarning, stacklevel=5,
+            )
+        return Run(traces, prompts=list(prompts))
+
+    def _trace(self, i, prompt, req, out, comp, rec, steered, logprobs) -> Trace:
+        reads = {
+            key: {part: decode_tensor(v) for part, v in p.items() if isinstance(v, dict)}
+            for key, p in rec["reads"].items()
+        }
+        return Trace(
+            index=i,
+            prompt=prompt,
+            sample=comp.index,
+            prompt_token_ids=list(req.ids),
+            output_token_ids=list(comp.token_ids),
+            text=comp.text,
+            token_ids=rec["token_ids"],
+            tokens=self.token_strings(rec["token_ids"]),
+            output_tokens=self.token_strings(comp.token_ids),
+            positions=rec["positions"],
+            logprobs=_token_logprobs(out, comp, req.ids) if logprobs else [],
+            finish_reason=comp.finish_reason,
+            layers={key: p["layers"] for key, p in rec["reads"].items()},
+            _reads=reads,
+            copied_bytes=rec["copied_bytes"],
+            steered_rows=steered,
+            step_rows=rec["step_rows"],
+            cached_tokens=rec.get("start", 0),
+            restarts=rec.get("restarts", 0),
+        )
+
+
+def _engine_prompt(req: Request) -> dict[str, Any]:
+    p: dict[str, Any] = {"prompt_token_ids": req.ids}
+    if req.plan is not None:
+        # steered KV is kept apart from everyone else's in the prefix cache
+        salt = edit_salt([a.__dict__ for a in req.plan.adds],
+                         [e.__dict__ for e in req.plan.edits])
+        if salt:
+            p["cache_salt"] = salt
+    return p
+
+
+def _match(i: int, prompt: str, req: Request, comp: Any,
+           records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record of completion ``comp`` of prompt ``i`` (removed from
+    ``records``): the rows it fed through the model, from the first one the
+    hooks saw (``start``; earlier rows came from the prefix cache)."""
+    expected = list(req.ids) + list(comp.token_ids[:-1])
+    rec = next((r for r in records if r["token_ids"] == expected[r.get("start", 0):]), None)
+    if rec is None:
+        seen = [(r.get("start", 0), len(r["token_ids"])) for r in records]
+        raise EngineError(
+            f"prompt {i}, sample {comp.index}: the rows vlens read do not match the tokens "
+            f"vLLM processed ({len(expected)} expected, records of (start, rows) {seen}). "
+            "This is a vlens bug; please report it."
+        )
+    records.remove(rec)
+    start = rec.get("start", 0)
+    if start and req.plan.reads:
+        raise EngineError(
+            f"prompt {i}, sample {comp.index}: rows 0 to {start - 1} came from the prefix "
+            "cache and the hooks never saw them, so its reads miss them. This is a vlens "
+            "bug; please report it."
+        )
+    if rec["errors"]:
+        raise EngineError(f"prompt {i} ({prompt[:40]!r}): " + "; ".join(rec["errors"]))
+    return rec
+
+
+def _cached_adds(adds: Sequence[Add], start: int) -> int:
+    """Rows before ``start`` (served from the prefix cache) inside each Add's
+    span: they were computed under the same steers (the cache_salt is made
+    from them), so they count as steered."""
+    total = 0
+    for a in adds:
+        stop = start if a.stop < 0 else min(a.stop, start)
+        total += max(0, stop - a.start)
+    return total
+
+
+def _token_logprobs(out: Any, comp: Any, prompt_ids: list[int]) -> list[float | None]:
+    """Logprob of each prompt and generated token (None for the first)."""
+    values: list[float | None] = [None]
+    prompt_lp = out.prompt_logprobs or []
+    for pos in range(1, len(prompt_ids)):
+        entry = prompt_lp[pos] if pos < len(prompt_lp) else None
+        values.append(None if entry is None else float(entry[prompt_ids[pos]].logprob))
+    for step, tok in enumerate(comp.token_ids):
+        entry = comp.logprobs[step] if comp.logprobs and step < len(comp.logprobs) else None
+        values.append(None if entry is None else float(entry[tok].logprob))
+    return values

@@ -1,0 +1,343 @@
+"""Input checks: every bad input becomes a VlensError that says what was
+wrong and what would be right, before anything is shipped to the workers.
+
+Pure functions over :class:`ModelFacts` (what the live model is) and plain
+arguments, so they can be read and tested without an engine; the Session
+calls them before it builds a single request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vlens.errors import VlensError
+from vlens.plan import Read
+from vlens.steering import PerPrompt, Steer
+
+__all__ = [
+    "ModelFacts",
+    "check_budget",
+    "check_edit",
+    "check_generation",
+    "check_layers",
+    "check_prompts",
+    "check_reads",
+    "check_sites",
+    "check_steer",
+    "check_steers",
+    "steers_per_prompt",
+]
+
+# Sampling settings vlens manages itself: the user sets them another way.
+MANAGED = {
+    "max_tokens": "use max_new_tokens=",
+    "extra_args": "vlens uses extra_args to carry its plan",
+    "logprobs": "use logprobs=True/False",
+    "prompt_logprobs": "use logprobs=True/False",
+    "skip_reading_prefix_cache": "traced requests always recompute their prompt",
+}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checks need to know about the live model."""
+
+    n_layers: int
+    hidden_size: int
+    sites: tuple[str, ...]
+    writable: tuple[str, ...]  # sites a Steer or edit may change
+    max_model_len: int
+    vocab_size: int
+    device: str = "cpu"
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> ModelFacts:
+        """From ``Engine.info``."""
+        from vlens.sites import WRITABLE
+
+        sites = tuple(info["sites"])
+        return cls(
+            n_layers=int(info["n_layers"]),
+            hidden_size=int(info["hidden_size"]),
+            sites=sites,
+            writable=tuple(x for x in WRITABLE if x in sites),
+            max_model_len=int(info["max_model_len"]),
+            vocab_size=int(info["vocab_size"]),
+            device=str(info.get("device", "cpu")),
+        )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_prompts(
+    prompts: Any, facts: ModelFacts, tokenize: Callable[[str], list[int]]
+) -> tuple[list[str], list[list[int]]]:
+    """A prompt string or a list of them -> ``(prompts, token ids of each)``."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise VlensError(
+            f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
+        )
+    if not prompts:
+        raise VlensError("prompts is empty: pass at least one prompt string")
+    ids = []
+    limit = facts.max_model_len
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise VlensError(f"prompt {i} is a {type(p).__name__}, not a string: pass text")
+        if not p.strip():
+            raise VlensError(f"prompt {i} is empty: give it at least one word")
+        toks = tokenize(p)
+        if len(toks) >= limit:
+            raise VlensError(
+                f"prompt {i} is {len(toks)} tokens long but the engine's max_model_len is "
+                f"{limit}: shorten it to under {limit} tokens, or start the Session with a "
+                "larger max_model_len="
+            )
+        ids.append(toks)
+    return list(prompts), ids
+
+
+def check_layers(layers: Any, facts: ModelFacts) -> list[int]:
+    """None (all), an int, a range or a list of ints -> distinct layer numbers."""
+    n = facts.n_layers
+    if layers is None:
+        return list(range(n))
+    if _is_int(layers):
+        layers = [layers]
+    if isinstance(layers, range):
+        layers = list(layers)
+    if not isinstance(layers, (list, tuple)) or not all(_is_int(x) for x in layers):
+        raise VlensError(f"layers must be None (all), an int or a list of ints, got {layers!r}")
+    if not layers:
+        raise VlensError(f"layers is empty: pick from 0 to {n - 1}, or None for all")
+    bad = [x for x in layers if not 0 <= x < n]
+    if bad:
+        raise VlensError(
+            f"layer {bad[0]} does not exist: this model has {n} layers, numbered 0 to {n - 1}"
+        )
+    return list(dict.fromkeys(layers))
+
+
+def check_sites(sites: Any, facts: ModelFacts) -> list[str]:
+    """A site name or a list of them -> distinct site names."""
+    if isinstance(sites, str):
+        sites = [sites]
+    if not isinstance(sites, (list, tuple)):
+        raise VlensError(f"sites must be a site name or a list of them, got {sites!r}")
+    for s in sites:
+        if s not in facts.sites:
+            raise VlensError(f"unknown site {s!r}: this model has {', '.join(facts.sites)}")
+    return list(dict.fromkeys(sites))
+
+
+def check_generation(max_new_tokens: Any, sampling: dict[str, Any], facts: ModelFacts) -> None:
+    """``max_new_tokens`` and the sampling settings: refuses settings vlens
+    manages and settings that would break the engine. (vLLM's own
+    validation runs when the runner builds SamplingParams, still before
+    anything is shipped.)"""
+    for key, how in MANAGED.items():
+        if key in sampling:
+            raise VlensError(f"{key}= is set by vlens: {how}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise VlensError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if sampling.get("seed") is not None and facts.device == "cpu":
+        raise VlensError(
+            "seed= is refused on vLLM's CPU build: when a seeded request's prompt is "
+            "split across engine steps (chunked prefill) its worker calls "
+            "Generator.set_offset, which CPU generators lack, and the engine dies. "
+            "Sample without a seed, or run on a GPU."
+        )
+
+
+def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
+                facts: ModelFacts) -> list[Read]:
+    """The reads of a ``trace`` call: ``sites`` at ``layers`` reduced by
+    ``reduce``, plus the logit lens top-``k`` of ``resid_post`` when k > 0."""
+    if reduce not in ("full", "norm"):
+        raise VlensError(f"reduce must be 'full' or 'norm', got {reduce!r}")
+    if not _is_int(k) or k < 0:
+        raise VlensError(f"logit_lens must be a non-negative int (top-k), got {k!r}")
+    reads = [Read(site, tuple(layers), reduce) for site in sites]
+    if k:
+        if k > facts.vocab_size:
+            raise VlensError(
+                f"logit_lens={k} is more than the vocabulary ({facts.vocab_size} tokens)"
+            )
+        reads.append(Read("resid_post", tuple(layers), "logit_lens", k))
+    return reads
+
+
+def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int) -> Steer:
+    """A Steer that fits this model and can land on the request
+    (``prompt_len`` prompt tokens, ``max_new_tokens`` generated)."""
+    if not isinstance(st, Steer):
+        raise VlensError(f"steer entries must be vlens.Steer objects, got {type(st).__name__}")
+    n = facts.n_layers
+    if not 0 <= st.layer < n:
+        raise VlensError(
+            f"Steer layer {st.layer} does not exist: this model has {n} layers, "
+            f"numbered 0 to {n - 1}"
+        )
+    if st.site not in facts.writable:
+        raise VlensError(
+            f"Steer site {st.site!r} cannot be written: use one of {', '.join(facts.writable)}"
+        )
+    if st.vector.shape[0] != facts.hidden_size:
+        raise VlensError(
+            f"Steer vector has {st.vector.shape[0]} elements but this model's hidden size "
+            f"is {facts.hidden_size}: compute it on this model (s.direction)"
+        )
+    # the last generated token is sampled, never fed back: the request runs
+    # prompt_len + max_new_tokens - 1 rows at most
+    total = prompt_len + max_new_tokens - 1
+    if st.span == "generated" and max_new_tokens == 1:
+        raise VlensError(
+            "Steer span 'generated' can never land with max_new_tokens=1: the one "
+            "generated token is sampled, never fed back. Ask for max_new_tokens >= 2, "
+            "or steer span='all'/'prompt'"
+        )
+    if isinstance(st.span, tuple) and st.span[1] > total:
+        raise VlensError(
+            f"Steer span {st.span} reaches past the sequence: this request runs {total} "
+            f"tokens ({prompt_len} prompt + {max_new_tokens - 1} fed back), positions 0 "
+            f"to {total - 1}"
+        )
+    return st
+
+
+def check_steers(steer: Any, prompt_lens: Sequence[int], max_new_tokens: int,
+                 facts: ModelFacts) -> list[list[Steer]]:
+    """``steer=`` as the checked Steers of each prompt (see
+    :func:`steers_per_prompt`); ``prompt_lens``: each prompt's length."""
+    per_prompt = steers_per_prompt(steer, len(prompt_lens))
+    for n, steers in zip(prompt_lens, per_prompt):
+        for st in steers:
+            check_steer(st, facts, n, max_new_tokens)
+    return per_prompt
+
+
+def _steer_key(st: Steer) -> tuple:
+    return (st.id, st.layer, st.site, float(st.scale), st.span, st.relative)
+
+
+def _no_twice(steers: list[Steer], where: str) -> list[Steer]:
+    seen = set()
+    for st in steers:
+        key = _steer_key(st)
+        if key in seen:
+            raise VlensError(
+                f"{where} holds the same Steer twice (layer {st.layer}, {st.site}, scale "
+                f"{st.scale}, span {st.span!r}): it would add it twice: use scale=2x "
+                f"({st.scale * 2:g}) instead"
+            )
+        seen.add(key)
+    return steers
+
+
+def steers_per_prompt(steer: Any, n_prompts: int) -> list[list[Steer]]:
+    """``steer=`` as one list of Steers per prompt.
+
+    A Steer or a list of Steers: all of them on every prompt. A list as long
+    as the prompts (two or more) is ambiguous and refused; so is a list
+    holding None or lists. :class:`~vlens.PerPrompt` gives one entry per
+    prompt."""
+    if steer is None:
+        return [[] for _ in range(n_prompts)]
+    if isinstance(steer, Steer):
+        return [[steer] for _ in range(n_prompts)]
+    if isinstance(steer, PerPrompt):
+        if len(steer) != n_prompts:
+            raise VlensError(
+                f"PerPrompt has {len(steer)} per-prompt entries for {n_prompts} prompts: "
+                "give one entry (a Steer, a list of Steers, or None) per prompt"
+            )
+        return [_no_twice(list(e), f"PerPrompt entry {i}") for i, e in enumerate(steer)]
+    if isinstance(steer, (list, tuple)):
+        if any(x is None or isinstance(x, (list, tuple)) for x in steer):
+            raise VlensError(
+                "steer= is a list holding None or lists: for one entry per prompt write "
+                "vlens.PerPrompt([...]) (each entry a Steer, a list of Steers, or None)"
+            )
+        for x in steer:
+            if not isinstance(x, Steer):
+                raise VlensError(
+                    f"steer entries must be vlens.Steer objects, got {type(x).__name__}"
+                )
+        if len(steer) == n_prompts >= 2:
+            raise VlensError(
+                f"steer= lists {n_prompts} Steers for {n_prompts} prompts, which is "
+                "ambiguous. One each: steer=vlens.PerPrompt([s1, s2, ...]); all of them "
+                f"on every prompt: steer=vlens.PerPrompt([[s1, s2, ...]] * {n_prompts})"
+            )
+        steers = _no_twice(list(steer), "steer=")
+        return [list(steers) for _ in range(n_prompts)]
+    raise VlensError(
+        "steer must be a vlens.Steer, a list of them, vlens.PerPrompt([...]) or None; "
+        f"got {type(steer).__name__}"
+    )
+
+
+def check_edit(edit: Any, edit_at: Any, facts: ModelFacts, *,
+               can_ship: bool) -> list[tuple[str, int]]:
+    """``edit=`` / ``edit_at=`` -> the (site, layer) pairs to call it at
+    (empty when there is no edit). ``can_ship``: whether a Python function
+    can reach this engine's workers."""
+    if edit is None:
+        if edit_at is not None:
+            raise VlensError("edit_at= given without edit=: pass the function too")
+        return []
+    if not callable(edit):
+        raise VlensError(f"edit must be a function fn(rows, ctx), got {type(edit).__name__}")
+    if not can_ship:
+        raise VlensError(
+            "edit= functions run inside the workers and this engine runs in other "
+            "processes: use an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "
+            "default), or set VLLM_ALLOW_INSECURE_SERIALIZATION=1 before starting it and "
+            "pass a picklable function; a Steer needs neither"
+        )
+    if not edit_at:
+        raise VlensError("edit= needs edit_at=[(site, layer), ...]: where to call it")
+    pairs = []
+    for pair in edit_at:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise VlensError(f"edit_at entries are (site, layer) pairs, got {pair!r}")
+        site, layer = pair
+        if site not in facts.sites:
+            raise VlensError(
+                f"unknown edit site {site!r}: this model has {', '.join(facts.sites)}"
+            )
+        check_layers([layer], facts)
+        pairs.append((site, int(layer)))
+    return pairs
+
+
+def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
+                 facts: ModelFacts, budget: int) -> None:
+    """Refuse a call whose reads would exceed ``budget`` bytes, with the
+    estimate and how to shrink it. ``requests``: per request
+    ``(prompt length, reads, max_new_tokens, n samples)``."""
+    width = {"full": facts.hidden_size, "norm": 1, "logprobs": facts.vocab_size}
+    total = 0
+    biggest = ""
+    for prompt_len, reads, max_new_tokens, n in requests:
+        rows = (prompt_len + max_new_tokens - 1) * max(1, n)
+        for read in reads:
+            w = 1 if read.site == "positions" else width.get(read.reduce, 3 * read.k)
+            size = rows * len(read.layers) * w * 4
+            total += size
+            if read.reduce == "full" and size * 2 > total:
+                biggest = read.site
+    if total > budget:
+        raise VlensError(
+            f"this call would read about {total / 2**30:.2f} GiB of activations, over the "
+            f"session's read budget of {budget / 2**30:.2f} GiB. Reduce it: reduce='norm' "
+            "(the worker ships one number per token), fewer layers=, fewer sites=, fewer "
+            "or shorter prompts, smaller max_new_tokens=; or raise s.read_budget (bytes)"
+            + (f" (most of it is the full {biggest} reads)" if biggest else "")
+        )
