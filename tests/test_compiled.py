@@ -76,11 +76,11 @@ class _NoHostSync:
     NAMES = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu")
 
     def __init__(self, monkeypatch):
-        from vlens.engine import worker
+        from vlens.engine import hooks
 
         self.inside = False
         self.calls: list[str] = []
-        visit = worker._Hooks._visit
+        visit = hooks.WorkerHooks._visit
 
         def guarded_visit(hooks, *args, **kwargs):
             self.inside = True
@@ -89,7 +89,7 @@ class _NoHostSync:
             finally:
                 self.inside = False
 
-        monkeypatch.setattr(worker._Hooks, "_visit", guarded_visit)
+        monkeypatch.setattr(hooks.WorkerHooks, "_visit", guarded_visit)
         for name in self.NAMES:
             original = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))

@@ -1,0 +1,350 @@
+"""The hook state of one vLLM worker: what vlens keeps between steps.
+
+:class:`WorkerHooks` installs the hooks (once), plans every step with
+:func:`vlens.planner.plan_step`, keeps one
+:class:`~vlens.records.RequestRecord` per traced request, runs each (site,
+layer)'s part of the plan (``site_ops``), and hands records back. The RPC
+surface the client calls is ``worker.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from vlens._wire import decode_tensor
+from vlens.batcher import gather, token_axis
+from vlens.engine.site_ops import apply_adds, reduce_rows, run_edit
+from vlens.engine.vectors import VectorStore
+from vlens.plan import PLAN_KEY, Plan, parse_plan
+from vlens.planner import StepPlan, plan_step
+from vlens.records import RequestRecord, to_host
+from vlens.sites import ModelSites, resolve_sites
+
+__all__ = ["WorkerHooks"]
+
+
+class WorkerHooks:
+    """The hook state of one worker: installed once, removed on teardown."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.runner = worker.model_runner
+        self.model = self.runner.model
+        self.sites: ModelSites = resolve_sites(self.model)
+        self.reader = int(getattr(worker, "rank", 0)) == 0
+        cfg = self.runner.model_config.hf_config
+        self.hidden = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
+        self.handles: list[Any] = []
+        self.plans: dict[str, Plan | None] = {}  # req_id -> parsed plan (cache)
+        self.bad_plans: dict[str, str] = {}  # req_id -> why its plan was refused
+        self.records: dict[str, RequestRecord] = {}
+        self.step: StepPlan | None = None
+        self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
+        self.edit_fns: dict[str, Any] = {}
+        self.compiled = False
+        self._codes: list[tuple[Any, int]] = []  # compiled mode: code -> (spec, layer)
+        self._code_base: int | None = None
+        self.hook_errors = 0
+        self.steps_seen = 0
+        self.steps_planned = 0
+        self.layout_ns = 0
+        self.hook_ns = 0
+
+    # -- installation -------------------------------------------------------
+    def install(self, compiled: bool = False) -> None:
+        """Register the step hooks on the whole model and one hook per
+        (site, layer). ``compiled``: the per-site hooks only call vlens's
+        operators (see ``compiled.py``); this must happen before vLLM
+        traces the model."""
+        if self.handles:
+            return
+        self.compiled = compiled
+        self.handles.append(
+            self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
+        )
+        self.handles.append(self.model.register_forward_hook(self._end_step))
+        if compiled:
+            from vlens.engine import compiled as ops
+
+            self._code_base = ops.register(self)
+        for layer_idx, layer in enumerate(self.sites.layers):
+            for spec in self.sites.specs.values():
+                module = spec.module_of(layer)
+                if compiled:
+                    code = self._code_base + len(self._codes)
+                    self._codes.append((spec, layer_idx))
+                    hook = ops.compiled_hook(spec, code, spec.pre)
+                else:
+                    hook = self._make_hook(spec, layer_idx)
+                if spec.pre:
+                    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+                else:
+                    handle = module.register_forward_hook(hook, with_kwargs=True)
+                self.handles.append(handle)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.step = None
+        if self._code_base is not None:  # the compiled graph still calls the ops
+            from vlens.engine import compiled as ops
+
+            ops.unregister(self._code_base)
+            self._code_base = None
+
+    def put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
+        for key, payload in payloads.items():
+            if key not in self.vectors:
+                self.vectors.put(key, decode_tensor(payload))
+        return len(self.vectors)
+
+    # -- per step -----------------------------------------------------------
+    def _plan_for(self, req_id: str) -> Plan | None:
+        try:
+            return self.plans[req_id]
+        except KeyError:
+            pass
+        plan = None
+        state = self.runner.requests.get(req_id)
+        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
+        if extra and PLAN_KEY in extra:
+            raw = extra[PLAN_KEY]
+            try:
+                plan = parse_plan(raw)
+            except Exception as exc:  # the request learns why; the step goes on
+                tag = raw.get("tag") if isinstance(raw, dict) else None
+                plan = Plan(tag=str(tag))
+                self.bad_plans[req_id] = f"its plan was refused: {exc}"
+        if len(self.plans) > 8192:  # forget requests that left long ago
+            live = set(self.runner.input_batch.req_ids)
+            self.plans = {k: v for k, v in self.plans.items() if k in live}
+        self.plans[req_id] = plan
+        return plan
+
+    def _record(self, req_id: str, plan: Plan) -> RequestRecord:
+        rec = self.records.get(req_id)
+        if rec is None:
+            rec = self.records[req_id] = RequestRecord(plan, req_id)
+            if req_id in self.bad_plans:
+                rec.error(self.bad_plans.pop(req_id))
+        return rec
+
+    def _begin_step(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Plan the step. Never raises: a failure is recorded on every
+        traced request of the step, and the step runs unhooked."""
+        self.step = None
+        self.steps_seen += 1
+        req_ids: list[str] = []
+        try:
+            batch = self.runner.input_batch
+            n = batch.num_reqs
+            if n == 0:
+                return
+            req_ids = list(batch.req_ids[:n])
+            self._plan_step(req_ids, args, kwargs)
+        except Exception as exc:
+            self.step = None
+            self.hook_errors += 1
+            if self.reader:
+                for r in req_ids:
+                    plan = self.plans.get(r)
+                    if plan is not None:
+                        self._record(r, plan).error(
+                            f"planning an engine step failed: {type(exc).__name__}: {exc}"
+                        )
+
+    def _plan_step(self, req_ids: list[str], args: tuple, kwargs: dict) -> None:
+        plans = [self._plan_for(r) for r in req_ids]
+        if not any(p is not None for p in plans):
+            return
+        t0 = time.perf_counter_ns()
+        self.steps_planned += 1
+        n = len(req_ids)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        qsl = self.runner.query_start_loc.np[: n + 1].tolist()
+        step = plan_step(
+            req_ids,
+            plans,
+            qsl,
+            self.runner.input_batch.num_computed_tokens_cpu[:n].tolist(),
+            num_padded=int(input_ids.shape[-1]) if input_ids is not None else qsl[-1],
+            vector_rows=self.vectors.rows,
+            reader=self.reader,
+            device=self.vectors.matrix.device,
+        )
+        if self.reader and step is not None:
+            ids = input_ids.tolist() if input_ids is not None else None
+            pos = (positions.reshape(-1, positions.shape[-1])[0].tolist()
+                   if positions is not None else None)
+            for req_id, (plan, span) in step.requests.items():
+                rec = self._record(req_id, plan)
+                rec.begin_step(
+                    span.first_position,
+                    span.length,
+                    ids[span.start : span.stop] if ids is not None else None,
+                    pos[span.start : span.stop] if pos is not None else None,
+                )
+                for msg in step.problems.get(req_id, ()):
+                    rec.error(msg)
+        self.step = step
+        self.layout_ns += time.perf_counter_ns() - t0
+
+    def _end_step(self, module: Any, args: tuple, output: Any) -> None:
+        # Nothing may keep a reference into this step's buffers past here.
+        step, self.step = self.step, None
+        if step is not None and self.reader and self.vectors.matrix.device.type != "cpu":
+            try:
+                to_host([self.records[r] for r in step.requests if r in self.records])
+            except Exception as exc:
+                self._fail(list(step.requests), ("(copy to host)", -1), exc)
+
+    def _make_hook(self, spec: Any, layer: int):
+        key = (spec.name, layer)
+
+        def visit(args, kwargs, output):
+            step = self.step
+            if step is not None and step.wants(key):
+                target = spec.target
+                self._visit(
+                    step, key, spec,
+                    lambda: spec.extract(args, kwargs, output),
+                    None if target is None else (lambda: target(args, kwargs, output)),
+                )
+
+        if spec.pre:
+            return lambda module, args, kwargs: visit(args, kwargs, None)
+        return lambda module, args, kwargs, output: visit(args, kwargs, output)
+
+    def visit_compiled(self, index: int, target, value) -> None:
+        """Called by vlens's operators in compiled mode, every step, with the
+        site's target and its canonical value as the graph computed them."""
+        spec, layer = self._codes[index]
+        key = (spec.name, layer)
+        step = self.step
+        if step is None or not step.wants(key):
+            return
+        get_value = lambda: value  # noqa: E731
+        if target is not None and value is not target and (key in step.adds or key in step.edits):
+            # the value was summed before the operator ran; after an add to
+            # the target, reads and edits must see the changed sum, as in eager
+            before = target.clone()
+            get_value = lambda: value + (target - before)  # noqa: E731
+        self._visit(step, key, spec, get_value, None if target is None else (lambda: target))
+
+    def _fail(self, req_ids, key, exc: BaseException) -> None:
+        self.hook_errors += 1
+        site, layer = key
+        msg = f"site {site}, layer {layer}: {type(exc).__name__}: {exc}"
+        for r in req_ids:
+            rec = self.records.get(r)
+            if rec is not None:
+                rec.error(msg)
+
+    def _visit(self, step: StepPlan, key, spec, get_value, get_target) -> None:
+        """Run this step's adds, edits and reads at one (site, layer).
+        ``get_value()`` is the site's canonical value, ``get_target()`` the
+        tensor changes are added to (None: a read-only site)."""
+        t0 = time.perf_counter_ns()
+        site, layer = key
+        label = f"{site}[{layer}]"
+        batch = step.adds.get(key)
+        if batch is not None:
+            try:
+                apply_adds(self.vectors.matrix, batch, step.layout, get_value, get_target, label)
+            except Exception as exc:  # the requests concerned get the error
+                self._fail(batch.req_ids, key, exc)
+        for call in step.edits.get(key, ()):
+            try:
+                fn = self.edit_fns.get(call.edit.fn)
+                if fn is None:
+                    raise LookupError(f"edit function {call.edit.fn} never reached this worker")
+                copied = run_edit(fn, step.layout, spec.name, get_value, get_target, call, label)
+                rec = self.records.get(call.req_id)
+                if copied and rec is not None:
+                    rec.copied_bytes += copied
+            except Exception as exc:
+                self._fail([call.req_id], key, exc)
+        groups = step.reads.get(key)
+        if groups:
+            try:
+                self._read(step, spec, get_value(), groups, layer, label)
+            except Exception as exc:  # reported to the client, never swallowed
+                self._fail([r for g in groups for r in g.req_ids], key, exc)
+        self.hook_ns += time.perf_counter_ns() - t0
+
+    def _read(self, step, spec, value, groups, layer, label) -> None:
+        axis = token_axis(value, step.layout, site=label)
+        if spec.name != "positions" and value.shape[-1] != self.hidden:
+            raise ValueError(
+                f"its value has width {value.shape[-1]}, not the hidden size "
+                f"{self.hidden}: it is sharded across tensor-parallel ranks, "
+                "and vlens does not return one rank's shard"
+            )
+        for g in groups:
+            # one gather and one reduction for every request in the group
+            rows = gather(value, step.layout, list(g.spans), axis=axis, site=label)
+            parts = reduce_rows(self.model, rows, g.read)
+            split = {part: t.split(g.lengths) for part, t in parts.items()}
+            for i, req_id in enumerate(g.req_ids):
+                rec = self.records.get(req_id) if self.reader else None
+                if rec is None:  # a non-reading rank joined a collective
+                    continue
+                for part, chunks in split.items():
+                    rec.keep(g.read.key, part, layer, chunks[i])
+
+    # -- client-facing ------------------------------------------------------
+    def _forget_plans(self, wanted: set[str]) -> None:
+        """Drop cached plans of these tags, and no-plan entries of requests
+        that have left the runner."""
+        live = self.runner.requests
+        self.plans = {
+            r: p for r, p in self.plans.items()
+            if (p is not None and p.tag not in wanted) or (p is None and r in live)
+        }
+        self.bad_plans = {r: m for r, m in self.bad_plans.items() if r in self.plans}
+
+    def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
+        wanted = set(tags)
+        if self.vectors.matrix.device.type == "cuda":
+            torch.cuda.synchronize()  # the steps' reads were copied non-blocking
+        out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
+        for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
+            rec = self.records.pop(req_id)
+            out[rec.plan.tag].append(rec.pack())
+        self._forget_plans(wanted)
+        return out
+
+    def drop(self, tags: list[str] | None) -> int:
+        if tags is None:
+            n = len(self.records)
+            self.records.clear()
+            self.plans.clear()
+            self.bad_plans.clear()
+            self.edit_fns.clear()
+            return n
+        wanted = set(tags)
+        gone = [r for r, rec in self.records.items() if rec.plan.tag in wanted]
+        for r in gone:
+            del self.records[r]
+        self._forget_plans(wanted)
+        return len(gone)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "hooks": len(self.handles),
+            "records": len(self.records),
+            "plans": sum(p is not None for p in self.plans.values()),
+            "vectors": len(self.vectors),
+            "vector_bytes": self.vectors.nbytes,
+            "edit_fns": len(self.edit_fns),
+            "hook_errors": self.hook_errors,
+            "steps_seen": self.steps_seen,
+            "steps_planned": self.steps_planned,
+            "layout_ns": self.layout_ns,
+            "hook_ns": self.hook_ns,
+        }

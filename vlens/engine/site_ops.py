@@ -1,0 +1,109 @@
+"""What one hook does at one (site, layer) in one step, as functions.
+
+The worker's hooks call these with the step's plan and the site's tensors:
+the batched steering add, one request's ``edit=`` function, and the
+reduction of gathered read rows. ``get_value()`` returns the site's
+canonical value and ``get_target()`` the tensor changes are added to (for a
+native ``resid_post``, the residual half of ``(hidden, residual)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vlens.batcher import StepLayout, add_rows, narrow, token_axis, widen
+from vlens.plan import EditContext, Read
+from vlens.planner import AddBatch, EditCall
+from vlens.sites import lens_logits
+
+__all__ = ["apply_adds", "reduce_rows", "run_edit"]
+
+Getter = Callable[[], torch.Tensor]
+
+
+def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_value: Getter,
+               get_target: Getter, label: str) -> None:
+    """Every request's steering add at this (site, layer), in one
+    ``index_add_``; relative adds scale by each row's norm before the add.
+    Never reads a tensor back to the host."""
+    target = get_target()
+    delta = matrix.index_select(0, batch.vectors) * batch.scales[:, None]
+    if batch.relative is not None:
+        value = get_value()
+        flat = value[0] if token_axis(value, layout, site=label) == 1 else value
+        norms = flat.index_select(0, batch.rows).float().norm(dim=-1)
+        delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
+    add_rows(target, layout, batch.rows, delta, site=label, check=False)
+
+
+def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,
+             get_target: Getter | None, call: EditCall, label: str) -> int:
+    """Call one request's edit function on its rows and write back the
+    change it returns, exactly once: whether the function returned a new
+    tensor, the tensor it was given changed in place, or a view of it.
+    Returns the bytes copied for it (clone reads)."""
+    plan, span = call.plan, call.span
+    value = get_value()
+    axis = token_axis(value, layout, site=label)
+    rows = narrow(value, layout, span, axis=axis, clone=plan.clone, site=label)
+    copied = rows.numel() * rows.element_size() if plan.clone else 0
+    before = rows.clone()
+    ctx = EditContext(plan.index, plan.tag, site, call.edit.layer,
+                      call.positions, plan.prompt_len, plan.clone)
+    result = fn(rows, ctx)
+    if isinstance(result, torch.Tensor):
+        result = result.detach().clone()  # our own copy, whatever it aliases
+    changed = not torch.equal(rows, before)
+    if changed and not plan.clone:
+        # the function wrote into engine memory through its view: undo
+        # that, so the write-back below is the one change that lands
+        rows.copy_(before)
+    if result is None:
+        if changed:
+            raise ValueError(
+                "the edit function changed the tensor it was given in place and "
+                "returned None; vlens writes edits back only from what the "
+                "function returns: return the edited tensor"
+            )
+        return copied
+    if get_target is None:
+        raise ValueError(
+            f"site {site} is read-only: an edit function there may look "
+            "(return None) but not return a new value"
+        )
+    if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(before.shape):
+        raise ValueError(
+            f"the edit function returned {type(result).__name__}"
+            f"{list(getattr(result, 'shape', []))}; return a tensor of the shape it was "
+            f"given, {list(before.shape)}"
+        )
+    target = get_target()
+    t_rows = narrow(target, layout, span, axis=axis, site=label)
+    # the canonical value may be a sum (native resid_post): add the change
+    change = result.to(t_rows.dtype) - before.to(t_rows.dtype)
+    widen(target, layout, span, t_rows + change, axis=axis, site=label)
+    return copied
+
+
+def reduce_rows(model: Any, rows: torch.Tensor, read: Read) -> dict[str, torch.Tensor]:
+    """``rows`` is a gathered copy ([n, ...]); kept values never alias
+    engine buffers that later kernels or steps overwrite. They stay on
+    the model's device until the step ends (the worker copies them to
+    the host in one go)."""
+    if read.reduce == "full":
+        return {"value": rows.float()}
+    if read.reduce == "norm":
+        return {"value": rows.float().norm(dim=-1)}
+    logits = lens_logits(model, rows)
+    if logits is None:  # a non-driver tensor-parallel rank
+        return {}
+    if read.reduce == "logprobs":
+        return {"value": logits.log_softmax(-1)}
+    if read.reduce == "logit_lens":
+        top, ids = logits.topk(max(1, read.k), dim=-1)
+        probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+        return {"ids": ids, "probs": probs}
+    raise ValueError(f"unknown reduction {read.reduce!r}")
