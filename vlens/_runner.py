@@ -15,7 +15,8 @@ import os
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,25 +190,46 @@ class Runner:
         the call; the edit functions live in the workers only during it; if
         anything fails, the engine aborts what is left and the workers forget
         this call's records before the exception goes on."""
+        factory = progress_factory(progress)
+        with self._calling(requests, budget, edit_fns) as call:
+            outputs = call.engine.generate(call.prompts, [r.params for r in requests], factory)
+            return call.finish(assemble, outputs)
+
+    def stream(self, requests: Sequence[Request], assemble: Callable[[list, dict], Any],
+               partial: Callable[[list], Any], *, budget: int,
+               edit_fns: dict[str, Any] | None = None) -> Iterator[Any]:
+        """Like :meth:`run`, step by step: after every engine step yield
+        ``partial(latest vLLM outputs)`` (None for a request with no token
+        yet), and last ``assemble(outputs, records)``. Closing the iterator
+        early aborts the requests and cleans up as an interrupt does."""
+        with self._calling(requests, budget, edit_fns) as call:
+            outputs: list = []
+            steps = call.engine.stream(call.prompts, [r.params for r in requests])
+            try:
+                for outputs in steps:
+                    yield partial(outputs)
+            finally:
+                steps.close()  # closed early: the engine aborts what is left
+            result = call.finish(assemble, outputs)
+        yield result
+
+    @contextmanager
+    def _calling(self, requests: Sequence[Request], budget: int,
+                 edit_fns: dict[str, Any] | None) -> Iterator[_Call]:
+        """One call's set-up and clean-up around running its batch."""
         engine = self.engine
         check_budget([(len(r.ids), r.plan.reads, r.params.max_tokens, r.params.n)
                       for r in requests if r.plan is not None], self.facts, budget)
-        factory = progress_factory(progress)
         vectors = {vid: v for r in requests for vid, v in r.vectors.items()}
-        prompts = [_engine_prompt(r) for r in requests]
-        tags = [r.plan.tag for r in requests if r.plan is not None]
-        done = False
+        call = _Call(engine, [_engine_prompt(r) for r in requests],
+                     [r.plan.tag for r in requests if r.plan is not None])
         try:
             with engine.lock, engine.hold_vectors(vectors):
                 if edit_fns:
                     engine.rpc("vlens_put_edits", edit_fns)
-                outputs = engine.generate(prompts, [r.params for r in requests], factory)
-                collected = engine.rpc("vlens_collect", tags)[0] if tags else {}
-            result = assemble(outputs, collected)
-            done = True
-            return result
+                yield call
         finally:
-            self._forget(edit_fns, [] if done else tags)
+            self._forget(edit_fns, [] if call.done else call.tags)
 
     def _forget(self, edit_fns: dict[str, Any] | None, tags: list[str]) -> None:
         """Remove a call's edit functions and uncollected records from the
@@ -227,6 +249,25 @@ class Runner:
                         pass
 
     # -- results --------------------------------------------------------------
+    def partial_run(self, prompts: Sequence[str], requests: Sequence[Request],
+                    outputs: Sequence) -> Run:
+        """What a streamed call has produced so far: one Trace per sample
+        seen, with its tokens and text but no reads (those come with the
+        final Run). An unfinished sample has ``finish_reason`` None."""
+        traces = []
+        for i, (prompt, req, out) in enumerate(zip(prompts, requests, outputs)):
+            for comp in (out.outputs if out is not None else []):
+                fed = list(req.ids) + list(comp.token_ids[:-1])
+                traces.append(Trace(
+                    index=i, prompt=prompt, sample=comp.index, prompt_token_ids=list(req.ids),
+                    output_token_ids=list(comp.token_ids), text=comp.text, token_ids=fed,
+                    tokens=self.token_strings(fed),
+                    output_tokens=self.token_strings(comp.token_ids),
+                    positions=list(range(len(fed))), logprobs=[],
+                    finish_reason=comp.finish_reason,
+                ))
+        return Run(traces, prompts=list(prompts))
+
     def build_run(self, prompts: Sequence[str], requests: Sequence[Request], outputs: Sequence,
                   collected: dict[str, list[dict[str, Any]]], logprobs: bool) -> Run:
         """Match each completion to the record of the rows the workers saw
@@ -282,6 +323,23 @@ class Runner:
             cached_tokens=rec.get("start", 0),
             restarts=rec.get("restarts", 0),
         )
+
+
+@dataclass
+class _Call:
+    """A call in flight: its engine, the prompts as vLLM takes them, the
+    tags whose records it must collect (or drop), and whether it finished."""
+
+    engine: Any
+    prompts: list[dict[str, Any]]
+    tags: list[str]
+    done: bool = False
+
+    def finish(self, assemble: Callable[[list, dict], Any], outputs: list) -> Any:
+        collected = self.engine.rpc("vlens_collect", self.tags)[0] if self.tags else {}
+        result = assemble(outputs, collected)
+        self.done = True
+        return result
 
 
 def _engine_prompt(req: Request) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,36 @@ class Session:
         at its first token) is recorded (``steered_rows == 0``) with a
         :class:`~vlens.errors.VlensWarning` naming the prompts.
         """
+        requests, assemble, edit_fns, _ = self._trace_call(
+            prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
+            reduce, logit_lens, sampling)
+        return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress,
+                                edit_fns=edit_fns)
+
+    def stream(self, prompts: str | Sequence[str], *, layers: int | Sequence[int] | None = None,
+               sites: str | Sequence[str] = ("resid_post",), max_new_tokens: int = 16,
+               logprobs: bool = True, background: Sequence[str] = (), steer: Any = None,
+               edit: Any = None, edit_at: Sequence[tuple[str, int]] | None = None,
+               reduce: str = "full", logit_lens: int = 0, **sampling: Any) -> Iterator[Run]:
+        """``trace``, token by token: an iterator of Runs. After every engine
+        step it yields a partial Run (each sample's tokens and text so far,
+        no reads; ``finish_reason`` None while it runs); the last item is the
+        finished Run, with reads, exactly as ``trace`` returns it. Closing
+        the iterator early (a closed widget, an interrupt) aborts the
+        requests and leaves the engine clean."""
+        requests, assemble, edit_fns, prompts = self._trace_call(
+            prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
+            reduce, logit_lens, sampling)
+        n = len(prompts)
+        return self._runner.stream(
+            requests, assemble,
+            lambda outs: self._runner.partial_run(prompts, requests[:n], outs[:n]),
+            budget=self.read_budget, edit_fns=edit_fns)
+
+    def _trace_call(self, prompts, layers, sites, max_new_tokens, logprobs, background, steer,
+                    edit, edit_at, reduce, logit_lens, sampling):
+        """Check a trace's arguments and build its requests: ``(requests,
+        assemble, edit functions, prompts)``."""
         facts = self._facts
         prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
         layers = checks.check_layers(layers, facts)
@@ -202,8 +232,7 @@ class Session:
             run.background_texts = [o.outputs[0].text for o in outputs[n:]]
             return run
 
-        return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress,
-                                edit_fns={fid: edit} if edits else None)
+        return requests, assemble, ({fid: edit} if edits else None), prompts
 
     def generate(self, prompts: str | Sequence[str], *, max_new_tokens: int = 16,
                  **sampling: Any) -> list[str]:
@@ -249,6 +278,29 @@ class Session:
         """Baseline and steered generations of the same prompts in ONE engine
         batch: both texts, per-token logprobs, KL per position, first
         divergence. ``steer`` takes the same forms as in ``trace``."""
+        prompts, prompt_ids, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
+        requests, assemble = self._steering_requests(prompts, prompt_ids, arms, max_new_tokens,
+                                                     sampling)
+        return _comparison(*self._runner.run(requests, assemble, budget=self.read_budget,
+                                             progress=progress))
+
+    def stream_compare(self, prompts: str | Sequence[str], *, steer: Any,
+                       max_new_tokens: int = 16, **sampling: Any) -> Iterator[Any]:
+        """``compare``, token by token: after every engine step a pair of
+        partial Runs ``(baseline, steered)`` (tokens and text so far), and
+        last the finished :class:`~vlens.steering.Comparison`, exactly as
+        ``compare`` returns it. Closing the iterator early aborts the run."""
+        prompts, prompt_ids, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
+        requests, assemble = self._steering_requests(prompts, prompt_ids, arms, max_new_tokens,
+                                                     sampling)
+        n = len(prompts)
+        return self._runner.stream(
+            requests, lambda outs, got: _comparison(*assemble(outs, got)),
+            lambda outs: tuple(self._runner.partial_run(prompts, requests[k:k + n],
+                                                        outs[k:k + n]) for k in (0, n)),
+            budget=self.read_budget)
+
+    def _compare_arms(self, prompts, steer, max_new_tokens, sampling):
         facts = self._facts
         prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
         checks.check_generation(max_new_tokens, sampling, facts)
@@ -256,10 +308,7 @@ class Session:
         per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
         if not any(per_prompt):
             raise VlensError("compare needs a steer= (nothing would differ)")
-        arms = [("b", [[] for _ in prompts]), ("s", per_prompt)]
-        base, steered = self._steering_run(prompts, prompt_ids, arms, max_new_tokens,
-                                           progress, sampling)
-        return Comparison(base, steered, [_generated_kl(b, s) for b, s in zip(base, steered)])
+        return prompts, prompt_ids, [("b", [[] for _ in prompts]), ("s", per_prompt)]
 
     def sweep(self, prompt: str, *, steer: Steer, scales: Sequence[float],
               max_new_tokens: int = 16, progress: Any = None, **sampling: Any) -> Sweep:
@@ -283,19 +332,21 @@ class Session:
         arms = [(str(j), [[] if st.scale == 0 else [st]]) for j, st in enumerate(variants)]
         if 0.0 not in scales:
             arms.append(("base", [[]]))
-        runs = self._steering_run([prompt], prompt_ids, arms, max_new_tokens, progress, sampling)
+        requests, assemble = self._steering_requests([prompt], prompt_ids, arms, max_new_tokens,
+                                                     sampling)
+        runs = self._runner.run(requests, assemble, budget=self.read_budget, progress=progress)
         traces = [run[0] for run in runs]
         baseline = traces[scales.index(0.0)] if 0.0 in scales else traces[-1]
         steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
         return Sweep(prompt, scales, steered, baseline,
                      [_generated_kl(baseline, t) for t in steered])
 
-    def _steering_run(self, prompts: list[str], prompt_ids: list[list[int]],
-                      arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
-                      progress: Any, sampling: dict[str, Any]) -> list[Run]:
+    def _steering_requests(self, prompts: list[str], prompt_ids: list[list[int]],
+                           arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
+                           sampling: dict[str, Any]):
         """Every arm (a name and the steers of each prompt) over ``prompts``
-        in ONE batch, each request reading the last layer's logprobs: one
-        Run per arm."""
+        for ONE batch, each request reading the last layer's logprobs:
+        ``(requests, assemble)``, where assemble makes one Run per arm."""
         reads = [Read("resid_post", (self.n_layers - 1,), "logprobs")]
         call = self._runner.next_call()
         requests = [
@@ -311,7 +362,7 @@ class Session:
                                            collected, True)
                     for k in range(0, len(requests), n)]
 
-        return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress)
+        return requests, assemble
 
     # -- state and lifecycle --------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -334,6 +385,10 @@ class Session:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.n_layers} layers, {self.info['impl']}"
         return f"Session({self.model!r}, {state})"
+
+
+def _comparison(base: Run, steered: Run) -> Comparison:
+    return Comparison(base, steered, [_generated_kl(b, s) for b, s in zip(base, steered)])
 
 
 def _generated_kl(base: Trace, steered: Trace) -> torch.Tensor:
