@@ -15,6 +15,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from vlens.doctor import require_startable
 from vlens.engine.env import apply_env_defaults
 from vlens.errors import ClosedError, VlensError
 
@@ -63,6 +64,7 @@ class Engine:
                 f"compilation_config={compilation!r} would compile the model and "
                 "vlens's hooks would not fire; leave it out"
             )
+        require_startable()  # a known-broken environment: one line, not vLLM's trace
         self.model = str(model)
         self.llm_kwargs = dict(llm_kwargs)
         if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
