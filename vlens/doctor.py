@@ -289,7 +289,7 @@ def settings(gpu: bool, torch_threads: int | None) -> list[tuple[str, str]]:
     where = "in this process" if mp.startswith("0 ") else "in its own process"
     rows = [("engine core", f"{where}: {mp}"),
             ("threads", f"{threads} of {cores} cores (OMP_NUM_THREADS "
-             f"{omp if omp is not None else 'unset'})")]
+                        f"{omp if omp is not None else 'unset'})")]
     if gpu:
         rows.append(("kv cache", "vLLM's gpu_memory_utilization (0.9 unless you pass it)"))
     else:
@@ -329,8 +329,9 @@ def report(imports: bool = True) -> tuple[str, list[Finding]]:
         if ok or name in covered:
             continue
         if name in MUST_MATCH_TORCH or name == "triton":
+            # vLLM guards its triton import; the others stop it
             found.append(Finding(f"`import {name}` fails ({detail}).", _uninstall([name]),
-                                 remove=(name,)))
+                                 fatal=name != "triton", remove=(name,)))
         elif not any(f.fatal for f in found):
             kind = "gpu" if gpu else "cpu"
             found.append(Finding(f"`import {name}` fails ({detail}).",
@@ -365,9 +366,8 @@ def fix(found: list[Finding]) -> int:
 def main(apply_fix: bool = False) -> int:
     """``vlens doctor [--fix]``: print the report; exit 1 while any problem
     would stop the engine."""
-    if apply_fix:
-        if fix(findings()) != 0:
-            print("pip could not uninstall them; run the Fix lines below yourself.")
+    if apply_fix and fix(findings()) != 0:
+        print("pip could not uninstall them; run the Fix lines below yourself.")
     text, found = report()
     print(text)
     return 1 if any(f.fatal for f in found) else 0
