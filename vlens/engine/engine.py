@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vlens._wire import encode_tensor
+from vlens.doctor import require_startable
 from vlens.engine.env import apply_env_defaults
 from vlens.errors import ClosedError, VlensError
 
@@ -69,6 +70,7 @@ class Engine:
                 "engine runs eager: pass enforce_eager=False for compiled mode"
             )
         self.compiled = not eager
+        require_startable()  # a known-broken environment: one line, not vLLM's trace
         self.model = str(model)
         self.llm_kwargs = dict(llm_kwargs)
         if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
