@@ -81,8 +81,10 @@ ENGINE: dict[str, str] = {
 }
 # the conditions that are vLLM with nothing of vlens in it (no worker counters)
 PLAIN = ("a", "a_star", "a_off", "p_a", "p_a_off", "h_floor", "j", "m")
-# slow or only worth a few repetitions: run in the first ``slow_reps`` only
-FEW = ("j", "m", "k32", "k256", "k32_comp", "k256_comp")
+# slow, or second tables: run in the first ``slow_reps`` repetitions only, so
+# that the main and compiled tables get the most repetitions in the budget
+FEW = ("j", "m", "k32", "k256", "k32_comp", "k256_comp", "a_off", "c_off", "f_off",
+       "p_a", "p_f", "p_c", "p_a_off", "p_c_off", "p_f_off")
 K_SITES = ["resid_pre", "resid_post", "attn_out", "mlp_out"]
 
 

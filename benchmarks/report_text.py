@@ -89,13 +89,15 @@ cache can skip; after the warm-up the cache holds the preamble's block.
 Plain vLLM reuses it; a steer-only vlens trace reuses KV made under the same
 steering (its `cache_salt`); a trace that reads recomputes the prompt so its
 hooks see every row (`skip_reading_prefix_cache`). The ratio "to (p: a),
-caching on" is what each costs next to plain vLLM with the cache."""
+caching on" is what each costs next to plain vLLM with the cache. Like the
+tables below and (k), these run in the first repetitions only."""
 
 
 OFF_TEXT = """Earlier runs of this benchmark started every engine with
 `enable_prefix_caching=False`. That setting is kept here as a second table on
-its own engine (fewer conditions: plain, steering, reading), so the figures
-stay comparable with the old ones."""
+its own engine (fewer conditions: plain, steering, reading; in the first
+repetitions only, like (p) and (k)), so the figures stay comparable with the
+old ones."""
 
 
 INTRO = """\
