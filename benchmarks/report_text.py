@@ -116,15 +116,16 @@ machine; the file is rewritten.
   EOS ignored, all 32 in one engine batch: tokens generated ÷ wall time of
   the whole call as a user makes it (`s.trace(...)` or `s.generate(...)`,
   including vlens's checks before the run and building the `Run` after).
-* **Interleaved A/B in one process**: one engine per model; every
-  repetition runs every condition once, in an order rotated by one each
-  repetition. (a) is the same engine with vlens's hooks removed in place
+* **Interleaved A/B in one process**: the engines of a model (below) are
+  all started before any timing; every repetition runs every condition
+  once, in an order rotated by one each repetition (the second tables, (p)
+  and (k) in the first repetitions only). (a) is the same engine with vlens's hooks removed in place
   (`s._engine.rpc("vlens_teardown")`, then `"vlens_setup"` to put them back),
   so (a) and (b) differ only by the hooks. Each condition is warmed up
   (4 prompts × 4 tokens) before any timing.
 * **Ratios are time ratios** (1.00 = as fast as the reference; 1.10 = 10 %
-  slower), taken **per repetition** against the (a) run of the same
-  repetition, then the median (min–max) over repetitions. Pairing cancels
+  slower), taken **per repetition** against the (a) or (a*) run of the
+  same repetition, then the median (min–max) over repetitions. Pairing cancels
   most of the drift of a shared machine's load.
 * **Engines as users run them**: prefix caching on (vLLM's default) for
   the main table. Per model up to four engines live in the one process,
