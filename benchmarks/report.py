@@ -12,11 +12,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+import report_tables as rt
+from report_text import (
+    CLIENT_FIX, CLONE_TEXT, COMPILED_MODE, COMPILED_TABLE_TEXT, DEV, FLOOR_TEXT, GOALS_TEXT,
+    GPU_PENDING, INTRO, LAYOUT_FIX, NNSIGHT_VLLM, NOISE, OFF_TEXT, PREAMBLE_TEXT, READS_FIX,
+    STEP_TEXT,
+)
 from suite import GOALS, LABELS
 
-ORDER = ["a", "b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on", "j", "m"]
-LETTER = {"i_read": "i", "i_edit_off": "i", "i_edit_on": "i"}
-
+# the main table (eager engine, prefix caching on); the goals of the first
+# performance issue are over these keys
+ORDER = ["a", "a_star", "b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on",
+         "j", "m"]
+MAIN_GOALS = ["b", "c", "d", "e", "f", "g", "h", "j"]
+# every condition that runs vlens code (the worker table)
+WORKER_ORDER = ["b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on",
+                "b_comp", "c_comp", "f_comp", "g_comp", "h_comp", "c_off", "f_off",
+                "p_c", "p_f", "p_c_off", "p_f_off", "k32", "k256", "k32_comp", "k256_comp"]
+LETTER = {"i_read": "i", "i_edit_off": "i", "i_edit_on": "i", "a_star": "a*"}
 
 
 def macs_per_token(cfg: dict) -> tuple[float, float]:
@@ -53,47 +66,6 @@ def _verdict(e: dict) -> str:
 
 def _w(m: dict, key: str) -> dict:
     return (m["conditions"].get(key) or {}).get("worker") or {}
-
-
-# Facts measured while this benchmark was written (py-spy profiles and a
-# scratch prototype of the changes, on the 512 x 8 model, one torch thread);
-# they explain the figures of a run, which are the ones in the tables.
-DEV = {
-    "token_strings_ms": 27, "convert_ids_ms": 1.2, "tokens": 4721,
-    "h_hook_s": (4.79, 1.61), "h_run_s": (7.57, 4.57), "d_layout_s": (0.117, 0.049),
-    "b_ratio_10": 1.001,
-    # toy model, 10 interleaved repetitions: a trace whose plan reads and
-    # writes nothing, as it is and with token text cached; and (c) the same
-    "t0": 1.159, "t0_cached": 1.088, "c": 1.233, "c_cached": 1.143,
-    # toy model, greedy without steering: vLLM and HF agree on this many of 32
-    "unsteered_agree": 17,
-}
-
-LAYOUT_FIX = (
-    "Done: `_Hooks._begin_step` (vlens/engine/worker.py) builds each (site, layer)'s "
-    "batched write index (`rows`, `vec_index`, `scale`) as Python lists and makes one "
-    "tensor of each, where it first made three small tensors per request and "
-    "concatenated them (about 100 tensor operations per written site per decode step "
-    "of 32 requests); in a prototype that cut the layout time of (d) from "
-    f"{DEV['d_layout_s'][0]:.3f} s to {DEV['d_layout_s'][1]:.3f} s per run. Left: share "
-    "one index between layers whose writes are the same (all of (d)), and keep it "
-    "across decode steps (a decode step's rows only move when the batch changes)."
-)
-CLIENT_FIX = (
-    "Done: `Session.token_strings` (vlens/session.py) caches each token's text per "
-    "session. Decoding tokens one by one had cost "
-    f"{DEV['token_strings_ms']} ms for one run's {DEV['tokens']:,} tokens (against "
-    f"{DEV['convert_ids_ms']} ms for `convert_ids_to_tokens`), ~8 % of a toy-model run."
-)
-READS_FIX = (
-    "Done: `_Hooks._visit` (vlens/engine/worker.py) gathers the rows of every request "
-    "reading a (site, layer) in a step with one `index_select` (`vlens.batcher.gather`), "
-    "reduces them once (a copy, a norm, or one logit-lens matrix product) and splits the "
-    "result by span (`Tensor.split`: views of the one new tensor, safe to keep). It "
-    "used to narrow, reduce and copy request by request. Left: keep one tensor per "
-    "(site, layer, step) and cut it per request in `collect`, after the run, instead "
-    "of inside the forward pass."
-)
 
 
 def _analysis(key: str, r: dict) -> str | None:
@@ -201,21 +173,12 @@ def _fmt_ratio(r: dict | None) -> str:
     return f"**{r['median']:.2f}** ({r['min']:.2f}–{r['max']:.2f})"
 
 
-def _fmt_rate(t: dict) -> str:
-    return f"{t['median']:,.0f} ({t['min']:,.0f}–{t['max']:,.0f})"
+def _fmt_rate(t: dict | None) -> str:
+    return rt.fmt_rate(t)
 
 
 def _goal(entry: dict) -> str:
-    g = entry.get("goal")
-    if not g:
-        return ""
-    if "max_ratio" in g:
-        want = f"≤ {g['max_ratio']:.2f} × ({g['relative_to']})"
-    else:
-        want = f"slower than ({g['relative_to']})"
-    if g["met"] is None:
-        return want
-    return f"{want}: {'met' if g['met'] else '**missed**'}"
+    return rt.goal_cell(entry)
 
 
 def _bytes(n: int | None) -> str:
@@ -231,15 +194,16 @@ def _bytes(n: int | None) -> str:
 def model_table(m: dict) -> str:
     c = m["conditions"]
     lines = [
-        "| | condition | tok/s, median (min–max) | time ratio to (a), median (min–max) | other ratio | goal |",
-        "| --- | --- | --- | --- | --- | --- |",
+        ("| | condition | tok/s, median (min–max) | time ratio to (a), median (min–max) "
+         "| to (a*) | other ratio | goal |"),
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key in ORDER:
         e = c.get(key)
         if e is None:
             if key in m.get("errors", {}):
                 lines.append(f"| ({LETTER.get(key, key)}) | {LABELS[key]} | did not run: "
-                             f"{m['errors'][key]} | | | |")
+                             f"{m['errors'][key]} | | | | |")
             continue
         other = []
         for ref in ("c", "f", "i_edit_off", "j"):
@@ -248,7 +212,8 @@ def model_table(m: dict) -> str:
                 other.append(f"to ({LETTER.get(ref, ref)}{'' if ref in 'cfj' else ', off'}): {_fmt_ratio(r)}")
         lines.append(
             f"| ({LETTER.get(key, key)}) | {e['label']} | {_fmt_rate(e['tok_s'])} | "
-            f"{_fmt_ratio(e.get('ratio_to_a')) if key != 'a' else '1'} | {'; '.join(other)} | "
+            f"{_fmt_ratio(e.get('ratio_to_a')) if key != 'a' else '1'} | "
+            f"{_fmt_ratio(e.get('ratio_to_a_star')) if key != 'a_star' else '1'} | {'; '.join(other)} | "
             f"{_goal(e)} |"
         )
     return "\n".join(lines)
@@ -261,13 +226,13 @@ def worker_table(m: dict) -> str:
         "| µs / hooked site | in the worker hooks | layout | client side |"),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for key in ORDER:
+    for key in WORKER_ORDER:
         e = c.get(key)
-        if not e or "worker" not in e or key in ("a",):
+        if not e or "worker" not in e:
             continue
         w = e["worker"]
         lines.append(
-            f"| ({LETTER.get(key, key)}) | {e['label']} | {w['steps_per_run']:.0f} | "
+            f"| ({rt.tag(key)}) | {e['label']} | {w['steps_per_run']:.0f} | "
             f"{w['sites_per_step']} | {w['layout_us_per_step']:,.0f} | {w['hook_us_per_step']:,.0f} | "
             f"{w['hook_us_per_site']:,.0f} | {100 * w['share_hooks']:.1f} % | "
             f"{100 * w['share_layout']:.1f} % | {100 * w['share_client']:.1f} % |"
@@ -315,7 +280,11 @@ def tables(results: dict) -> str:
     """The per-model tables alone (printed at the end of a run)."""
     parts = []
     for m in results["models"]:
-        parts.append(f"\n{m['name']}\n" + model_table(m) + "\n\n" + worker_table(m))
+        parts.append(f"\n{m['name']}\n" + model_table(m))
+        for table in (rt.compiled_table(m), rt.floor_table(m), rt.off_table(m),
+                      rt.preamble_table(m), rt.step_table(m), worker_table(m)):
+            if table:
+                parts.append("\n" + table)
     return "\n".join(parts)
 
 
@@ -358,21 +327,52 @@ def _meta(r: dict) -> list[str]:
     return lines
 
 
+def _engines_line(m: dict) -> str:
+    """How each engine of the model was built, and how long it took to start."""
+    names = {"plain": "(a*) `vllm.LLM`", "eager": "vlens eager", "comp": "vlens compiled",
+             "off": "vlens eager, caching off"}
+    parts = []
+    for role, e in (m.get("engines") or {}).items():
+        kw = ", ".join(f"{k}={v!r}" for k, v in e["kwargs"].items())
+        what = "vllm.LLM(path, " if role == "plain" else "vlens.Session(path, "
+        hooks = f", {e['hooks']} hooks" if e.get("hooks") else ""
+        parts.append(f"{names.get(role, role)}: `{what}{kw})`, started in {e['start_s']} s{hooks}")
+    return "; ".join(parts)
+
+
 def _section(r: dict, gpu: bool) -> list[str]:
     out = _meta(r)
     for m in r["models"]:
+        engines = _engines_line(m) or (
+            f"`vlens.Session(path, {', '.join(f'{k}={v!r}' for k, v in m['engine_kwargs'].items())})`"
+            f", started in {m['engine_start_s']} s, {m.get('hooks')} hooks")
+        long = m.get("long_prompt_tokens")
         out += ["", f"### {m['name']}", "",
-                f"{_model_line(m)}. Engine: `vlens.Session(path, {', '.join(f'{k}={v!r}' for k, v in m['engine_kwargs'].items())})`"
-                f", started in {m['engine_start_s']} s, {m.get('hooks')} hooks; "
-                f"torch threads {m.get('torch_threads')}; environment "
+                f"{_model_line(m)}. Engines: {engines}. "
+                f"Torch threads {m.get('torch_threads')}; environment "
                 f"{', '.join(f'`{k}={v}`' for k, v in m.get('engine_env', {}).items())}. "
-                f"Prompts of {m['prompt_tokens']['min']}–{m['prompt_tokens']['max']} tokens. "
+                f"Prompts of {m['prompt_tokens']['min']}–{m['prompt_tokens']['max']} tokens"
+                + (f"; (p) prompts of {long['min']}–{long['max']} tokens" if long else "") + ". "
                 f"Steering: a unit vector × {m['steer']['scale']} at `{m['steer']['site']}` of layer "
                 f"{m['steer']['layer']}, every token. **{m['reps_done']} repetitions** done"
                 + ("" if m.get("complete") else " (**some runs did not produce every token**)") + "."]
         if m.get("note"):
             out += ["", f"Note: {m['note']}."]
         out += ["", model_table(m), ""]
+        for title, table, text in (
+                ("vlens compiled, against plain vLLM at its defaults (a*)", rt.compiled_table(m),
+                 COMPILED_TABLE_TEXT),
+                ("The logit lens against its arithmetic floor", rt.floor_table(m), FLOOR_TEXT),
+                ("Per step, at 32 requests and at the wide batch (k)", rt.step_table(m),
+                 STEP_TEXT.format(wide=r["meta"]["settings"].get("wide", 256),
+                                  k_tokens=r["meta"]["settings"].get("k_tokens", 32),
+                                  prompts=r["meta"]["settings"]["prompts"],
+                                  layers=m.get("k_layers"))),
+                ("A shared preamble, where the prefix cache can hit (p)", rt.preamble_table(m),
+                 PREAMBLE_TEXT),
+                ("Prefix caching off (the setting of earlier runs)", rt.off_table(m), OFF_TEXT)):
+            if table:
+                out += [f"#### {title}", "", text, "", table, ""]
         ct = clone_table(m)
         if ct:
             out += ["Clone reads (i):", "", ct, ""]
@@ -389,74 +389,10 @@ def _section(r: dict, gpu: bool) -> list[str]:
     return out
 
 
-INTRO = """\
-# Performance
-
-How much does looking inside a model with vlens cost, next to the same vLLM
-engine without vlens, next to hooking a Hugging Face model, and next to
-nnsight? Every number below comes from one run of `make bench`
-(`.venv/bin/python benchmarks/run.py`) and is also in
-[`benchmarks/results.json`](../benchmarks/results.json). Re-run it on your
-machine; the file is rewritten.
-
-## How it is measured
-
-* **Throughput** of 32 prompts (7–33 words each) × 64 new tokens, greedy,
-  EOS ignored, all 32 in one engine batch: tokens generated ÷ wall time of
-  the whole call as a user makes it (`s.trace(...)` or `s.generate(...)`,
-  including vlens's checks before the run and building the `Run` after).
-* **Interleaved A/B in one process**: one engine per model; every
-  repetition runs every condition once, in an order rotated by one each
-  repetition. (a) is the same engine with vlens's hooks removed in place
-  (`s.engine.rpc("vlens_teardown")`, then `"vlens_setup"` to put them back),
-  so (a) and (b) differ only by the hooks. Each condition is warmed up
-  (4 prompts × 4 tokens) before any timing.
-* **Ratios are time ratios** (1.00 = as fast as the reference; 1.10 = 10 %
-  slower), taken **per repetition** against the (a) run of the same
-  repetition, then the median (min–max) over repetitions. Pairing cancels
-  most of the drift of a shared machine's load.
-* **Same engine settings** everywhere: `enable_prefix_caching=False` (so
-  plain runs cannot reuse KV that traced runs must recompute), float32 as
-  saved, eager mode (vlens requires it), vlens's environment defaults.
-* **One torch thread** for every tool on CPU (`OMP_NUM_THREADS=1`, unless
-  set already). On this 2-core machine shared with other work, two OpenMP
-  threads wait for each other at every parallel operation whenever another
-  process holds a core: while this benchmark was written, plain vLLM ran the
-  workload in ~35 s with 2 threads and ~2.5 s with 1, and single small
-  operations (an `index_add_` of one prefill step) took milliseconds instead
-  of microseconds. One thread keeps the comparison about vlens, not about
-  the neighbours.
-* **(j)** is transformers `generate` on the same weights and the same prompt
-  token ids: one batch of 32, left padding, greedy, `min_new_tokens=64`, a
-  forward hook on the same decoder layer adding the same vector to its
-  output. **(m)** is nnsight 0.8 steering the same layer the same way
-  (`model.model.layers[L].output[:] += v` for every forward pass of
-  `generate`), in its own venv (`benchmarks/.venv-nnsight`, made on first
-  run) and its own process, driven one run at a time so its runs interleave
-  with the others.
-* **(k)**: the worker counts, on rank 0, nanoseconds spent building each
-  step's layout (`layout_ns`: which rows are whose, and the batched write
-  index) and inside vlens's hook bodies (`hook_ns`), and the steps that had
-  a plan (`steps_planned`). "In the worker hooks" is that time as a share of
-  the run's wall time; "client side" is the wall time outside vLLM's
-  `generate` call (checks, plans, collecting and decoding reads).
-"""
-
-GOALS_TEXT = """\
-## Goals
-
-Aims from the performance issue, as time ratios to (a) (not test
-assertions): (b) ≤ 1.02, (c) ≤ 1.03, (d) ≤ 1.10, (e) ≤ 1.05 × (c),
-(f) ≤ 1.10, (g) ≤ 1.05, (h) ≤ 1.10, and (j) slower than (c).
-"""
-
-
 def _goal_summary(r: dict) -> list[str]:
     lines = ["| goal | " + " | ".join(m["name"] for m in r["models"]) + " |",
              "| --- |" + " --- |" * len(r["models"])]
-    for key in ORDER:
-        if key not in GOALS and key != "j":
-            continue
+    for key in MAIN_GOALS:
         cells = []
         for m in r["models"]:
             e = m["conditions"].get(key)
@@ -471,12 +407,12 @@ def _goal_summary(r: dict) -> list[str]:
         want = (f"≤ {GOALS[key][1]:.2f} × ({GOALS[key][0]})" if key in GOALS
                 else "slower than (c)")
         lines.append(f"| ({key}) {want} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + rt.compiled_goal_rows(r)
 
 
 def _missed(r: dict) -> list[str]:
     missed = []
-    for key in ORDER:
+    for key in MAIN_GOALS:
         for m in r["models"]:
             g = (m["conditions"].get(key) or {}).get("goal")
             if g and g["met"] is False:
@@ -511,6 +447,7 @@ def render(cpu: dict | None, gpu: dict | None) -> str:
             if themes:
                 out += ["### What was changed, and what is left", ""] + themes
         out += [CLONE_TEXT, ""]
+        out += [COMPILED_MODE, ""]
         out += ["## CPU figures", ""] + _section(cpu, gpu=False)
         out += _extras(cpu)
     else:
@@ -550,65 +487,6 @@ def _extras(r: dict) -> list[str]:
     else:
         out += [f"`benchmarks/widget_latency.py` {w.get('status')}: `{w.get('error') or w.get('why')}`.", ""]
     return out
-
-
-CLONE_TEXT = """\
-## Clone reads (i), explained
-
-What `trace` keeps for you (reads, the `Run`) is always a copy: the worker
-copies each read to float32 CPU memory inside the hook, before any later
-kernel can reuse the buffer, in both modes. So (f) with clone reads on and off
-copies the same bytes (`run.copied_bytes`, below) and costs the same; the
-ratio on/off is noise around 1.
-
-`s.clone_reads` decides what code *inside the step* receives: an `edit=`
-function gets a view of engine memory (off) or a copy (on). That is why (i)
-is also measured with a trivial `edit=lambda rows, ctx: None` at one site:
-with clone reads on, each call copies its request's rows once more
-(`[rows, hidden]`, the last column of the table; vlens does not count these
-bytes in `copied_bytes`). The difference is small here because vlens already
-pays a copy per call in both modes: `_Hooks._run_edit` takes
-`before = rows.clone()` and compares with `torch.equal` after the call, to
-catch an in-place change that was not returned. Checking the tensor's version
-counter instead (`v = rows._version` before, `rows._version != v` after: any
-in-place write through the tensor or a view of it bumps it) would drop that
-copy and comparison from every edit call, and leave clone reads as the only
-copy.
-"""
-
-NNSIGHT_VLLM = (
-    "nnsight's vLLM integration is written for vLLM's GPU worker: it builds its "
-    "meta model through `torch.accelerator` and runs its own "
-    "`NNsightGPUWorker`, a subclass of vLLM's CUDA `Worker`, so vLLM's CPU build "
-    "cannot serve it (with the first error patched away, the next is vLLM's GPU "
-    "worker refusing the device: `RuntimeError: Unsupported device type: cpu`). "
-    "The GPU check (below) tries it again where it can run."
-)
-
-GPU_PENDING = """\
-Pending: no GPU was lent to the session that made these figures. On a
-machine with a CUDA GPU and vLLM's CUDA build, one command runs the GPU
-check and adds its figures here (benchmarks/results-gpu.json):
-
-```bash
-.venv/bin/python benchmarks/run.py --device-check                 # makes a random 0.5B Qwen2-shaped model
-.venv/bin/python benchmarks/run.py --device-check --model PATH    # or any local ~0.5B model
-```
-
-It runs the same conditions in bfloat16 with 3 repetitions (a few minutes
-on one GPU); nnsight is included only if it is already installed there.
-"""
-
-NOISE = """\
-## Reading these numbers
-
-The CPU figures come from a 2-core machine shared with other work (see
-"how busy the machine was" above): a run can be slowed by whatever else
-runs in the same seconds, which is why every ratio is paired per
-repetition and reported with its min–max. A ratio whose range straddles
-the goal is a measurement that cannot tell; one whose whole range is past
-it is a real miss. On a quiet machine re-run `make bench`.
-"""
 
 
 def write(doc: Path, cpu_json: Path, gpu_json: Path) -> None:

