@@ -114,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
     def uses_tf_backend(item) -> bool:
         # directly, or through a parametrised fixture that picks it by name
         return "llama_tf_session" in getattr(item, "fixturenames", ()) or any(
-            p in item.nodeid for p in ("[transformers]", "llama_tf_session")
+            p in item.nodeid for p in ("transformers]", "llama_tf_session")
         )
 
     late = [i for i in items if uses_tf_backend(i)]

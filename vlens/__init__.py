@@ -18,6 +18,7 @@ from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError
 if TYPE_CHECKING:
     from vlens.results import Run, Trace
     from vlens.session import Session
+    from vlens.architectures import supported_architectures
     from vlens.steering import Steer
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Trace",
     "VlensError",
     "__version__",
+    "supported_architectures",
 ]
 
 __version__ = "0.1.0"
@@ -39,6 +41,7 @@ _LAZY = {
     "Steer": "vlens.steering",
     "Run": "vlens.results",
     "Trace": "vlens.results",
+    "supported_architectures": "vlens.architectures",
 }
 
 

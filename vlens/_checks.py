@@ -79,10 +79,16 @@ class InputChecks:
         known = self.sites
         for s in sites:
             if s not in known:
-                raise VlensError(
-                    f"unknown site {s!r}: this model has {', '.join(known)}"
-                )
+                raise self._no_such_site(s, known)
         return list(dict.fromkeys(sites))
+
+    def _no_such_site(self, site: Any, known: list[str]) -> VlensError:
+        """The error for a site this model lacks: why, where the architecture
+        has no such value (a parallel block's resid_mid), else what exists."""
+        why = self._engine.info.get("absent_sites", {}).get(site)
+        if why:
+            return VlensError(f"site {site!r} does not exist in this model: {why}")
+        return VlensError(f"unknown site {site!r}: this model has {', '.join(known)}")
 
     def _check_steer(self, st: Any, prompt_len: int, max_new_tokens: int) -> Steer:
         if not isinstance(st, Steer):
@@ -93,6 +99,8 @@ class InputChecks:
                 f"Steer layer {st.layer} does not exist: this model has {n} layers, "
                 f"numbered 0 to {n - 1}"
             )
+        if st.site not in self.sites:
+            raise self._no_such_site(st.site, self.sites)
         if st.site not in self._writable():
             raise VlensError(
                 f"Steer site {st.site!r} cannot be written: use one of {', '.join(self._writable())}"

@@ -397,7 +397,7 @@ class Session(InputChecks, SteeringMethods):
                 raise VlensError(f"edit_at entries are (site, layer) pairs, got {pair!r}")
             site, layer = pair
             if site not in self.sites:
-                raise VlensError(f"unknown edit site {site!r}: this model has {', '.join(self.sites)}")
+                raise self._no_such_site(site, self.sites)
             self._check_layers([layer])
             pairs.append((site, int(layer)))
         fid = f"fn-{uuid.uuid4().hex[:12]}"
