@@ -15,7 +15,7 @@ CPU_BROKEN := torchvision torchaudio torchcodec triton
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench bench-idle bench-widgets clean
+.PHONY: demo test lab bench bench-idle bench-widgets models-table clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,18 @@ bench-idle: $(STAMP)
 
 bench-widgets: $(STAMP)
 	$(PY) benchmarks/widget_latency.py
+
+# docs/models.md, the support table: rendered from what tests/test_models.py
+# measured against Hugging Face; the tests re-run when the code they check changed
+MODELS_JSON := test-artifacts/models.json
+$(MODELS_JSON): $(STAMP) vlens/architectures.py vlens/sites.py vlens/tiny.py tests/test_models.py tests/_hf_reference.py
+	rm -f $@
+	$(PY) -m pytest tests/test_models.py -q -k "architecture_matches"
+
+docs/models.md: $(MODELS_JSON) scripts/models_table.py
+	$(PY) scripts/models_table.py $(MODELS_JSON) $@
+
+models-table: docs/models.md
 
 clean:
 	rm -rf $(VENV) vlens-demo.html .pytest_cache benchmarks/.venv-nnsight benchmarks/.models

@@ -38,6 +38,11 @@ def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
+def _rows(x):
+    """[1, T, H] or [T, H] (OPT flattens the batch before its MLP) -> [T, H]."""
+    return x[0] if x.dim() == 3 else x
+
+
 def _input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
@@ -73,10 +78,10 @@ def _hooks(model, arch, sites, layers_wanted, change):
     def reader(site, i, pre):
         if pre:
             def hook(mod, args, kwargs):
-                got[site][i] = _input(args, kwargs)[0].clone()
+                got[site][i] = _rows(_input(args, kwargs)).clone()
         else:
             def hook(mod, args, kwargs, out):
-                got[site][i] = _first(out)[0].clone()
+                got[site][i] = _rows(_first(out)).clone()
         return hook
 
     for i, layer in enumerate(layers):

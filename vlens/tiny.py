@@ -68,14 +68,16 @@ def _configs(common: dict, hidden: int, layers: int, heads: int, kv: int, inter:
             shared_expert_intermediate_size=inter, decoder_sparse_step=1,
             mlp_only_layers=[], use_sliding_window=False, **moe)),
         "mixtral": ("MixtralConfig", dict(common, num_local_experts=4, sliding_window=None, **moe)),
-        "gemma": ("GemmaConfig", dict(common, head_dim=head_dim)),
+        # vLLM's Gemma models always tie the head to the embedding
+        "gemma": ("GemmaConfig", dict(common, head_dim=head_dim, tie_word_embeddings=True)),
         "gemma2": ("Gemma2Config", dict(
             common, head_dim=head_dim, query_pre_attn_scalar=head_dim,
             sliding_window=max_positions, final_logit_softcapping=30.0,
-            attn_logit_softcapping=50.0)),
+            attn_logit_softcapping=50.0, tie_word_embeddings=True)),
         "gemma3": ("Gemma3TextConfig", dict(
             common, head_dim=head_dim, query_pre_attn_scalar=head_dim,
-            sliding_window=max_positions, final_logit_softcapping=30.0)),
+            sliding_window=max_positions, final_logit_softcapping=30.0,
+            tie_word_embeddings=True)),
         "phi3": ("Phi3Config", dict(common)),
         "olmo2": ("Olmo2Config", dict(common)),
         "gpt2": ("GPT2Config", dict(
