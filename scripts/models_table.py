@@ -62,7 +62,7 @@ def render(results: dict) -> str:
         "them; the rows live in `vlens/architectures.py`). Every number below is",
         "the largest absolute difference a test measured between vlens on vLLM",
         "and Hugging Face transformers on the same random weights, in float32,",
-        f"over every layer and token (a tiny 2-layer model, hidden size 64). Tests",
+        "over every layer and token (a tiny 2-layer model, hidden size 64). Tests",
         f"fail above {TOL:.0e}.",
         "",
     ]

@@ -47,7 +47,7 @@ def _input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _hooks(model, arch, sites, layers_wanted, change):
+def _hooks(model, arch, sites, change):
     """Install read hooks (and ``change = (site, layer, fn)`` before them);
     returns (handles, got) with got[site] a list per layer."""
     hf = arch.hf
@@ -116,11 +116,10 @@ def reference(path, arch, prompt, sites, vector, write_layer):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
     inputs = torch.tensor([ids])
-    n_layers = len(_get(model, arch.hf.layers))
     out = {"ids": ids}
 
     def run(change):
-        handles, got = _hooks(model, arch, sites, range(n_layers), change)
+        handles, got = _hooks(model, arch, sites, change)
         try:
             with torch.no_grad():
                 res = model(inputs, output_hidden_states=True)
@@ -145,7 +144,6 @@ def reference(path, arch, prompt, sites, vector, write_layer):
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
-    torch.manual_seed(0)
     results = {}
     for item in spec["models"]:
         arch = ARCHITECTURES[item["arch"]]
