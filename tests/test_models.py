@@ -66,7 +66,9 @@ def _sites_of(name: str, config: dict) -> list[str]:
     return [s for s in WRITABLE if s not in absent]
 
 
-@pytest.fixture(scope="module")
+# session-scoped: conftest moves the Transformers-backend cases to the end of
+# the run, after other modules, and these must not be rebuilt for them
+@pytest.fixture(scope="session")
 def tiny_models(models_dir) -> dict[str, Path]:
     from vlens.tiny import make_tiny_model
 
@@ -77,7 +79,7 @@ def tiny_models(models_dir) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_refs(tiny_models, tmp_path_factory) -> dict:
     """Hugging Face's values for every architecture, from one fresh process."""
     tmp = tmp_path_factory.mktemp("hf-ref")
