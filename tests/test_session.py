@@ -36,7 +36,7 @@ def _valid_call_works(session):
         (dict(prompts=["w1"], layers=[7]), r"layer 7 does not exist: this model has 3 layers, numbered 0 to 2"),
         (dict(prompts=["w1"], layers=[-1]), r"layer -1 does not exist"),
         (dict(prompts=["w1"], layers=[]), r"layers is empty"),
-        (dict(prompts=["w1"], sites=["resid_mid"]), r"unknown site 'resid_mid': this model has .*resid_post"),
+        (dict(prompts=["w1"], sites=["resid_middle"]), r"unknown site 'resid_middle': this model has .*resid_post"),
         (dict(prompts=[]), r"prompts is empty"),
         (dict(prompts=[""]), r"prompt 0 is empty"),
         (dict(prompts=["w1", 3]), r"prompt 1 is a int, not a string"),

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from vlens.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
+    from vlens.architectures import supported_architectures
     from vlens.steering import PerPrompt, Steer
     from vlens.widgets import explore
 
@@ -36,6 +37,7 @@ __all__ = [
     "VlensError",
     "__version__",
     "explore",
+    "supported_architectures",
 ]
 
 __version__ = "0.1.0"
@@ -48,6 +50,7 @@ _LAZY = {
     "Run": "vlens.results",
     "Trace": "vlens.results",
     "explore": "vlens.widgets",
+    "supported_architectures": "vlens.architectures",
 }
 
 

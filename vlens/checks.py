@@ -51,6 +51,16 @@ class ModelFacts:
     max_model_len: int
     vocab_size: int
     device: str = "cpu"
+    #: sites this architecture has no value for -> why (a parallel block's resid_mid)
+    absent: tuple[tuple[str, str], ...] = ()
+
+    def no_such_site(self, site: Any, what: str = "site") -> VlensError:
+        """The error for a site this model lacks: why, where the architecture
+        has no such value, else which sites exist."""
+        why = dict(self.absent).get(site)
+        if why:
+            return VlensError(f"{what} {site!r} does not exist in this model: {why}")
+        return VlensError(f"unknown {what} {site!r}: this model has {', '.join(self.sites)}")
 
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> ModelFacts:
@@ -66,6 +76,7 @@ class ModelFacts:
             max_model_len=int(info["max_model_len"]),
             vocab_size=int(info["vocab_size"]),
             device=str(info.get("device", "cpu")),
+            absent=tuple(sorted((info.get("absent_sites") or {}).items())),
         )
 
 
@@ -132,7 +143,7 @@ def check_sites(sites: Any, facts: ModelFacts) -> list[str]:
         raise VlensError(f"sites must be a site name or a list of them, got {sites!r}")
     for s in sites:
         if s not in facts.sites:
-            raise VlensError(f"unknown site {s!r}: this model has {', '.join(facts.sites)}")
+            raise facts.no_such_site(s)
     return list(dict.fromkeys(sites))
 
 
@@ -184,6 +195,8 @@ def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int
             f"Steer layer {st.layer} does not exist: this model has {n} layers, "
             f"numbered 0 to {n - 1}"
         )
+    if st.site not in facts.sites:
+        raise facts.no_such_site(st.site, "Steer site")
     if st.site not in facts.writable:
         raise VlensError(
             f"Steer site {st.site!r} cannot be written: use one of {', '.join(facts.writable)}"
@@ -309,9 +322,7 @@ def check_edit(edit: Any, edit_at: Any, facts: ModelFacts, *,
             raise VlensError(f"edit_at entries are (site, layer) pairs, got {pair!r}")
         site, layer = pair
         if site not in facts.sites:
-            raise VlensError(
-                f"unknown edit site {site!r}: this model has {', '.join(facts.sites)}"
-            )
+            raise facts.no_such_site(site, "edit site")
         check_layers([layer], facts)
         pairs.append((site, int(layer)))
     return pairs

@@ -1,29 +1,35 @@
-"""Named places in a decoder stack where vlens reads (and later writes).
+"""Named places in a decoder stack where vlens reads and writes.
 
-A site name is what a user types (``resid_post``); resolving it means
-knowing, for the architecture and backend vLLM chose, which module to hook,
-whether it is a pre- or post-forward hook, and how to turn the raw hook
-arguments into the canonical value:
+A site name is what a user types (``resid_post``); it has one meaning in
+every architecture, equal to the matching Hugging Face value (see
+:data:`SITES`). Resolving it means knowing, for the model and backend vLLM
+loaded, which module to hook, whether before or after its forward, and how
+to turn the hook's arguments into that value. Where the modules are comes
+from the architecture's row in :mod:`vlens.architectures`; how a layer
+carries the residual stream comes in three kinds:
 
-* native vLLM decoder layers (Llama, Mistral, Qwen2 …) are called as
-  ``layer(positions, hidden [T, H], residual [T, H] | None)`` and return
-  ``(hidden, residual)`` -- the residual stream is their **sum**;
-* vLLM's Transformers backend runs the Hugging Face layer on
-  ``hidden [1, T, H]`` and returns the full residual stream directly.
+* ``pair`` -- vLLM-native Llama relatives: ``layer(positions, hidden [T, H],
+  residual [T, H] | None) -> (hidden, residual)``; the stream is their sum;
+* ``stream`` -- vLLM-native GPT-2, GPT-J, OPT: the layer takes and returns
+  the whole stream ``[T, H]``;
+* ``hf`` -- vLLM's Transformers backend runs the Hugging Face layer on
+  ``[1, T, H]`` and returns the whole stream.
 
-Canonical values equal Hugging Face's ``hidden_states``: ``resid_pre`` of
-layer i is ``hidden_states[i]``, ``resid_post`` of layer i is
-``hidden_states[i + 1]`` (before the final norm). No vLLM import here.
+No vLLM import here.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from vlens.architectures import Architecture, Layout, find_architecture
+from vlens.errors import VlensError
 
 __all__ = [
     "SITES",
@@ -31,24 +37,27 @@ __all__ = [
     "SiteSpec",
     "ModelSites",
     "resolve_sites",
-    "describe_sites",
     "lens_logits",
 ]
 
-#: site name -> what it is, in words (shown in errors and widgets)
+#: site name -> what it is, in words (shown in errors, widgets and docs)
 SITES: dict[str, str] = {
     "resid_pre": "residual stream entering the layer (HF hidden_states[layer])",
-    "resid_post": "residual stream leaving the layer (HF hidden_states[layer + 1])",
-    "attn_out": "the attention block's output (after o_proj), before it joins the residual",
-    "mlp_out": "the MLP block's output (after down_proj), before it joins the residual",
-    "positions": "the token positions the layer is given (read-only; an engine buffer "
+    "resid_mid": "residual stream between attention and MLP: resid_pre + the attention "
+    "block's contribution (the input of HF's pre-MLP norm); absent where attention and "
+    "MLP run in parallel",
+    "resid_post": "residual stream leaving the layer (HF hidden_states[layer + 1], "
+    "before the final norm)",
+    "attn_out": "the attention module's output (after its output projection), before "
+    "any post-attention norm and before it joins the residual",
+    "mlp_out": "the MLP module's output (for MoE models the whole sparse block: shared "
+    "and routed experts), before any post-MLP norm and before it joins the residual",
+    "positions": "the token positions the model is given (read-only; an engine buffer "
     "that is rewritten every step, used to show what clone reads protect)",
 }
 
-
-def describe_sites() -> str:
-    return "; ".join(f"{k}: {v}" for k, v in SITES.items())
-
+#: sites that can be written (steered / edited)
+WRITABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 
 Extractor = Callable[[tuple, dict, Any], torch.Tensor]
 
@@ -57,8 +66,7 @@ Extractor = Callable[[tuple, dict, Any], torch.Tensor]
 class SiteSpec:
     """How to read one site: hook ``module_of(layer)`` before (``pre``) or
     after its forward, and pull the value out with ``extract(args, kwargs,
-    output)``. ``replicated``: every tensor-parallel rank holds the whole
-    value (true for the residual stream after the all-reduce).
+    output)``.
 
     ``target(args, kwargs, output)`` is the tensor to add to, in place, so
     that the canonical value changes by the same amount (for a native
@@ -70,7 +78,28 @@ class SiteSpec:
     pre: bool
     extract: Extractor
     target: Extractor | None = None
-    replicated: bool = True
+
+
+@dataclass(frozen=True)
+class ModelSites:
+    """The sites of one loaded model. ``absent``: sites this model does not
+    have, with the reason (asking for one is a VlensError that says it)."""
+
+    impl: str  # "native" | "transformers"
+    architecture: str
+    layers: tuple[nn.Module, ...]
+    specs: dict[str, SiteSpec]
+    absent: dict[str, str] = field(default_factory=dict)
+    arch: Architecture | None = None
+    final_norm: nn.Module | None = None
+    project: nn.Module | None = None  # applied after the final norm, if any
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+# -- pulling values out of hook arguments ------------------------------------
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
@@ -83,139 +112,208 @@ def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _native_resid_pre(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+def _output_value(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    return _first(output)
+
+
+def _first_input(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    """The first input of a module: a norm's ``x``, an MLP's ``hidden_states``."""
+    if args:
+        return args[0]
+    return next(iter(kwargs.values()))
+
+
+def _pair_sum(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    """``(hidden, residual)`` handed to a fused add-and-norm: the stream is the sum."""
+    hidden = _arg(args, kwargs, 0, "x")
+    residual = _arg(args, kwargs, 1, "residual")
+    return hidden if residual is None else hidden + residual
+
+
+def _pair_residual(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    residual = _arg(args, kwargs, 1, "residual")
+    return _arg(args, kwargs, 0, "x") if residual is None else residual
+
+
+def _pair_resid_pre(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     hidden = _arg(args, kwargs, 1, "hidden_states")
     residual = _arg(args, kwargs, 2, "residual")
     return hidden if residual is None else hidden + residual
 
 
-def _native_resid_post(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    if not (isinstance(output, (tuple, list)) and len(output) == 2):
-        raise TypeError(
-            "expected the native decoder layer to return (hidden, residual), got "
-            f"{type(output).__name__}; start the Session with "
-            "model_impl='transformers' for this model"
-        )
-    return output[0] + output[1]
-
-
-def _native_resid_pre_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+def _pair_resid_pre_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     residual = _arg(args, kwargs, 2, "residual")
     return _arg(args, kwargs, 1, "hidden_states") if residual is None else residual
 
 
-def _native_resid_post_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    _native_resid_post(args, kwargs, output)  # checks the output's shape
+def _check_pair(output: Any) -> None:
+    if not (isinstance(output, (tuple, list)) and len(output) == 2):
+        raise TypeError(
+            "expected the native decoder layer to return (hidden, residual), got "
+            f"{type(output).__name__}"
+        )
+
+
+def _pair_resid_post(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    _check_pair(output)
+    return output[0] + output[1]
+
+
+def _pair_resid_post_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    _check_pair(output)
     return output[1]
-
-
-def _native_positions(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    return _arg(args, kwargs, 0, "positions")
 
 
 def _hf_positions(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     return kwargs["position_ids"]
 
 
-def _hf_resid_pre(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    return _arg(args, kwargs, 0, "hidden_states")
+def _model_positions(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    """vLLM calls every model as ``model(input_ids, positions, ...)``."""
+    return _arg(args, kwargs, 1, "positions")
 
 
-def _output_value(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    return _first(output)
+def _nth_arg(index: int, name: str) -> Extractor:
+    def pick(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+        return _arg(args, kwargs, index, name)
+
+    return pick
+
+
+# -- finding modules -----------------------------------------------------------
+
+
+def _get(root: nn.Module, path: str | None) -> Any:
+    """Follow a dotted attribute path; None where any step is missing."""
+    if path is None:
+        return None
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _child(path: str) -> Callable[[nn.Module], nn.Module]:
+    def module_of(layer: nn.Module) -> nn.Module:
+        return _get(layer, path)
+
+    module_of.__name__ = f"layer.{path}"
+    return module_of
 
 
 def _self(m: nn.Module) -> nn.Module:
     return m
 
 
-def _attn(m: nn.Module) -> nn.Module:
-    return m.self_attn
+def _specs(layout: Layout, model: nn.Module) -> dict[str, SiteSpec]:
+    """The site specs of one layout (``resid_mid`` included where it has a module)."""
+    attn, mlp = _child(layout.attn), _child(layout.mlp)
+    specs = {
+        "attn_out": SiteSpec("attn_out", attn, False, _output_value, _output_value),
+        "mlp_out": SiteSpec("mlp_out", mlp, False, _output_value, _output_value),
+    }
+    mid = _child(layout.mid) if layout.mid else None
+    if layout.block == "pair":
+        specs["resid_pre"] = SiteSpec("resid_pre", _self, True, _pair_resid_pre,
+                                      _pair_resid_pre_target)
+        specs["resid_post"] = SiteSpec("resid_post", _self, False, _pair_resid_post,
+                                       _pair_resid_post_target)
+        if mid:
+            specs["resid_mid"] = SiteSpec("resid_mid", mid, True, _pair_sum, _pair_residual)
+        specs["positions"] = SiteSpec("positions", _self, True, _nth_arg(0, "positions"))
+    elif layout.block in ("stream", "hf"):
+        hidden = _nth_arg(layout.hidden_arg, "hidden_states")
+        specs["resid_pre"] = SiteSpec("resid_pre", _self, True, hidden, hidden)
+        specs["resid_post"] = SiteSpec("resid_post", _self, False, _output_value,
+                                       _output_value)
+        if mid:
+            # the module's input tensor is also the residual the block adds
+            # to, so an in-place write changes both
+            specs["resid_mid"] = SiteSpec("resid_mid", mid, True, _first_input, _first_input)
+        if layout.block == "hf":
+            specs["positions"] = SiteSpec("positions", _self, True, _hf_positions)
+        elif layout.positions_arg is not None:
+            specs["positions"] = SiteSpec(
+                "positions", _self, True, _nth_arg(layout.positions_arg, "position_ids"))
+        else:  # the layer is not given positions: read the model's own argument
+            specs["positions"] = SiteSpec("positions", lambda _layer: model, True,
+                                          _model_positions)
+    else:  # pragma: no cover - a table row with a typo
+        raise ValueError(f"unknown layer kind {layout.block!r}")
+    return {name: specs[name] for name in SITES if name in specs}
 
 
-def _mlp(m: nn.Module) -> nn.Module:
-    return m.mlp
+_RESOLVED: weakref.WeakKeyDictionary[nn.Module, ModelSites] = weakref.WeakKeyDictionary()
 
 
-_NATIVE = {
-    "resid_pre": SiteSpec("resid_pre", _self, True, _native_resid_pre, _native_resid_pre_target),
-    "resid_post": SiteSpec(
-        "resid_post", _self, False, _native_resid_post, _native_resid_post_target
-    ),
-    "attn_out": SiteSpec("attn_out", _attn, False, _output_value, _output_value),
-    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value, _output_value),
-    "positions": SiteSpec("positions", _self, True, _native_positions),
-}
-_TRANSFORMERS = {
-    "resid_pre": SiteSpec("resid_pre", _self, True, _hf_resid_pre, _hf_resid_pre),
-    "resid_post": SiteSpec("resid_post", _self, False, _output_value, _output_value),
-    "attn_out": SiteSpec("attn_out", _attn, False, _output_value, _output_value),
-    "mlp_out": SiteSpec("mlp_out", _mlp, False, _output_value, _output_value),
-    "positions": SiteSpec("positions", _self, True, _hf_positions),
-}
-
-#: sites that can be written (steered / edited)
-WRITABLE = ("resid_pre", "resid_post", "attn_out", "mlp_out")
-
-
-@dataclass(frozen=True)
-class ModelSites:
-    """The sites of one loaded model."""
-
-    impl: str  # "native" | "transformers"
-    architecture: str
-    layers: tuple[nn.Module, ...]
-    specs: dict[str, SiteSpec]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layers)
-
-
-def _find_layers(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return layers
-    for name, mod in model.named_modules():
-        if name.endswith("layers") and isinstance(mod, nn.ModuleList):
-            return mod
-    raise TypeError(
-        f"vlens could not find the decoder layers of {type(model).__name__}: "
-        "expected a ModuleList at model.model.layers"
-    )
+def _architectures_of(model: nn.Module) -> list[str]:
+    config = getattr(model, "config", None)
+    names = list(getattr(config, "architectures", None) or [])
+    return names + [type(model).__name__]
 
 
 def resolve_sites(model: nn.Module) -> ModelSites:
     """Find the layers of a vLLM model and the way to read each site."""
-    layers = tuple(_find_layers(model))
+    cached = _RESOLVED.get(model)
+    if cached is not None:
+        return cached
     impl = "transformers" if type(model).__name__.startswith("Transformers") else "native"
+    names = _architectures_of(model)
+    arch = find_architecture(names)
+    if arch is None or impl not in arch.routes:
+        from vlens.architectures import check_model_config
+
+        # raises the same VlensError the client gives before starting an engine
+        check_model_config({"architectures": names[:1]}, "vllm" if impl == "native" else impl)
+        raise VlensError(f"vlens does not support {names[0]} with vLLM's {impl} backend")
+    layout = arch.layout(impl)
+    layers = _get(model, layout.layers)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise VlensError(
+            f"vlens expected the decoder layers of {names[0]} at model.{layout.layers}, "
+            f"but {type(model).__name__} has none there: this vLLM version lays the model "
+            "out differently from the row in vlens/architectures.py"
+        )
+    absent = arch.absent_sites(getattr(model, "config", None))
+    specs = {k: v for k, v in _specs(layout, model).items() if k not in absent}
     for i, layer in enumerate(layers):
-        for part in ("self_attn", "mlp"):
-            if not hasattr(layer, part):
-                raise TypeError(
-                    f"layer {i} ({type(layer).__name__}) has no .{part}: vlens knows "
-                    "Llama-family layers (Llama, Mistral, Qwen2) natively and any "
-                    "model through model_impl='transformers'"
+        for spec in specs.values():
+            if spec.module_of(layer) is None:
+                raise VlensError(
+                    f"layer {i} of {names[0]} ({type(layer).__name__}) has no module for "
+                    f"site {spec.name}: this vLLM version lays the model out differently "
+                    "from the row in vlens/architectures.py"
                 )
-    return ModelSites(
+    sites = ModelSites(
         impl=impl,
-        architecture=type(model).__name__,
-        layers=layers,
-        specs=dict(_TRANSFORMERS if impl == "transformers" else _NATIVE),
+        architecture=names[0],
+        layers=tuple(layers),
+        specs=specs,
+        absent=absent,
+        arch=arch,
+        final_norm=_get(model, layout.norm),
+        project=_get(model, layout.project),
     )
+    _RESOLVED[model] = sites
+    return sites
 
 
-def lens_logits(model: nn.Module, resid: torch.Tensor) -> torch.Tensor:
-    """Logit lens with the model's own modules: final norm, then the
-    unembedding (``compute_logits``). ``resid`` is ``[n, hidden]``; returns
-    ``[n, vocab]`` float32 (None on ranks that do not receive the gathered
-    logits). On tensor-parallel engines every rank must call
-    this together (the unembedding gathers across ranks)."""
-    norm = model.model.norm
-    normed = norm(resid)
-    if isinstance(normed, tuple):
-        normed = normed[0]
-    logits = model.compute_logits(normed)
+def lens_logits(model: nn.Module, resid: torch.Tensor) -> torch.Tensor | None:
+    """Logit lens with the model's own modules: its final norm (RMS or layer
+    norm, with bias if it has one), then any projection after it, then the
+    unembedding (``compute_logits``: tied or separate head, Gemma's final
+    softcapping). ``resid`` is ``[n, hidden]``; returns ``[n, vocab]``
+    float32 (None on ranks that do not receive the gathered logits). On
+    tensor-parallel engines every rank must call this together (the
+    unembedding gathers across ranks)."""
+    sites = resolve_sites(model)
+    x = resid
+    if sites.final_norm is not None:
+        x = _first(sites.final_norm(x))
+    if sites.project is not None:
+        x = _first(sites.project(x))
+    logits = model.compute_logits(x)
     # ranks other than the driver may get None back from the gather
     return None if logits is None else logits.float()

@@ -36,11 +36,19 @@ _REFUSED = {
 }
 
 
-def _saved_dtype(model: str) -> str | None:
-    """The dtype a local checkpoint's config.json declares, if any."""
+def _saved_config(model: str) -> dict[str, Any] | None:
+    """A local checkpoint's config.json, if it has a readable one."""
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _saved_dtype(model: str) -> str | None:
+    """The dtype a local checkpoint's config.json declares, if any."""
+    cfg = _saved_config(model)
+    if cfg is None:
         return None
     text = cfg.get("text_config") or {}
     return cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
@@ -73,6 +81,14 @@ class Engine:
         require_startable()  # a known-broken environment: one line, not vLLM's trace
         self.model = str(model)
         self.llm_kwargs = dict(llm_kwargs)
+        # An architecture vlens cannot hook is refused before vLLM starts
+        # (nothing to shut down); vlens.architectures says which it knows.
+        config = _saved_config(self.model)
+        arch = None
+        if config is not None:
+            from vlens.architectures import check_model_config
+
+            arch = check_model_config(config, self.llm_kwargs.get("model_impl"))
         if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
             # vLLM downcasts float32 checkpoints to 16 bits by default; for
             # looking inside a model the saved precision is the faithful one.
@@ -99,7 +115,16 @@ class Engine:
             **self.llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.info: dict[str, Any] = self.rpc("vlens_setup")[0]
+        try:
+            self.info: dict[str, Any] = self.rpc("vlens_setup")[0]
+        except BaseException:
+            # a model the workers cannot hook leaves no engine behind
+            self._closed = True
+            client = getattr(self.llm.llm_engine, "engine_core", None)
+            self.llm = None
+            if client is not None:
+                _shutdown(client, last=not any(e.in_process for e in _OPEN))
+            raise
         cfg = self.llm.llm_engine.model_config
         self.info["max_model_len"] = int(cfg.max_model_len)
         self.info["vocab_size"] = int(cfg.get_vocab_size())
@@ -108,6 +133,8 @@ class Engine:
         # KV-cache blocks the engine got (how many tokens it can hold at once)
         self.info["kv_cache_blocks"] = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         self.info["kv_block_size"] = self.llm.llm_engine.vllm_config.cache_config.block_size
+        # sites this architecture lacks, and why (for the Session's errors)
+        self.info["absent_sites"] = arch.absent_sites(config) if arch is not None else {}
         _OPEN.add(self)
 
     # -- state --------------------------------------------------------------
