@@ -46,24 +46,6 @@ def test_options_name_the_conditions(bench):
         run.parse_args(["--only", "c,zz"])
 
 
-def test_engine_of_finds_the_engine_where_it_lives(bench):
-    sys.path.insert(0, str(BENCH))
-    from engines import engine_of
-
-    class Old:
-        _engine = "E"
-
-    class Runner:
-        engine = "R"
-
-    class New:
-        _runner = Runner()
-
-    assert engine_of(Old()) == "E" and engine_of(New()) == "R"
-    with pytest.raises(AttributeError, match="engine"):
-        engine_of(object())
-
-
 def test_report_says_what_is_pending(bench):
     _, report = bench
     text = report.render(None, None)
