@@ -179,13 +179,19 @@ layout ≤ 150 µs, ≤ 40 µs per hooked site, each within 1.5× of the figure 
 """
 
 
-# the design of compiled mode is written by hand (not generated): the lead
-# replaces this placeholder in docs/performance.md's generator
-COMPILED_MODE = """\
-## Compiled mode
+def _compiled_mode() -> str:
+    """The design of compiled mode, written by hand in docs/compiled-mode.md
+    and copied here (its headings one level down) so the report is one page."""
+    from pathlib import Path
 
-(Design summary to come: how vlens runs inside vLLM's compiled graph.)
-"""
+    doc = Path(__file__).resolve().parent.parent / "docs" / "compiled-mode.md"
+    lines = doc.read_text().splitlines()
+    body = [("#" + line if line.startswith("## ") else line) for line in lines[1:]]
+    text = "\n".join(body).strip().replace("](performance.md)", "](#cpu-figures)")
+    return "## Compiled mode (the design, from docs/compiled-mode.md)\n\n" + text + "\n"
+
+
+COMPILED_MODE = _compiled_mode()
 
 
 CLONE_TEXT = """\
