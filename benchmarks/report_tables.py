@@ -63,6 +63,18 @@ def _failed(m: dict, key: str, width: int) -> list[str] | None:
     return [f"({tag(key)})", LABELS.get(key, key), f"did not run: {why}"] + [""] * (width - 3)
 
 
+def _condition_rows(m: dict, keys, width: int, make_row) -> list[list[str]]:
+    """One row per condition in ``keys``: ``make_row(key, entry)`` for those
+    that ran, a "did not run" row for those that failed, none otherwise."""
+    rows = []
+    for key in keys:
+        e = m["conditions"].get(key)
+        row = make_row(key, e) if e else _failed(m, key, width)
+        if row:
+            rows.append(row)
+    return rows
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -71,21 +83,16 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def compiled_table(m: dict) -> str:
     c = m["conditions"]
-    keys = ["a_star", "b_comp", "c_comp", "f_comp", "g_comp", "h_comp"]
-    rows = []
-    for key in keys:
-        e = c.get(key)
-        if not e:
-            row = _failed(m, key, 7)
-            if row:
-                rows.append(row)
-            continue
+
+    def row(key, e):
         eager = c.get(key[:-5]) if key.endswith("_comp") else c.get("a")
-        rows.append([f"({tag(key)})", e["label"], fmt_rate(e["tok_s"]),
-                     "1" if key == "a_star" else fmt_ratio(e.get("ratio_to_a_star")),
-                     fmt_ratio(e.get("ratio_to_a")),
-                     fmt_ratio(eager.get("ratio_to_a_star")) if eager and key != "a_star" else "–",
-                     goal_cell(e)])
+        return [f"({tag(key)})", e["label"], fmt_rate(e["tok_s"]),
+                "1" if key == "a_star" else fmt_ratio(e.get("ratio_to_a_star")),
+                fmt_ratio(e.get("ratio_to_a")),
+                fmt_ratio(eager.get("ratio_to_a_star")) if eager and key != "a_star" else "–",
+                goal_cell(e)]
+
+    rows = _condition_rows(m, ["a_star", "b_comp", "c_comp", "f_comp", "g_comp", "h_comp"], 7, row)
     if not rows:
         return ""
     return _table(["", "condition", "tok/s, median (min–max)", "time ratio to (a*)",
@@ -115,19 +122,15 @@ def floor_table(m: dict) -> str:
 
 def off_table(m: dict) -> str:
     c = m["conditions"]
-    rows = []
-    for key in ("a_off", "c_off", "f_off"):
-        e = c.get(key)
-        if not e:
-            row = _failed(m, key, 6)
-            if row:
-                rows.append(row)
-            continue
+
+    def row(key, e):
         on = c.get(key[:-4])
-        rows.append([f"({tag(key)})", e["label"], fmt_rate(e["tok_s"]),
-                     "1" if key == "a_off" else fmt_ratio(e.get("ratio_to_a_off")),
-                     fmt_ratio(on.get("ratio_to_a")) if on and key != "a_off" else "1",
-                     fmt_ratio(e.get("ratio_to_a"))])
+        return [f"({tag(key)})", e["label"], fmt_rate(e["tok_s"]),
+                "1" if key == "a_off" else fmt_ratio(e.get("ratio_to_a_off")),
+                fmt_ratio(on.get("ratio_to_a")) if on and key != "a_off" else "1",
+                fmt_ratio(e.get("ratio_to_a"))]
+
+    rows = _condition_rows(m, ("a_off", "c_off", "f_off"), 6, row)
     if not rows:
         return ""
     return _table(["", "condition (prefix caching off)", "tok/s, median (min–max)",
@@ -136,21 +139,15 @@ def off_table(m: dict) -> str:
 
 
 def preamble_table(m: dict) -> str:
-    c = m["conditions"]
-    rows = []
-    for key in ("p_a", "p_c", "p_f", "p_a_off", "p_c_off", "p_f_off"):
-        e = c.get(key)
-        if not e:
-            row = _failed(m, key, 6)
-            if row:
-                rows.append(row)
-            continue
+    def row(key, e):
         same = "p_a_off" if key.endswith("_off") else "p_a"
         cached = e.get("cached_tokens")
-        rows.append([f"({tag(key)})", e["label"], fmt_rate(e["tok_s"]),
-                     "1" if key == same else fmt_ratio(e.get(f"ratio_to_{same}")),
-                     "1" if key == "p_a" else fmt_ratio(e.get("ratio_to_p_a")),
-                     "–" if cached is None else f"{cached:,}"])
+        return [f"({tag(key)})", e["label"], fmt_rate(e["tok_s"]),
+                "1" if key == same else fmt_ratio(e.get(f"ratio_to_{same}")),
+                "1" if key == "p_a" else fmt_ratio(e.get("ratio_to_p_a")),
+                "–" if cached is None else f"{cached:,}"]
+
+    rows = _condition_rows(m, ("p_a", "p_c", "p_f", "p_a_off", "p_c_off", "p_f_off"), 6, row)
     if not rows:
         return ""
     return _table(["", "condition", "tok/s, median (min–max)", "time ratio to plain, same caching",

@@ -123,27 +123,34 @@ def _first_input(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     return next(iter(kwargs.values()))
 
 
-def _pair_sum(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    """``(hidden, residual)`` handed to a fused add-and-norm: the stream is the sum."""
-    hidden = _arg(args, kwargs, 0, "x")
-    residual = _arg(args, kwargs, 1, "residual")
-    return hidden if residual is None else hidden + residual
+def _pair_value(h_at: int, h_name: str, r_at: int, r_name: str):
+    """The stream carried as ``(hidden, residual)`` arguments: their sum
+    (``hidden`` alone where the residual is still None, at layer 0)."""
+
+    def value(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+        hidden = _arg(args, kwargs, h_at, h_name)
+        residual = _arg(args, kwargs, r_at, r_name)
+        return hidden if residual is None else hidden + residual
+
+    return value
 
 
-def _pair_residual(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    residual = _arg(args, kwargs, 1, "residual")
-    return _arg(args, kwargs, 0, "x") if residual is None else residual
+def _pair_target(h_at: int, h_name: str, r_at: int, r_name: str):
+    """Where to add a change to that sum: the residual (or ``hidden``)."""
+
+    def target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+        residual = _arg(args, kwargs, r_at, r_name)
+        return _arg(args, kwargs, h_at, h_name) if residual is None else residual
+
+    return target
 
 
-def _pair_resid_pre(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    hidden = _arg(args, kwargs, 1, "hidden_states")
-    residual = _arg(args, kwargs, 2, "residual")
-    return hidden if residual is None else hidden + residual
-
-
-def _pair_resid_pre_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
-    residual = _arg(args, kwargs, 2, "residual")
-    return _arg(args, kwargs, 1, "hidden_states") if residual is None else residual
+# a fused add-and-norm's inputs (x, residual); a decoder layer's
+# (positions, hidden_states, residual)
+_pair_sum = _pair_value(0, "x", 1, "residual")
+_pair_residual = _pair_target(0, "x", 1, "residual")
+_pair_resid_pre = _pair_value(1, "hidden_states", 2, "residual")
+_pair_resid_pre_target = _pair_target(1, "hidden_states", 2, "residual")
 
 
 def _check_pair(output: Any) -> None:
