@@ -356,6 +356,12 @@ def test_logit_lens_view_tracks_one_token_exactly_with_the_offline_lens(run, off
     assert [list(r) for r in heat.text] == [[f"#{int(v)}" for v in col] for col in rank.T]
     view.mode = "top"  # back to the grid, the tracked token kept
     assert view.figure.data[0].colorbar.title.text == "p(top)" and view.track == 8
+    from plotly.callbacks import Points
+
+    # a click on the cell of token 2, layer 1 (plotly gives heatmap points as [row, col])
+    view._on_click(view.figure.data[0], Points(point_inds=[[2, 1]]), None)
+    ids, _ = offline_lens.top(acts, k=1)
+    assert view.mode == "track" and view.track == int(ids[1, 2, 0])
 
 
 def test_logit_lens_view_shows_the_worker_read_and_tracks_within_its_top_k():
