@@ -55,6 +55,6 @@ def steering_defaults(session: Any) -> SteeringDefaults:
         layer=r.layer, scale=r.scale, relative=r.relative, scales=r.scales, site=r.site,
         positive=r.positive, negative=r.negative, prompt=r.example,
         max_new_tokens=r.max_new_tokens, from_recipe=True,
-        note=(f"Starts from {r.note}. Press <b>run</b>: the {r.example_from} story "
-              f"should turn {r.example_to}."),
+        note=(f"Starts from {r.note}. Press <b>run</b> on a {r.example_from} story: "
+              f"it should turn {r.example_to} (a negative scale goes the other way)."),
     )
