@@ -4,6 +4,9 @@ Prints two medians:
 
 * **re-plot after a layer change** -- an ActivationView holding a cached
   trace redraws its heatmap and token strip (goal: < 50 ms). No engine call.
+* **logit-lens re-plot** -- a LogitLensView of a whole story (60+ tokens,
+  top 5 read in the worker) redraws after a layer-range change, in top-token
+  mode and in track-a-token mode (goal: < 50 ms). No engine call.
 * **steering re-run** -- a SteeringPanel with its direction computed re-runs
   baseline vs steered for one prompt x 16 new tokens after a scale change
   (goal: < 1 s). One ``session.compare`` call plus the redraw.
@@ -34,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import vlens
     from vlens.models.world import example_prompts, sentiment_prompts
-    from vlens.widgets import ActivationView, SteeringPanel
+    from vlens.lens import LogitLens
+    from vlens.widgets import ActivationView, LogitLensView, SteeringPanel
 
     t0 = time.perf_counter()
     with vlens.Session(args.model) as s:
@@ -58,6 +62,22 @@ def main(argv: list[str] | None = None) -> int:
               f"from the cached run): median {_median_ms(replot):.1f} ms "
               f"(goal < 50 ms; {len(replot)} changes)")
 
+        lens = LogitLensView(
+            s.trace([prompt], layers=None, sites=["resid_post"], logit_lens=5, max_new_tokens=48),
+            token_strings=s.token_strings, offline_lens=LogitLens.from_pretrained(s.model))
+        ranges = [(0, s.n_layers - 1), (1, s.n_layers - 1)]
+        for mode in ("top", "track"):
+            lens.mode = mode
+            times = []
+            for i in range(args.repeats * 2):
+                t = time.perf_counter()
+                lens.layer_range = ranges[i % 2]
+                times.append(time.perf_counter() - t)
+            assert lens.error == "", lens.error
+            print(f"logit-lens re-plot after a layer change, {mode} mode "
+                  f"({lens.run[0].n_tokens} tokens): median {_median_ms(times):.1f} ms "
+                  f"(goal < 50 ms; {len(times)} changes)")
+
         happy, sad = sentiment_prompts(16)
         panel = SteeringPanel(s, prompt, positive=happy, negative=sad,
                               layer=s.n_layers // 2, max_new_tokens=16)
@@ -65,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         steer = []
         for i in range(args.repeats):
             t = time.perf_counter()
-            panel.scale = 2.0 + (i % 4)  # the released slider: one compare + redraw
+            panel.scale = 0.5 + 0.5 * (i % 4)  # the released slider (within its range)
             steer.append(time.perf_counter() - t)
         assert panel.error == "", panel.error
         print(f"steering re-run (1 prompt x 16 new tokens, baseline + steered in one batch): "

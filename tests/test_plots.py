@@ -58,7 +58,7 @@ def test_plain_text_escapes_plotly_markup():
     assert plots.plain_text("<s>") == "&lt;s&gt;"
     assert plots.plain_text("a&b <br>") == "a&amp;b &lt;br&gt;"
     fig = plots.logit_lens_grid([["</s>"]], torch.tensor([[0.5]]), ["<s>"], [0])
-    assert fig.data[0].text[0][0] == "&lt;/s&gt;" and fig.data[0].x[0] == "0:&lt;s&gt;"
+    assert fig.data[0].text[0][0] == "&lt;/s&gt;" and fig.data[0].y[0] == "0:&lt;s&gt;"
 
 
 def test_first_divergence():
@@ -89,7 +89,7 @@ def test_pca_2d_finds_the_spread_axis_with_a_fixed_sign():
 def test_activation_heatmap_axes_labels_and_marks():
     values = torch.arange(15, dtype=torch.float32).reshape(3, 5)
     fig = plots.activation_heatmap(values, TOKENS, [0, 2, 4], quantity="norm",
-                                   layer=2, span=(1, 3), n_prompt=4)
+                                   layer=2, span=(1, 3), n_prompt=4, per_layer=False, log=False)
     assert isinstance(fig, go.Figure)
     (heat,) = fig.data
     assert heat.type == "heatmap"
@@ -97,6 +97,7 @@ def test_activation_heatmap_axes_labels_and_marks():
     assert list(heat.x) == ["0:&lt;s&gt;", "1:the", "2:cat", "3:the", "4:dog"]
     assert list(heat.y) == ["layer 0", "layer 2", "layer 4"]
     assert [list(r) for r in heat.z] == values.tolist()
+    assert [list(r) for r in heat.customdata] == values.tolist()  # the hover: raw values
     assert fig.layout.xaxis.title.text == "token" and fig.layout.yaxis.title.text == "layer"
     assert fig.layout.yaxis.autorange == "reversed"  # layer 0 on top
     assert heat.colorbar.title.text == "norm"
@@ -134,26 +135,104 @@ def test_token_strip_wraps_and_marks_generated_tokens():
         plots.token_strip(vals[:4], TOKENS)
 
 
+def test_activation_heatmap_colours_every_layer_by_default():
+    # layer 3's norms are 100x the others' and one token is 10x its row:
+    # on one linear scale every other cell would be one dark colour
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0],
+                           [2.0, 4.0, 6.0, 8.0, 10.0],
+                           [100.0, 200.0, 300.0, 400.0, 5000.0]])
+    heat = plots.activation_heatmap(values, TOKENS, [0, 1, 3]).data[0]
+    z = torch.tensor([list(r) for r in heat.z])
+    logs = values.log10()
+    expected = (logs - logs.amin(1, keepdim=True)) / (logs.amax(1, keepdim=True)
+                                                      - logs.amin(1, keepdim=True))
+    assert torch.allclose(z, expected, atol=1e-6)  # default: per layer, log (all positive)
+    assert z.amin(1).tolist() == [0, 0, 0] and z.amax(1).tolist() == [1, 1, 1]
+    assert float(z[2, 3]) > 0.3  # not flattened by the 5000 next to it (linear: 0.06)
+    assert [list(r) for r in heat.customdata] == values.tolist()
+    assert "per layer, log" in heat.colorbar.title.text
+    assert list(heat.colorbar.ticktext) == ["layer min", "layer max"]
+    shared = plots.activation_heatmap(values, TOKENS, [0, 1, 3], per_layer=False).data[0]
+    assert torch.allclose(torch.tensor([list(r) for r in shared.z]), logs, atol=1e-6)
+    assert "1000" in list(shared.colorbar.ticktext)  # log ticks name the raw values
+    plain = plots.activation_heatmap(values, TOKENS, [0, 1, 3], per_layer=False, log=False)
+    assert [list(r) for r in plain.data[0].z] == values.tolist()
+
+
+def test_colour_values_of_signed_values():
+    values = torch.tensor([[-2.0, 1.0, 0.5], [10.0, -40.0, 20.0]])
+    z, signed, log = plots.colour_values(values)
+    assert signed and not log  # log is for positive values unless asked
+    assert torch.allclose(z, torch.tensor([[-1.0, 0.5, 0.25], [0.25, -1.0, 0.5]]))
+    z, _, log = plots.colour_values(values, log=True, per_layer=False)
+    assert log and torch.allclose(z, values.sign() * (1 + values.abs()).log10())
+    heat = plots.activation_heatmap(values, TOKENS[:3], [0, 1], quantity="proj").data[0]
+    assert heat.zmid == 0 and list(heat.colorbar.ticktext) == ["-max", "0", "+max"]
+
+
 def test_layer_profile():
     fig = plots.layer_profile(torch.tensor([1.0, 2.0, 4.0]), [0, 1, 2], name="all")
     (line,) = fig.data
     assert list(line.x) == [0, 1, 2] and list(line.y) == [1.0, 2.0, 4.0]
     assert line.name == "all" and fig.layout.xaxis.title.text == "layer"
+    # whole layers only: no tick at layer 0.5
+    assert fig.layout.xaxis.tickmode == "array" and list(fig.layout.xaxis.tickvals) == [0, 1, 2]
 
 
-def test_logit_lens_grid():
+def test_logit_lens_grid_tokens_down_layers_across():
     words = [["a", "b", "c", "d", "e"], ["f", "g", "h", "i", "j"]]
     probs = torch.tensor([[0.1] * 5, [0.9] * 5])
-    fig = plots.logit_lens_grid(words, probs, TOKENS, [3, 7], span=(0, 1))
+    fig = plots.logit_lens_grid(words, probs, TOKENS, [3, 7], span=(1, 3), n_prompt=4)
     (heat,) = fig.data
-    assert [list(r) for r in heat.text] == words
-    assert heat.z[1][0] == pytest.approx(0.9)
+    assert [list(r) for r in heat.text] == [list(col) for col in zip(*words)]  # [tokens, layers]
+    assert heat.z[0][1] == pytest.approx(0.9)
     assert (heat.zmin, heat.zmax) == (0, 1)
-    assert list(heat.y) == ["layer 3", "layer 7"] and heat.x[2] == "2:cat"
-    assert fig.layout.xaxis.title.text == "input token"
-    assert len(_shape(fig, "span")) == 1
+    assert list(heat.x) == ["layer 3", "layer 7"] and heat.y[2] == "2:cat"
+    assert list(fig.layout.yaxis.tickvals) == list(heat.y)  # every token labelled
+    assert fig.layout.yaxis.autorange == "reversed" and fig.layout.xaxis.side == "top"
+    assert heat.textfont.size >= 12
+    assert fig.layout.height >= 22 * len(TOKENS)  # one readable row per token
+    (span,) = _shape(fig, "span")
+    assert (span.y0, span.y1) == (0.5, 2.5)
+    (line,) = _shape(fig, "prompt|generated")
+    assert line.y0 == 3.5
     with pytest.raises(ValueError, match="expected"):
         plots.logit_lens_grid(words, probs[:1], TOKENS, [3, 7])
+
+
+def test_logit_lens_grid_hover_lists_the_top_k_and_cuts_long_words():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(2, 5, 3, generator=g).sort(-1, descending=True).values
+    words = [[[f"w{layer}{t}{j}" for j in range(3)] for t in range(5)] for layer in range(2)]
+    words[1][4][0] = "a-very-long-token-indeed"
+    fig = plots.logit_lens_grid(words, probs, TOKENS, [0, 1])
+    heat = fig.data[0]
+    assert heat.text[2][1] == "w120"  # top-1 of layer 1 after token 2
+    hover = heat.customdata[2][1]
+    assert hover.split("<br>") == [f"w12{j}: {float(probs[1, 2, j]):.3f}" for j in range(3)]
+    many = plots.logit_lens_grid(words * 20, torch.cat([probs] * 20),
+                                 TOKENS, list(range(40)))
+    cut = many.data[0].text[4][1]
+    assert cut.endswith("…") and len(cut) < len("a-very-long-token-indeed")
+    assert "a-very-long-token-indeed" in many.data[0].customdata[4][1]
+
+
+def test_lens_token_values_from_a_top_k_read():
+    ids = torch.tensor([[[5, 7], [7, 5], [1, 2]]])  # [1 layer, 3 tokens, k=2]
+    probs = torch.tensor([[[0.6, 0.3], [0.5, 0.2], [0.9, 0.05]]])
+    p, rank, floor = plots.lens_token_values(ids, probs, 7)
+    assert p[0, :2].tolist() == pytest.approx([0.3, 0.5]) and math.isnan(p[0, 2])
+    assert rank[0, :2].tolist() == [2.0, 1.0] and math.isnan(rank[0, 2])
+    assert floor[0].tolist() == pytest.approx([0.3, 0.2, 0.05])
+    fig = plots.logit_lens_track(p, TOKENS[:3], [4], token="cat", floor=floor, k=2)
+    heat = fig.data[0]
+    assert [list(r) for r in heat.text] == [["0.30"], ["0.50"], ["–"]]
+    assert heat.z[2][0] is None and "not in the top 2: p < 0.050" in heat.customdata[2][0]
+    ranks = plots.logit_lens_track(rank, TOKENS[:3], [4], token="cat", quantity="rank")
+    assert [list(r) for r in ranks.data[0].text] == [["#2"], ["#1"], ["–"]]
+    assert ranks.data[0].z[1][0] == 0  # rank 1 at the bright end (reversed scale)
+    with pytest.raises(ValueError, match="'probability' or 'rank'"):
+        plots.logit_lens_track(p, TOKENS[:3], [4], token="cat", quantity="logit")
 
 
 def test_dose_response_one_line_sorted_by_scale():
@@ -187,7 +266,7 @@ def test_baseline_vs_steered_deltas_and_first_divergence():
     bars, tokens = fig.data
     assert bars.type == "bar" and tokens.type == "heatmap"
     assert list(bars.x) == [5, 6, 7, 8]
-    assert math.isnan(bars.y[0]) and list(bars.y[1:]) == [-0.5, 1.5, 0.0]
+    assert bars.y[0] is None and list(bars.y[1:]) == [-0.5, 1.5, 0.0]  # a gap, JSON-safe
     assert list(tokens.y) == ["baseline", "steered"]
     assert [list(r) for r in tokens.text] == [["a", "b", "c", "d"], ["a", "b", "x", "y"]]
     (div,) = _shape(fig, "first divergence")
@@ -203,6 +282,10 @@ def test_baseline_vs_steered_identical_and_ragged():
     ragged = plots.baseline_vs_steered(["a"], ["a", "b"], [-1], [-1, -2])
     assert [list(r) for r in ragged.data[1].text] == [["a", ""], ["a", "b"]]
     assert _shape(ragged, "first divergence")[0].x0 == 0.5
+    # the shorter side's missing logprobs are gaps (None), never NaN: a
+    # FigureWidget's comm message is strict JSON, where NaN is invalid
+    values = list(ragged.data[0].y) + [v for row in ragged.data[1].z for v in row]
+    assert values.count(None) == 2 and all(v is None or math.isfinite(v) for v in values)
 
 
 def test_activation_pca_one_trace_per_prompt():

@@ -99,7 +99,8 @@ def calls_of(calls: list[dict], name: str) -> list[dict]:
 
 
 def _z(fig) -> list:
-    return [list(row) for row in fig.data[0].z]
+    """The raw values of an activation heatmap (the colours are per layer, log)."""
+    return [list(row) for row in fig.data[0].customdata]
 
 
 def _shape(fig, name: str):
@@ -235,6 +236,22 @@ def test_activation_view_draws_its_run_and_replots_on_every_change(run):
     assert view.run is run and view.error == ""
 
 
+def test_activation_view_colours_every_layer_and_can_share_one_scale(run):
+    from vlens.plots import colour_values
+
+    view = ActivationView(run)
+    norms = run[0].activations("resid_post").norm(dim=-1)
+    colours = torch.tensor([list(r) for r in view.heatmap.data[0].z])
+    assert (view.per_layer, view.log) == (True, True)  # the default for norms
+    assert torch.allclose(colours, colour_values(norms)[0], atol=1e-6)
+    assert colours.amax(1).tolist() == [1.0] * N_LAYERS  # every layer reaches its top colour
+    view._per_layer.value = False  # the checkboxes, as clicked
+    view._log.value = False
+    colours = torch.tensor([list(r) for r in view.heatmap.data[0].z])
+    assert torch.allclose(colours, norms) and torch.allclose(torch.tensor(_z(view.heatmap)), norms)
+    assert ActivationView(run, quantity="neuron").log is False  # signed values: linear
+
+
 def test_activation_view_shows_a_callback_error_and_keeps_working(run):
     view = ActivationView(run)
     z_norm = _z(view.heatmap)
@@ -279,8 +296,10 @@ def test_views_of_one_selection_move_together(run, offline_lens):
     assert b.layer == 3 and b.layer_picker.value == 3
     assert _shape(b.heatmap, "layer").y0 == 2.5
     sel.span = (2, 4)
-    for fig in (a.heatmap, b.heatmap, lens_view.figure):
+    for fig in (a.heatmap, b.heatmap):
         assert (_shape(fig, "span").x0, _shape(fig, "span").x1) == (1.5, 3.5)
+    assert (_shape(lens_view.figure, "span").y0, _shape(lens_view.figure, "span").y1) == (
+        1.5, 3.5)  # the lens has tokens down
 
 
 @engine
@@ -300,36 +319,81 @@ def test_widgets_refuse_misspelled_keywords(run, toy_session, calls):
 # -- logit lens ---------------------------------------------------------------
 
 
+def _cells(fig) -> torch.Tensor:
+    """A lens figure's ``z`` back in ``[layers, tokens]`` order (NaN for gaps)."""
+    return torch.tensor([[math.nan if v is None else v for v in row]
+                         for row in fig.data[0].z]).T
+
+
 def test_logit_lens_view_lenses_full_activations_offline(run, offline_lens):
     view = LogitLensView(run, token_strings=words, offline_lens=offline_lens)
     t = run[0]
-    ids, probs = offline_lens.top(t.activations("resid_post"), k=1)
+    ids, probs = offline_lens.top(t.activations("resid_post"), k=5)
     heat = view.figure.data[0]
-    assert list(heat.y) == [f"layer {x}" for x in range(N_LAYERS)]
-    assert [list(r) for r in heat.text] == [words(row) for row in ids[..., 0].tolist()]
-    assert torch.allclose(torch.tensor(_z(view.figure)), probs[..., 0])
+    assert list(heat.x) == [f"layer {x}" for x in range(N_LAYERS)]  # layers across
+    assert list(heat.y) == [f"{i}:{tok}" for i, tok in enumerate(t.tokens)]  # tokens down
+    assert [list(r) for r in heat.text] == [list(c) for c in
+                                            zip(*[words(row) for row in ids[..., 0].tolist()])]
+    assert torch.allclose(_cells(view.figure), probs[..., 0])
+    assert heat.customdata[0][0].count("<br>") == 4  # the hover lists the top 5
     view.layer_range = (1, 2)
-    assert list(view.figure.data[0].y) == ["layer 1", "layer 2"]
+    assert list(view.figure.data[0].x) == ["layer 1", "layer 2"]
     view.span = (0, 2)
-    assert _shape(view.figure, "span").x1 == 1.5
+    assert _shape(view.figure, "span").y1 == 1.5
 
 
-def test_logit_lens_view_shows_the_worker_read():
+def test_logit_lens_view_tracks_one_token_exactly_with_the_offline_lens(run, offline_lens):
+    view = LogitLensView(run, token_strings=words, offline_lens=offline_lens)
+    acts = run[0].activations("resid_post")
+    full = offline_lens.logits(acts).softmax(-1)  # [L, T, vocab]
+    view.track_word("dog")  # a word of the run: no tokenizer needed
+    assert view.mode == "track" and view.track == WORDS.index("dog")
+    assert view.track_source == "exact" and "exact" in view._note.value
+    assert torch.allclose(_cells(view.figure), full[..., WORDS.index("dog")], atol=1e-6)
+    view.track_quantity = "rank"
+    rank = (full > full[..., WORDS.index("dog"), None]).sum(-1) + 1
+    heat = view.figure.data[0]
+    assert [list(r) for r in heat.text] == [[f"#{int(v)}" for v in col] for col in rank.T]
+    view.mode = "top"  # back to the grid, the tracked token kept
+    assert view.figure.data[0].colorbar.title.text == "p(top)" and view.track == 8
+    from plotly.callbacks import Points
+
+    # a click on the cell of token 2, layer 1 (plotly gives heatmap points as [row, col])
+    view._on_click(view.figure.data[0], Points(point_inds=[[2, 1]]), None)
+    ids, _ = offline_lens.top(acts, k=1)
+    assert view.mode == "track" and view.track == int(ids[1, 2, 0])
+
+
+def test_logit_lens_view_shows_the_worker_read_and_tracks_within_its_top_k():
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, len(WORDS), (2, 9, 1), generator=g)
-    probs = torch.rand(2, 9, 1, generator=g)
+    ids = torch.stack([torch.randperm(len(WORDS), generator=g)[:3] for _ in range(2 * 9)])
+    ids = ids.reshape(2, 9, 3)
+    probs = torch.rand(2, 9, 3, generator=g).sort(-1, descending=True).values
     t = make_trace(PROMPT_IDS, OUTPUT_IDS, reads={"resid_post:logit_lens": (ids, probs)},
                    layers=[1, 3], token_strings=words)
     view = LogitLensView(make_run([t]), token_strings=words, n_layers=N_LAYERS)
     heat = view.figure.data[0]
-    assert list(heat.y) == ["layer 1", "layer 3"]
-    assert [list(r) for r in heat.text] == [words(row) for row in ids[..., 0].tolist()]
-    assert torch.allclose(torch.tensor(_z(view.figure)), probs[..., 0])
+    assert list(heat.x) == ["layer 1", "layer 3"]
+    assert [list(r) for r in heat.text] == [list(c) for c in
+                                            zip(*[words(row) for row in ids[..., 0].tolist()])]
+    assert torch.allclose(_cells(view.figure), probs[..., 0])
+    # tracking: the probability where the token is in the top 3, "–" elsewhere
+    target = int(ids[1, 4, 1])
+    view.track = target
+    view.mode = "track"
+    assert view.track_source == "top-3" and "top-3 read only" in view._note.value
+    got = _cells(view.figure)
+    hit = ids == target
+    assert torch.equal(~torch.isnan(got), hit.any(-1))
+    assert torch.allclose(got[hit.any(-1)], probs[hit])
+    assert "–" in [x for row in view.figure.data[0].text for x in row]
     view.layer_range = (0, 0)  # nothing read there
     assert "no layer in 0..0" in view.error
     plain = make_run([make_trace([0, 1], [2], reads={"mlp_out": torch.zeros(1, 2, HIDDEN)})])
     view.run = plain
-    assert "logit_lens=1" in view.error
+    assert "logit_lens=5" in view.error
+    with pytest.raises(ValueError, match="tokenize="):
+        LogitLensView(make_run([t]), token_strings=words).track_word("zebra")
 
 
 # -- controller ---------------------------------------------------------------
@@ -343,7 +407,7 @@ def test_controller_traces_every_site_and_layer_with_the_lens(toy_session, calls
     (call,) = calls
     assert call["name"] == "trace" and call["args"] == ([PROMPT],)
     assert call["sites"] == toy_session.sites and call["layers"] is None
-    assert call["logit_lens"] == 1 and call["max_new_tokens"] == 5
+    assert call["logit_lens"] == 5 and call["max_new_tokens"] == 5
     assert controller.run is run and seen[-1] == (1, 1)
     assert set(run[0].read_keys) == set(toy_session.sites) | {"resid_post:logit_lens"}
     assert controller.prompt_tokens(PROMPT) == toy_session.token_strings(
@@ -375,7 +439,7 @@ def test_steering_panel_run_calls_direction_then_compare(toy_session, calls):
     st = c["steer"]
     assert isinstance(st, vlens.Steer)
     assert (st.layer, st.scale, st.site, st.span, st.relative) == (
-        2, 4.0, "resid_post", "all", False)
+        2, 1.5, "resid_post", "all", True)  # the bundled model's recipe, at the layer asked
     assert c["args"] == ([PROMPT],) and c["max_new_tokens"] == 6
     bars = panel.comparison_figure.data[0]
     frame = panel.comparison.to_frame()
@@ -390,9 +454,9 @@ def test_steering_panel_scale_reruns_with_a_cached_direction(toy_session, calls)
     panel = _panel(toy_session)
     panel.run_comparison()
     bars_before = list(panel.comparison_figure.data[0].y)
-    panel._scale.value = -6.0  # the slider, released
-    assert panel.scale == -6.0
-    assert [c["steer"].scale for c in calls_of(calls, "compare")] == [4.0, -6.0]
+    panel._scale.value = -1.0  # the slider, released
+    assert panel.scale == -1.0
+    assert [c["steer"].scale for c in calls_of(calls, "compare")] == [1.5, -1.0]
     assert len(calls_of(calls, "direction")) == 1  # reused
     assert list(panel.comparison_figure.data[0].y) != bars_before
     panel.layer = 1  # a new layer needs a new direction
@@ -438,8 +502,9 @@ def test_steering_panel_sweep_and_metric(toy_session, calls):
 @engine
 def test_steering_panel_errors_are_shown(toy_session, calls):
     panel = SteeringPanel(toy_session, PROMPT)
+    panel._positive.value = ""  # the recipe's lists, cleared
     panel._run_button.click()
-    assert "positive" in panel.error  # no prompt lists yet
+    assert "positive" in panel.error  # no prompt lists
     panel.source = "vector"
     panel._run_button.click()
     assert "vector" in panel.error
@@ -448,7 +513,9 @@ def test_steering_panel_errors_are_shown(toy_session, calls):
     assert f"norm {2 * math.sqrt(hidden):.3g}" in panel._vector_label.value
     panel._run_button.click()
     assert panel.error == ""
-    assert torch.equal(calls_of(calls, "compare")[-1]["steer"].vector, panel.vector)
+    sent = calls_of(calls, "compare")[-1]["steer"]
+    assert sent.relative  # the recipe's default: the vector's direction, |x| sets the size
+    assert torch.allclose(sent.vector, panel.vector / panel.vector.norm())
     panel.vector = torch.ones(hidden + 1)  # from another model
     panel._sweep_button.click()
     assert "hidden size" in panel.error and not panel.busy
@@ -482,6 +549,64 @@ def test_steering_panel_loads_a_saved_vector(toy_session, tmp_path):
     assert panel._lists.layout.display == "none"
 
 
+@engine
+def test_steering_panel_defaults_flip_the_sad_example_on_the_bundled_model(toy_session, calls):
+    from vlens.models.recipes import toyworld_recipe
+    from vlens.models.world import sentiment_of
+
+    recipe = toyworld_recipe()
+    panel = SteeringPanel(toy_session)  # nothing set: the model's own recipe
+    assert panel.prompt == recipe.example and "recipe" in panel._note.value
+    assert (panel.layer, panel.scale, panel.relative) == (recipe.layer, recipe.scale, True)
+    assert panel.positive == list(recipe.positive) and panel.negative == list(recipe.negative)
+    panel._run_button.click()  # the first click
+    assert panel.error == ""
+    (cmp,) = calls_of(calls, "compare")
+    assert cmp["max_new_tokens"] == recipe.max_new_tokens
+    base, steered = panel.comparison.texts[0]
+    assert sentiment_of(base) == recipe.example_from, base
+    assert sentiment_of(steered) == recipe.example_to, steered
+
+
+def test_recipe_is_only_for_the_bundled_model(tmp_path):
+    from vlens.models import recipes, toyworld_path
+
+    assert recipes.is_toyworld(toyworld_path()) and recipes.is_toyworld(None)
+    assert not recipes.is_toyworld(tmp_path)
+    r = recipes.toyworld_recipe()
+    assert r.scale in r.scales and 0.0 in r.scales and len(r.positive) == len(r.negative) > 0
+    assert r.example in r.held_out(r.example_from, 1)
+
+
+# -- snapshots ----------------------------------------------------------------
+
+
+def _plots_in(page: str) -> int:
+    return page.count("Plotly.newPlot(")
+
+
+def test_snapshot_of_a_view_is_one_self_contained_page(run, offline_lens, tmp_path):
+    from vlens.widgets import save_snapshot, snapshot_html
+
+    view = ActivationView(run, layer=2)
+    view.span = (1, 3)
+    path = view.snapshot(tmp_path / "activations.html")
+    page = path.read_text()
+    assert page.startswith("<!doctype html>") and "<script src=" not in page  # nothing fetched
+    assert "Plotly.newPlot" in page and len(page) > 1_000_000  # plotly.js inline
+    assert _plots_in(page) == 2  # the heatmap and the token strip
+    assert "layer: <b>2</b>" in page and "each layer its own colours: <b>on</b>" in page
+    assert "resid_post: norm by layer and token" in page  # the figure's title, as drawn
+    lens = LogitLensView(run, token_strings=words, offline_lens=offline_lens)
+    page = snapshot_html(lens, title="the lens & more")
+    assert "<title>the lens &amp; more</title>" in page and _plots_in(page) == 1
+    assert "track a token" not in page and "top token" in page  # the mode on screen
+    picker = TokenSpanPicker(["<s>", "a", "b"], n_prompt=2, selection=(1, 2))
+    chips = snapshot_html(picker)
+    assert "&lt;s&gt;" in chips and "vl-chip selected" in chips and "vl-chip generated" in chips
+    assert save_snapshot(picker, tmp_path / "chips.html").exists()
+
+
 # -- explorer -----------------------------------------------------------------
 
 
@@ -496,9 +621,9 @@ def test_explore_shares_one_selection(toy_session, calls):
     assert ex.activation_view.run is ex.run and ex.logit_lens_view.run is ex.run
     ids, probs = t.logit_lens("resid_post")  # the lens read in the worker, shown
     lens_grid = ex.logit_lens_view.figure.data[0]
-    assert [list(r) for r in lens_grid.text] == [toy_session.token_strings(row)
-                                                 for row in ids[..., 0].tolist()]
-    assert torch.allclose(torch.tensor(_z(ex.logit_lens_view.figure)), probs[..., 0])
+    assert [list(r) for r in lens_grid.text] == [
+        list(c) for c in zip(*[toy_session.token_strings(row) for row in ids[..., 0].tolist()])]
+    assert torch.allclose(_cells(ex.logit_lens_view.figure), probs[..., 0])
 
     ex.activation_view.layer_picker.value = 3  # one picker moves them all
     assert ex.layer == 3 and ex.steering_panel.layer == 3
@@ -509,13 +634,31 @@ def test_explore_shares_one_selection(toy_session, calls):
     for view in (ex.activation_view, ex.logit_lens_view, ex.steering_panel):
         assert view.span == (2, 5)
     assert _shape(ex.activation_view.heatmap, "span").x0 == 1.5
-    assert _shape(ex.logit_lens_view.figure, "span").x1 == 4.5
+    assert _shape(ex.logit_lens_view.figure, "span").y1 == 4.5
 
     ex.steering_panel.run_comparison()
     assert calls_of(calls, "compare")[-1]["steer"].span == (2, 5)
     assert calls_of(calls, "compare")[-1]["steer"].layer == 3
     assert ex.clone_reads_toggle.copied_bytes == ex.steering_panel.comparison.steered.copied_bytes
     assert len(calls_of(calls, "trace")) == 1
+
+
+@engine
+def test_explorer_snapshot_has_every_tab_and_needs_no_engine(toy_session, calls, tmp_path):
+    ex = explore(toy_session, PROMPT, max_new_tokens=4)
+    ex.logit_lens_view.track_word("happy")  # exact, from the checkpoint's lens
+    assert ex.logit_lens_view.track_source == "exact"
+    ex.steering_panel.run_comparison()
+    n_calls = len(calls)
+    page = ex.snapshot(tmp_path / "ex.html").read_text()
+    assert len(calls) == n_calls  # saving draws what is there, it runs nothing
+    for title in ("activations", "logit lens", "steering"):
+        assert f"<h3>{title}" in page
+    assert "(the tab on screen)" in page
+    # heatmap + strip, the tracked lens, the comparison (the sweep never ran)
+    assert _plots_in(page) == 4
+    assert "baseline:" in page and "steered:" in page
+    assert page.count("vl-chip") >= ex.run[0].n_tokens
 
 
 @engine

@@ -16,11 +16,12 @@ from __future__ import annotations
 from vlens.plots._activations import (
     activation_heatmap,
     activation_pca,
+    colour_values,
     layer_profile,
-    logit_lens_grid,
     token_strip,
 )
 from vlens.plots._common import plain_text, token_labels
+from vlens.plots._lens import lens_token_values, logit_lens_grid, logit_lens_track
 from vlens.plots._reductions import (
     QUANTITIES,
     activation_values,
@@ -36,10 +37,13 @@ __all__ = [
     "activation_pca",
     "activation_values",
     "baseline_vs_steered",
+    "colour_values",
     "dose_response",
     "first_divergence",
     "layer_profile",
+    "lens_token_values",
     "logit_lens_grid",
+    "logit_lens_track",
     "pca_2d",
     "plain_text",
     "token_labels",

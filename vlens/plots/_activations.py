@@ -1,5 +1,5 @@
 """Figures over layers and tokens: heatmap, token strip, layer profile,
-logit-lens grid, PCA of token activations."""
+PCA of token activations (the logit-lens figures are in ``_lens``)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,35 @@ from vlens.plots._common import (
 )
 from vlens.plots._reductions import pca_2d
 
-__all__ = [
-    "activation_heatmap", "activation_pca", "layer_profile", "logit_lens_grid", "token_strip",
-]
+__all__ = ["activation_heatmap", "activation_pca", "colour_values", "layer_profile", "token_strip"]
+
+
+def colour_values(
+    values: torch.Tensor, *, per_layer: bool = True, log: bool | None = None
+) -> tuple[torch.Tensor, bool, bool]:
+    """What a heatmap colours, from ``values`` ``[n_layers, n_tokens]``.
+
+    ``log`` (default: when every value is positive, as norms are) takes
+    ``log10`` (signed values: ``sign(v) * log10(1 + |v|)``), so one huge
+    token does not flatten the rest. ``per_layer`` then gives each layer
+    (row) its own range: ``0`` at the row's minimum, ``1`` at its maximum
+    (signed values: ``v / max |v|`` of the row, ``-1 … 1``), so every layer
+    shows its own contrast however different the layers' magnitudes.
+    Returns ``(z, signed, log)``.
+    """
+    v = as_float(values)
+    signed = bool((v < 0).any())
+    if log is None:
+        log = bool(v.numel()) and bool((v > 0).all())
+    if log:
+        v = torch.sign(v) * torch.log10(1 + v.abs()) if signed else torch.log10(v.clamp_min(1e-12))
+    if per_layer and v.dim() == 2 and v.numel():
+        if signed:
+            v = v / v.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+        else:
+            lo, hi = v.amin(dim=1, keepdim=True), v.amax(dim=1, keepdim=True)
+            v = (v - lo) / (hi - lo).clamp_min(1e-12)
+    return v, signed, bool(log)
 
 
 def activation_heatmap(
@@ -34,12 +60,18 @@ def activation_heatmap(
     layer: int | None = None,
     span: tuple[int, int] | None = None,
     n_prompt: int | None = None,
+    per_layer: bool = True,
+    log: bool | None = None,
 ) -> go.Figure:
     """Layer x token heatmap of ``values`` ``[n_layers, n_tokens]``.
 
-    Rows are ``layers`` (top to bottom), columns the tokens. Optional marks:
-    ``layer`` outlines that row, ``span`` ``(start, stop)`` outlines those
-    token columns, ``n_prompt`` draws a dotted line where generation starts.
+    Rows are ``layers`` (top to bottom), columns the tokens. Colour: by
+    default each layer on its own scale, log for positive values (see
+    :func:`colour_values`; ``per_layer=False, log=False`` colours the raw
+    values on one shared scale). The hover always gives the raw value
+    (``customdata``). Optional marks: ``layer`` outlines that row, ``span``
+    ``(start, stop)`` outlines those token columns, ``n_prompt`` draws a
+    dotted line where generation starts.
     """
     values = as_float(values)
     if values.shape != (len(layers), len(tokens)):
@@ -47,15 +79,28 @@ def activation_heatmap(
             f"values has shape {list(values.shape)}; expected "
             f"[{len(layers)} layers, {len(tokens)} tokens]"
         )
+    z, signed, log = colour_values(values, per_layer=per_layer, log=log)
+    how = ", ".join(x for x in ("per layer" if per_layer else "", "log" if log else "") if x)
+    bar: dict = {"title": {"text": quantity + (f"<br>({how})" if how else "")}}
+    if per_layer:
+        bar.update(tickvals=[-1, 0, 1] if signed else [0, 1],
+                   ticktext=["-max", "0", "+max"] if signed else ["layer min", "layer max"])
+    elif log and not signed:
+        lo, hi = (math.floor(float(z.min())), math.ceil(float(z.max()))) if z.numel() else (0, 1)
+        bar.update(tickvals=list(range(lo, hi + 1)),
+                   ticktext=[f"{10.0 ** e:g}" for e in range(lo, hi + 1)])
     ys = [f"layer {x}" for x in layers]
     fig = go.Figure(
         go.Heatmap(
-            z=values.tolist(),
+            z=z.tolist(),
+            customdata=values.tolist(),
             x=token_labels(tokens),
             y=ys,
-            colorscale="Viridis",
-            colorbar={"title": {"text": quantity}},
-            hovertemplate="%{y}, token %{x}<br>" + quantity + " %{z:.3f}<extra></extra>",
+            colorscale="RdBu" if signed else "Viridis",
+            zmid=0 if signed else None,
+            colorbar=bar,
+            hovertemplate="%{y}, token %{x}<br>" + quantity
+            + " %{customdata:.3f}<extra></extra>",
         )
     )
     shapes = span_shape(span, len(tokens)) + prompt_boundary(n_prompt, len(tokens))
@@ -176,50 +221,10 @@ def layer_profile(
     fig = go.Figure(
         go.Scatter(x=list(layers), y=values.tolist(), mode="lines+markers", name=name)
     )
-    fig.update_layout(title=f"{quantity} by layer", xaxis_title="layer", yaxis_title=quantity)
-    return fig
-
-
-def logit_lens_grid(
-    top_tokens: Sequence[Sequence[str]],
-    top_probs: torch.Tensor,
-    tokens: Sequence[str],
-    layers: Sequence[int],
-    *,
-    title: str | None = None,
-    span: tuple[int, int] | None = None,
-) -> go.Figure:
-    """Layer x position grid: colour = probability of the top next token,
-    text = that token. ``top_tokens`` and ``top_probs`` are
-    ``[n_layers, n_tokens]``; column ``i`` is what layer ``l`` predicts
-    after reading token ``i``."""
-    top_probs = as_float(top_probs)
-    if top_probs.shape != (len(layers), len(tokens)) or len(top_tokens) != len(layers):
-        raise ValueError(
-            f"top_probs has shape {list(top_probs.shape)} and top_tokens "
-            f"{len(top_tokens)} rows; expected [{len(layers)} layers, {len(tokens)} tokens]"
-        )
-    fig = go.Figure(
-        go.Heatmap(
-            z=top_probs.tolist(),
-            x=token_labels(tokens),
-            y=[f"layer {layer}" for layer in layers],
-            text=[[plain_text(t) for t in row] for row in top_tokens],
-            texttemplate="%{text}",
-            textfont={"size": 10},
-            colorscale="Blues",
-            zmin=0,
-            zmax=1,
-            colorbar={"title": {"text": "p(top)"}},
-            hovertemplate="%{y}, after %{x}<br>next: %{text} (p %{z:.2f})<extra></extra>",
-        )
-    )
     fig.update_layout(
-        title={"text": title or "logit lens: top next token per layer"},
-        xaxis_title="input token",
-        yaxis_title="layer",
-        yaxis={"autorange": "reversed"},
-        shapes=span_shape(span, len(tokens)),
+        title=f"{quantity} by layer", xaxis_title="layer", yaxis_title=quantity,
+        # layers are whole numbers: one tick per layer, never 0.5
+        xaxis={"tickmode": "array", "tickvals": list(layers)},
     )
     return fig
 

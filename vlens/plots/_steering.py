@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ def dose_response(
         fig.add_trace(
             go.Scatter(
                 x=part[x].tolist(),
-                y=part[metric].astype(float).tolist(),
+                y=[None if math.isnan(v) else v for v in part[metric].astype(float).tolist()],
                 mode="lines+markers",
                 name=metric if key is None else f"{by} {key}",
                 text=hover,
@@ -98,6 +99,8 @@ def baseline_vs_steered(
         i = first_divergence(list(tokens_base), list(tokens_steered))
         divergence = None if i is None else xs[i]
     delta = [s - b for b, s in zip(lb, ls)]
+    # gaps as None, not NaN: a FigureWidget sends its data as strict JSON
+    delta, lb, ls = ([None if math.isnan(v) else v for v in seq] for seq in (delta, lb, ls))
     fig = make_subplots(
         rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4]
     )
@@ -106,7 +109,7 @@ def baseline_vs_steered(
             x=xs,
             y=delta,
             name="logprob delta",
-            marker_color=["#2ca02c" if d >= 0 else "#d62728" for d in delta],
+            marker_color=["#2ca02c" if d is not None and d >= 0 else "#d62728" for d in delta],
             customdata=[[plain_text(b), plain_text(s)] for b, s in zip(tb, ts)],
             hovertemplate="position %{x}: %{customdata[0]} → %{customdata[1]}"
             "<br>Δ logprob %{y:.3f}<extra></extra>",

@@ -12,7 +12,9 @@ Session (trace, direction, compare, sweep) and holds the traced Run. Views
 draw, following one :class:`Selection` (layer, token span, site); the
 :class:`SteeringPanel` asks the controller to steer. :func:`explore`
 composes them around one selection and one controller. Figures come from
-the builders of :mod:`vlens.plots`.
+the builders of :mod:`vlens.plots`. Every view and panel saves what it
+shows to one HTML file that needs no kernel (``view.snapshot(path)``,
+:func:`save_snapshot`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vlens.widgets.explorer import Explorer, explore
 from vlens.widgets.logit_lens import LogitLensView
 from vlens.widgets.pickers import LayerPicker, SitePicker
 from vlens.widgets.selection import Controller, Selection
+from vlens.widgets.snapshot import save_snapshot, snapshot_html
 from vlens.widgets.steering import SteeringDefaults, SteeringPanel, steering_defaults
 from vlens.widgets.token_span import TokenSpanPicker
 
@@ -39,5 +42,7 @@ __all__ = [
     "SteeringPanel",
     "TokenSpanPicker",
     "explore",
+    "save_snapshot",
+    "snapshot_html",
     "steering_defaults",
 ]

@@ -72,6 +72,14 @@ class Panel(widgets.VBox):
             children=[*children, self._progress_row, self._error_label, self._details]
         )
 
+    def snapshot(self, path: Any, *, title: str | None = None) -> Any:
+        """Save what this widget shows now to one self-contained HTML file
+        (figures with plotly.js inline, text as static HTML; opens with no
+        kernel). Returns the path. See :func:`vlens.widgets.save_snapshot`."""
+        from vlens.widgets.snapshot import save_snapshot
+
+        return save_snapshot(self, path, title=title)
+
     # -- errors ----------------------------------------------------------------
     def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` wrapped for use as a callback: errors are shown, not raised."""

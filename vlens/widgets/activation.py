@@ -31,13 +31,17 @@ class ActivationView(View):
     explorer) holds ``layer``, ``site`` and ``span``; ``n_layers`` and
     ``sites`` size the pickers (default: what ``run`` read). Own traits:
     ``quantity`` (norm / projection / cosine / neuron), ``neuron``,
-    ``direction`` (a ``[hidden]`` tensor, for projection and cosine).
-    ``heatmap`` and ``strip`` are the FigureWidgets.
+    ``direction`` (a ``[hidden]`` tensor, for projection and cosine),
+    ``per_layer`` (each layer its own colour range, default on) and
+    ``log`` (log colours; default: on for norms). ``heatmap`` and
+    ``strip`` are the FigureWidgets.
     """
 
     quantity = traitlets.Enum(QUANTITIES, default_value="norm")
     neuron = traitlets.Int(0)
     direction = traitlets.Any(None, allow_none=True)
+    per_layer = traitlets.Bool(True, help="each layer on its own colour range")
+    log = traitlets.Bool(True, help="log colours (signed values: sign * log10(1 + |v|))")
     run = traitlets.Instance(Run, allow_none=True, help="the Run on show")
 
     def __init__(
@@ -52,6 +56,8 @@ class ActivationView(View):
         quantity: str = "norm",
         neuron: int = 0,
         direction: Any = None,
+        per_layer: bool = True,
+        log: bool | None = None,
     ) -> None:
         if run is None and (n_layers is None or sites is None):
             raise ValueError("give a run to show, or n_layers= and sites= for one to come")
@@ -69,10 +75,17 @@ class ActivationView(View):
         # unbounded until a run says the hidden size
         self._neuron = widgets.BoundedIntText(value=neuron, min=0, max=2**31 - 1,
                                               description="neuron", layout={"width": "180px"})
+        log = quantity == "norm" if log is None else log  # norms span decades; signs do not
+        self._per_layer = widgets.Checkbox(value=per_layer,
+                                           description="each layer its own colours",
+                                           indent=False, layout={"width": "210px"})
+        self._log = widgets.Checkbox(value=log, description="log colours", indent=False,
+                                     layout={"width": "110px"})
         self.heatmap = figure_widget()
         self.strip = figure_widget()
         controls = widgets.HBox(
-            [self.layer_picker, self.site_picker, self._quantity, self._neuron],
+            [self.layer_picker, self.site_picker, self._quantity, self._neuron,
+             self._per_layer, self._log],
             layout={"flex_flow": "row wrap"},
         )
         super().__init__([controls, self.heatmap, self.strip])
@@ -80,6 +93,10 @@ class ActivationView(View):
         self.quantity = quantity
         self.neuron = neuron
         self.direction = direction
+        self.per_layer = per_layer
+        self.log = log
+        widgets.link((self._per_layer, "value"), (self, "per_layer"))
+        widgets.link((self._log, "value"), (self, "log"))
         widgets.link((self.layer_picker, "value"), (self.selection, "layer"))
         widgets.link((self.site_picker, "value"), (self.selection, "site"))
         widgets.link((self._quantity, "value"), (self, "quantity"))
@@ -87,7 +104,7 @@ class ActivationView(View):
         self._sync_neuron_box()
         self.selection.observe(self._guard(self._redraw), names=["layer", "site", "span"])
         self.observe(self._guard(self._on_change),
-                     names=["quantity", "neuron", "direction", "run"])
+                     names=["quantity", "neuron", "direction", "run", "per_layer", "log"])
         self.run = run
 
     # -- reactions -------------------------------------------------------------
@@ -133,7 +150,7 @@ class ActivationView(View):
             self.heatmap,
             activation_heatmap(
                 values, t.tokens, layers, quantity=label, layer=self.layer,
-                span=self.span, n_prompt=n_prompt,
+                span=self.span, n_prompt=n_prompt, per_layer=self.per_layer, log=self.log,
                 title=f"{self.site}: {label} by layer and token",
             ),
         )

@@ -2,11 +2,12 @@
 :class:`Selection` and one :class:`Controller`.
 
 The controller traces the prompt once (every site, every layer, the logit
-lens's top token) and the explorer hands that Run to every view. The views
+lens's top 5) and the explorer hands that Run to every view. The views
 share the selection: move any layer picker, or click tokens in the chip
 strip at the top, and every view redraws from it. The steering panel steers
 the same prompt at the selection's layer, site and span through the same
-controller.
+controller. ``ex.snapshot("file.html")`` saves every tab as shown, for
+reading without a kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from vlens.lens import LogitLens
 from vlens.results import Run
 from vlens.widgets._base import View
 from vlens.widgets.activation import ActivationView
@@ -58,7 +60,11 @@ class Explorer(View):
         self.span_picker = TokenSpanPicker()
         shared = {"selection": self.selection, "n_layers": session.n_layers}
         self.activation_view = ActivationView(sites=session.sites, **shared)
-        self.logit_lens_view = LogitLensView(token_strings=session.token_strings, **shared)
+        self.logit_lens_view = LogitLensView(
+            token_strings=session.token_strings, tokenize=session.tokenize,
+            # the trace reads resid_post in full: tracking a token is exact
+            # with the checkpoint's own norm and unembedding, loaded at first use
+            offline_lens=lambda: LogitLens.from_pretrained(session.model), **shared)
         self.steering_panel = SteeringPanel(
             self.controller, prompt, selection=self.selection, positive=positive,
             negative=negative, vector=vector, span_picker=False,

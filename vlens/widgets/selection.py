@@ -4,7 +4,7 @@
   an explorer holds the same Selection: a picker in any view writes it, and
   every view redraws from it. A view made alone makes its own.
 * :class:`Controller` -- the one widget object that calls the Session. It
-  traces the prompt (every site, every layer, the logit lens's top token),
+  traces the prompt (every site, every layer, the logit lens's top 5),
   keeps that Run, and runs the steering calls; views are handed Runs and
   only draw.
 """
@@ -21,6 +21,9 @@ from vlens.results import Run
 __all__ = ["Controller", "Selection"]
 
 Progress = Callable[[int, int], None]
+
+#: how many logit-lens predictions a trace keeps per layer and token (the hover's list)
+TOP_K = 5
 
 
 class Selection(traitlets.HasTraits):
@@ -51,7 +54,7 @@ class Controller(traitlets.HasTraits):
     """Calls the Session for the widgets; ``run`` is the traced prompt's Run.
 
     ``trace(prompt)`` reads every site at every layer and the logit lens's
-    top token (one engine batch) and sets ``run``. ``direction`` is computed
+    top 5 tokens (one engine batch) and sets ``run``. ``direction`` is computed
     once per (prompt lists, layer, site) and reused. ``compare`` and
     ``sweep`` return the Session's Comparison and Sweep. Every call
     generates ``max_new_tokens`` tokens and passes ``progress`` on.
@@ -68,7 +71,7 @@ class Controller(traitlets.HasTraits):
     def trace(self, prompt: str, *, progress: Progress | None = None) -> Run:
         """Trace ``prompt`` for every view and set ``run``."""
         s = self.session
-        run = s.trace([prompt], layers=None, sites=s.sites, logit_lens=1,
+        run = s.trace([prompt], layers=None, sites=s.sites, logit_lens=TOP_K,
                       max_new_tokens=self.max_new_tokens, progress=progress)
         self.run = run
         return run

@@ -11,7 +11,6 @@ relative, the sweep's scales) is :func:`steering_defaults`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as widgets
@@ -20,6 +19,7 @@ import traitlets
 from vlens.plots import baseline_vs_steered, dose_response, token_set_metric
 from vlens.steering import Steer
 from vlens.widgets._base import View, figure_widget, show_figure
+from vlens.widgets.defaults import SteeringDefaults, steering_defaults
 from vlens.widgets.pickers import LayerPicker, SitePicker
 from vlens.widgets.selection import Controller, Selection
 from vlens.widgets.token_span import TokenSpanPicker
@@ -27,24 +27,6 @@ from vlens.widgets.token_span import TokenSpanPicker
 __all__ = ["SteeringDefaults", "SteeringPanel", "steering_defaults"]
 
 SPAN_MODES = ("all", "prompt", "generated", "selection")
-
-
-@dataclass(frozen=True)
-class SteeringDefaults:
-    """Where a steering panel starts."""
-
-    layer: int
-    scale: float
-    relative: bool
-    scales: tuple[float, ...]
-
-
-def steering_defaults(session: Any) -> SteeringDefaults:
-    """The steering recipe a panel (and an explorer's layer) starts from on
-    ``session``'s model: the middle layer, scale 4, an absolute push, a
-    sweep over -8 … 8. The one place to change it."""
-    return SteeringDefaults(layer=session.n_layers // 2, scale=4.0, relative=False,
-                            scales=(-8.0, -4.0, 0.0, 4.0, 8.0))
 
 
 def _lines(text: str) -> list[str]:
@@ -69,6 +51,10 @@ class SteeringPanel(View):
     After :meth:`run_comparison` (or the run button) ``comparison`` holds
     the Comparison; after :meth:`sweep`, ``sweep_result`` the Sweep. With
     ``auto_run`` a released scale slider re-runs the comparison.
+
+    Where it starts is :func:`steering_defaults`: on the bundled model, a
+    panel given no prompt lists, vector or prompt starts from the model's
+    sentiment recipe and a sad example, so the first run shows the flip.
     """
 
     source = traitlets.Enum(("prompts", "vector"), default_value="prompts")
@@ -105,12 +91,19 @@ class SteeringPanel(View):
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens= is the Controller's: set it there")
             self.controller = session
+            start = steering_defaults(session.session)
         else:
+            start = steering_defaults(session)
             self.controller = Controller(
-                session, max_new_tokens=16 if max_new_tokens is None else max_new_tokens)
+                session,
+                max_new_tokens=start.max_new_tokens if max_new_tokens is None else max_new_tokens)
         s = self.controller.session
-        start = steering_defaults(s)
-        self.selection = Selection(layer=start.layer) if selection is None else selection
+        if not positive and not negative and vector is None and start.from_recipe:
+            positive, negative = start.positive, start.negative
+        if prompt is None:
+            prompt = start.prompt
+        self.selection = Selection(layer=start.layer, site=start.site) \
+            if selection is None else selection
         if layer is not None:
             self.selection.layer = layer
         if site is not None:
@@ -133,6 +126,7 @@ class SteeringPanel(View):
             for name, lines in (("positive", positive), ("negative", negative))
         )
         self._lists = widgets.HBox([self._positive, self._negative])
+        self._note = widgets.HTML(f"<small>{start.note}</small>")
         self._path = widgets.Text(description="vector file",
                                   placeholder="a tensor saved with torch.save")
         self._load = widgets.Button(description="load", icon="folder-open")
@@ -145,7 +139,8 @@ class SteeringPanel(View):
         self.span_picker = TokenSpanPicker() if span_picker else None
         self._span_mode = widgets.Dropdown(options=SPAN_MODES, description="span")
         self._scale = widgets.FloatSlider(
-            value=scale, min=-reach, max=reach, step=0.5, description="scale",
+            value=scale, min=-reach, max=reach, step=0.25 if reach <= 4 else 0.5,
+            description="scale",
             continuous_update=False,
         )
         self._relative = widgets.Checkbox(value=start.relative if relative is None else relative,
@@ -162,7 +157,7 @@ class SteeringPanel(View):
         self.comparison_figure = figure_widget()
         self.dose_figure = figure_widget()
         super().__init__([
-            self._source, self._lists, self._vector_row,
+            self._note, self._source, self._lists, self._vector_row,
             widgets.HBox([self._prompt]), *([self.span_picker] if span_picker else []),
             widgets.HBox([self.layer_picker, self.site_picker, self._span_mode],
                          layout={"flex_flow": "row wrap"}),

@@ -1,0 +1,112 @@
+"""What works on the bundled model, as data: the one place that says it.
+
+The steering panel's defaults, notebook 02, the demo and the tests read the
+recipe from here, so retraining the bundled model (and finding that another
+layer or scale now works best) means changing this file and nothing else.
+The numbers come from the sweep in ``docs/toyworld.md`` ("Steering").
+
+Pure Python, like :mod:`vlens.models.world`: importing it loads neither
+torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlens.models import toyworld_path, world
+
+__all__ = ["SteeringRecipe", "is_toyworld", "steering_recipe", "toyworld_recipe"]
+
+
+@dataclass(frozen=True)
+class SteeringRecipe:
+    """A steering setting known to work on one model.
+
+    Turn it into a steer with ``d = s.direction(recipe.positive,
+    recipe.negative, layer=recipe.layer, site=recipe.site,
+    position=recipe.position)`` and ``vlens.Steer(d, layer=recipe.layer,
+    scale=recipe.scale, site=recipe.site, span=recipe.span,
+    relative=recipe.relative)`` (:meth:`steer` does both).
+
+    * ``positive`` / ``negative`` -- the two prompt sets (minimal pairs);
+      the direction is ``mean(positive) - mean(negative)``;
+    * ``example`` -- a prompt the steer visibly changes, ``example_from``
+      -> ``example_to`` (as :func:`vlens.models.world.sentiment_of` judges
+      the continuation);
+    * ``held_out(sentiment, n)`` -- prompts never used to find the
+      direction, to count flips on;
+    * ``scales`` -- a sweep around ``scale`` that shows the whole window
+      (too weak, working, too strong);
+    * ``max_new_tokens`` -- enough new tokens for the effect to show.
+    """
+
+    name: str
+    layer: int
+    scale: float
+    relative: bool
+    site: str
+    span: str
+    position: str
+    positive: tuple[str, ...]
+    negative: tuple[str, ...]
+    example: str
+    example_from: str
+    example_to: str
+    scales: tuple[float, ...]
+    max_new_tokens: int
+    note: str
+
+    def held_out(self, sentiment: str, n: int = 100) -> list[str]:
+        """``n`` held-out openings of ``sentiment`` (``"happy"`` / ``"sad"``)."""
+        return world.steering_prompts(sentiment, n)
+
+    def steer(self, session: Any, scale: float | None = None) -> Any:
+        """The recipe's :class:`vlens.Steer` on ``session`` (one direction call)."""
+        import vlens
+
+        d = session.direction(list(self.positive), list(self.negative), layer=self.layer,
+                              site=self.site, position=self.position)
+        return vlens.Steer(d, layer=self.layer, scale=self.scale if scale is None else scale,
+                           site=self.site, span=self.span, relative=self.relative)
+
+
+def toyworld_recipe() -> SteeringRecipe:
+    """Sentiment steering on the bundled toyworld model: the difference of
+    means of :func:`~vlens.models.world.sentiment_prompts` at the last
+    layer, added relative to each token's norm (docs/toyworld.md)."""
+    happy, sad = world.sentiment_prompts(64)
+    return SteeringRecipe(
+        name="toyworld sentiment",
+        layer=3,
+        scale=1.5,
+        relative=True,
+        site="resid_post",
+        span="all",
+        position="last",
+        positive=tuple(happy),
+        negative=tuple(sad),
+        example=world.steering_prompts(world.SAD, 1)[0],
+        example_from=world.SAD,
+        example_to=world.HAPPY,
+        scales=(-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0),
+        max_new_tokens=48,
+        note=("the bundled model's sentiment recipe: happy minus sad at layer 3, "
+              "relative scale 1.5 (docs/toyworld.md)"),
+    )
+
+
+def is_toyworld(model: str | Path | None) -> bool:
+    """True when ``model`` (a Session's ``model`` path) is the bundled model."""
+    if model is None:
+        return True
+    try:
+        return Path(model).resolve() == toyworld_path().resolve()
+    except (OSError, FileNotFoundError):
+        return False
+
+
+def steering_recipe(session: Any) -> SteeringRecipe | None:
+    """The recipe for ``session``'s model, or None when none is known."""
+    return toyworld_recipe() if is_toyworld(getattr(session, "model", "")) else None
