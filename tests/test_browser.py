@@ -139,6 +139,16 @@ def _run_cell_and_read(page, code: str, marker: str) -> str:
     return out.inner_text()
 
 
+# polls a textarea's value every 2 ms and keeps each distinct value in order
+_WATCH_TEXTS = """(box) => {
+    window.__vlensTexts = [];
+    window.__vlensPoll = setInterval(() => {
+        const seen = window.__vlensTexts;
+        if (!seen.length || seen[seen.length - 1] !== box.value) seen.push(box.value);
+    }, 2);
+}"""
+
+
 def _shape_count(figure) -> int:
     return figure.locator(".shapelayer path").count()
 
@@ -271,12 +281,24 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
             time.sleep(1)
             explorer.screenshot(path=str(ARTIFACTS / "04-logit-lens.png"))
             explorer.locator(".lm-TabBar-tab", has_text="steering").click()
+            # watch the texts box while the run streams: every value it shows
+            explorer.locator("textarea[disabled]:visible").first.evaluate(_WATCH_TEXTS)
             explorer.locator(".widget-button:visible", has_text="run").first.click()
             # the comparison figure's title names the scale once the run is back
             explorer.locator(".js-plotly-plot:visible .gtitle", has_text="scale").first.wait_for(
                 timeout=120_000)
             time.sleep(1)
+            shown = page.evaluate("() => { clearInterval(window.__vlensPoll); "
+                                  "return window.__vlensTexts; }")
             explorer.screenshot(path=str(ARTIFACTS / "05-steering.png"))
+            streamed = _run_cell_and_read(
+                page,
+                "p = ex.steering_panel; ref = s.compare([p.prompt], steer=p.steer(), "
+                "max_new_tokens=p.controller.max_new_tokens); "
+                "print('VLENS-STREAM:', p.streamed_states, p.comparison.texts == ref.texts, "
+                "repr(p._texts.value))",
+                "VLENS-STREAM:",
+            )
 
             # -- the tour's logit-lens view of a whole story: every label legible
             lens_out = page.locator(".jp-OutputArea-output", has_text="track a token").first
@@ -331,6 +353,12 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
     assert labels["min_height"] >= 10, labels  # text a reader can read
 
     # the snapshot: the same heatmap (token axis and marks), every figure, the chips
+    # the steering run streamed: the page showed the texts growing before the end
+    partial = [t for t in shown if "baseline:" in t and "steered:" in t]
+    assert len(partial) >= 4, shown  # at least three partial states, then the last
+    fields = streamed.split("VLENS-STREAM:", 1)[1].split(maxsplit=2)
+    assert int(fields[0]) >= 3 and fields[1] == "True", streamed  # final == s.compare's
+    assert partial[-1] in streamed.replace("\\n", "\n"), (partial[-1], streamed)
     assert "explorer-snapshot.html" in saved and saved.rstrip().endswith("''"), saved
     assert snap_data == live_data and len(snap_data) > 100, (snap_data[:300], live_data[:300])
     assert snap_shapes == live_shapes, (snap_shapes, live_shapes)

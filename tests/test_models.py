@@ -124,7 +124,7 @@ def results():
 
 def _lens_probs(trace, vocab: int) -> torch.Tensor:
     """The worker's lens top-``vocab`` as full distributions ``[L, T, vocab]``."""
-    ids, probs = trace.lens()
+    ids, probs = trace.logit_lens()
     full = torch.zeros(*ids.shape[:-1], vocab)
     return full.scatter_(-1, ids, probs)
 
@@ -167,7 +167,7 @@ def test_architecture_matches_transformers(case, tiny_models, hf_refs, results):
                 s.trace(PROMPT, sites=[site], max_new_tokens=1)
             assert why
         clean = s.trace(PROMPT, sites=writable + ["positions"], max_new_tokens=1,
-                        logprobs=False, lens=vocab)[0]
+                        logprobs=False, logit_lens=vocab)[0]
         assert clean.prompt_token_ids == ref["ids"]
         n_tok = len(ref["ids"])
         positions = clean.activations("positions")
@@ -189,8 +189,8 @@ def test_architecture_matches_transformers(case, tiny_models, hf_refs, results):
         vector = _vector(name)
         n = len(writable)
         steered = s.trace([PROMPT] * n, sites=writable, max_new_tokens=1, logprobs=False,
-                          lens=vocab, steer=[[vlens.Steer(vector, WRITE_LAYER, 1.0, site)]
-                                             for site in writable])
+                          logit_lens=vocab, steer=vlens.PerPrompt([vlens.Steer(vector, WRITE_LAYER, 1.0, site)
+                                                           for site in writable]))
         steer_err = {}
         for i, site in enumerate(writable):
             r = ref[f"steer:{site}"]
@@ -201,7 +201,7 @@ def test_architecture_matches_transformers(case, tiny_models, hf_refs, results):
             return rows * 0.5 if ctx.site == writable[ctx.prompt] else None
 
         edited = s.trace([PROMPT] * n, sites=writable, max_new_tokens=1, logprobs=False,
-                         lens=vocab, edit=halve, edit_at=[(x, WRITE_LAYER) for x in writable])
+                         logit_lens=vocab, edit=halve, edit_at=[(x, WRITE_LAYER) for x in writable])
         edit_err = {}
         for i, site in enumerate(writable):
             r = ref[f"edit:{site}"]

@@ -78,7 +78,7 @@ def calls(toy_session, monkeypatch) -> list[dict]:
     ``name``, positional ``args`` and keywords); the real methods run."""
     log: list[dict] = []
     depth = [0]
-    for name in ("trace", "direction", "compare", "sweep"):
+    for name in ("trace", "direction", "compare", "stream_compare", "sweep"):
         real = getattr(toy_session, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -432,7 +432,7 @@ def test_steering_panel_run_calls_direction_then_compare(toy_session, calls):
     assert calls == []  # nothing runs until asked
     panel._run_button.click()
     assert panel.error == ""
-    assert [c["name"] for c in calls] == ["direction", "compare"]
+    assert [c["name"] for c in calls] == ["direction", "stream_compare"]
     d = calls[0]
     assert (d["positive"], d["negative"], d["layer"], d["site"]) == (HAPPY, SAD, 2, "resid_post")
     c = calls[1]
@@ -450,13 +450,27 @@ def test_steering_panel_run_calls_direction_then_compare(toy_session, calls):
 
 
 @engine
+def test_steering_panel_streams_and_ends_with_what_compare_gives(toy_session):
+    panel = _panel(toy_session)
+    seen: list[str] = []
+    panel._texts.observe(lambda change: seen.append(change["new"]), names="value")
+    panel.run_comparison()
+    assert panel.error == "" and panel.streamed_states >= 3
+    partial = [v for v in seen if v.count("\n") == 1]
+    assert len(set(partial)) >= 3  # the texts grew, visibly, before the end
+    ref = toy_session.compare([PROMPT], steer=panel.steer(), max_new_tokens=6)
+    assert panel.comparison.texts == ref.texts
+    assert seen[-1] == f"baseline: {ref.baseline[0].text}\nsteered:  {ref.steered[0].text}"
+
+
+@engine
 def test_steering_panel_scale_reruns_with_a_cached_direction(toy_session, calls):
     panel = _panel(toy_session)
     panel.run_comparison()
     bars_before = list(panel.comparison_figure.data[0].y)
     panel._scale.value = -1.0  # the slider, released
     assert panel.scale == -1.0
-    assert [c["steer"].scale for c in calls_of(calls, "compare")] == [1.5, -1.0]
+    assert [c["steer"].scale for c in calls_of(calls, "stream_compare")] == [1.5, -1.0]
     assert len(calls_of(calls, "direction")) == 1  # reused
     assert list(panel.comparison_figure.data[0].y) != bars_before
     panel.layer = 1  # a new layer needs a new direction
@@ -471,12 +485,12 @@ def test_steering_panel_span_from_token_chips(toy_session, calls):
     panel.span_picker.selection = (1, 3)  # a click and a shift-click
     assert panel.span == (1, 3) and panel.span_mode == "selection"
     panel.run_comparison()
-    assert calls_of(calls, "compare")[-1]["steer"].span == (1, 3)
+    assert calls_of(calls, "stream_compare")[-1]["steer"].span == (1, 3)
     panel.span_picker.clear()
     assert panel.span_mode == "all"
     panel.span_mode = "generated"
     panel.run_comparison()
-    assert calls_of(calls, "compare")[-1]["steer"].span == "generated"
+    assert calls_of(calls, "stream_compare")[-1]["steer"].span == "generated"
 
 
 @engine
@@ -513,7 +527,7 @@ def test_steering_panel_errors_are_shown(toy_session, calls):
     assert f"norm {2 * math.sqrt(hidden):.3g}" in panel._vector_label.value
     panel._run_button.click()
     assert panel.error == ""
-    sent = calls_of(calls, "compare")[-1]["steer"]
+    sent = calls_of(calls, "stream_compare")[-1]["steer"]
     assert sent.relative  # the recipe's default: the vector's direction, |x| sets the size
     assert torch.allclose(sent.vector, panel.vector / panel.vector.norm())
     panel.vector = torch.ones(hidden + 1)  # from another model
@@ -561,7 +575,7 @@ def test_steering_panel_defaults_flip_the_sad_example_on_the_bundled_model(toy_s
     assert panel.positive == list(recipe.positive) and panel.negative == list(recipe.negative)
     panel._run_button.click()  # the first click
     assert panel.error == ""
-    (cmp,) = calls_of(calls, "compare")
+    (cmp,) = calls_of(calls, "stream_compare")
     assert cmp["max_new_tokens"] == recipe.max_new_tokens
     base, steered = panel.comparison.texts[0]
     assert sentiment_of(base) == recipe.example_from, base
@@ -637,8 +651,8 @@ def test_explore_shares_one_selection(toy_session, calls):
     assert _shape(ex.logit_lens_view.figure, "span").y1 == 4.5
 
     ex.steering_panel.run_comparison()
-    assert calls_of(calls, "compare")[-1]["steer"].span == (2, 5)
-    assert calls_of(calls, "compare")[-1]["steer"].layer == 3
+    assert calls_of(calls, "stream_compare")[-1]["steer"].span == (2, 5)
+    assert calls_of(calls, "stream_compare")[-1]["steer"].layer == 3
     assert ex.clone_reads_toggle.copied_bytes == ex.steering_panel.comparison.steered.copied_bytes
     assert len(calls_of(calls, "trace")) == 1
 

@@ -100,6 +100,12 @@ class Controller(traitlets.HasTraits):
         return self.session.compare([prompt], steer=steer, progress=progress,
                                     max_new_tokens=self.max_new_tokens)
 
+    def stream_compare(self, prompt: str, steer: Any) -> Any:
+        """``compare``, token by token: partial ``(baseline, steered)`` Runs
+        after every engine step, the finished Comparison last."""
+        return self.session.stream_compare([prompt], steer=steer,
+                                           max_new_tokens=self.max_new_tokens)
+
     def sweep(self, prompt: str, steer: Any, scales: Sequence[float], *,
               progress: Progress | None = None) -> Any:
         """``steer`` at each of ``scales`` on ``prompt``, one engine batch."""

@@ -29,6 +29,11 @@ __all__ = ["SteeringDefaults", "SteeringPanel", "steering_defaults"]
 SPAN_MODES = ("all", "prompt", "generated", "selection")
 
 
+def _text_of(run: Any) -> str:
+    """The text so far of a one-prompt partial Run ('' before its first token)."""
+    return run[0].text if len(run) else ""
+
+
 def _lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
@@ -65,6 +70,8 @@ class SteeringPanel(View):
     vector = traitlets.Any(None, allow_none=True)
     comparison = traitlets.Any(None, allow_none=True)
     sweep_result = traitlets.Any(None, allow_none=True)
+    #: how many partial states the last run showed before it finished
+    streamed_states = traitlets.Int(0)
 
     def __init__(
         self,
@@ -268,11 +275,24 @@ class SteeringPanel(View):
 
     # -- engine ----------------------------------------------------------------
     def run_comparison(self) -> Any:
-        """Baseline vs steered for the prompt at the current scale."""
+        """Baseline vs steered for the prompt at the current scale, streamed:
+        both texts grow side by side as the engine steps, the progress bar
+        counts tokens, and the figures follow when the run is done."""
         prompt = self._need_prompt()
         st = self.steer()
+        total = 2 * self.controller.max_new_tokens
+        self.streamed_states = 0
+        cmp = None
         with self._working(f"steering at scale {self.scale:g}…") as report:
-            cmp = self.controller.compare(prompt, st, progress=report)
+            for state in self.controller.stream_compare(prompt, st):
+                if not isinstance(state, tuple):
+                    cmp = state
+                    break
+                base, steered = state
+                self._texts.value = (f"baseline: {_text_of(base)}\n"
+                                     f"steered:  {_text_of(steered)}")
+                report(sum(len(t.output_token_ids) for r in state for t in r), total)
+                self.streamed_states += 1
         self.comparison = cmp
         self._show_comparison()
         return cmp
