@@ -89,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             shown: list[float] = []
             watch = lambda change, shown=shown: shown.append(time.perf_counter())  # noqa: E731
-            panel._texts.observe(watch, names="value")
+            panel.observe(watch, names="live_texts")
             t = time.perf_counter()
             panel._run_button.click()  # what a click on "run" does
             steer.append(time.perf_counter() - t)
-            panel._texts.unobserve(watch, names="value")
+            panel.unobserve(watch, names="live_texts")
             first.append(shown[0] - t)
             panel.scale = 0.5 + 0.5 * (i % 4)  # the next run at another scale
         assert panel.error == "", panel.error

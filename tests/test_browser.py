@@ -139,13 +139,19 @@ def _run_cell_and_read(page, code: str, marker: str) -> str:
     return out.inner_text()
 
 
-# polls a textarea's value every 2 ms and keeps each distinct value in order
+# keeps the text of every state the steering texts are drawn in, in order
+# (a MutationObserver sees each redraw, however fast the messages come)
 _WATCH_TEXTS = """(box) => {
     window.__vlensTexts = [];
-    window.__vlensPoll = setInterval(() => {
-        const seen = window.__vlensTexts;
-        if (!seen.length || seen[seen.length - 1] !== box.value) seen.push(box.value);
-    }, 2);
+    window.__vlensWatch = new MutationObserver((records) => {
+        for (const r of records) for (const node of r.addedNodes) {
+            if (node.nodeType === 1 && node.classList.contains("vlens-stream")) {
+                const cells = node.querySelectorAll(":scope > div");
+                window.__vlensTexts.push(Array.from(cells, (c) => c.textContent));
+            }
+        }
+    });
+    window.__vlensWatch.observe(box, {childList: true, subtree: true});
 }"""
 
 
@@ -281,14 +287,14 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
             time.sleep(1)
             explorer.screenshot(path=str(ARTIFACTS / "04-logit-lens.png"))
             explorer.locator(".lm-TabBar-tab", has_text="steering").click()
-            # watch the texts box while the run streams: every value it shows
-            explorer.locator("textarea[disabled]:visible").first.evaluate(_WATCH_TEXTS)
+            # watch the texts while the run streams: every state the page shows
+            explorer.locator(".vlens-texts").first.evaluate(_WATCH_TEXTS)
             explorer.locator(".widget-button:visible", has_text="run").first.click()
             # the comparison figure's title names the scale once the run is back
             explorer.locator(".js-plotly-plot:visible .gtitle", has_text="scale").first.wait_for(
                 timeout=120_000)
             time.sleep(1)
-            shown = page.evaluate("() => { clearInterval(window.__vlensPoll); "
+            shown = page.evaluate("() => { window.__vlensWatch.disconnect(); "
                                   "return window.__vlensTexts; }")
             explorer.screenshot(path=str(ARTIFACTS / "05-steering.png"))
             streamed = _run_cell_and_read(
@@ -296,7 +302,7 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
                 "p = ex.steering_panel; ref = s.compare([p.prompt], steer=p.steer(), "
                 "max_new_tokens=p.controller.max_new_tokens); "
                 "print('VLENS-STREAM:', p.streamed_states, p.comparison.texts == ref.texts, "
-                "repr(p._texts.value))",
+                "repr(' '.join(p.live_texts)))",
                 "VLENS-STREAM:",
             )
 
@@ -354,11 +360,11 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
 
     # the snapshot: the same heatmap (token axis and marks), every figure, the chips
     # the steering run streamed: the page showed the texts growing before the end
-    partial = [t for t in shown if "baseline:" in t and "steered:" in t]
-    assert len(partial) >= 4, shown  # at least three partial states, then the last
+    states = [(b.removeprefix("baseline"), s.removeprefix("steered")) for b, s in shown]
+    assert len(set(states)) >= 4, shown  # at least three partial states, then the last
     fields = streamed.split("VLENS-STREAM:", 1)[1].split(maxsplit=2)
     assert int(fields[0]) >= 3 and fields[1] == "True", streamed  # final == s.compare's
-    assert partial[-1] in streamed.replace("\\n", "\n"), (partial[-1], streamed)
+    assert " ".join(states[-1]) in streamed, (states[-1], streamed)  # the page shows it
     assert "explorer-snapshot.html" in saved and saved.rstrip().endswith("''"), saved
     assert snap_data == live_data and len(snap_data) > 100, (snap_data[:300], live_data[:300])
     assert snap_shapes == live_shapes, (snap_shapes, live_shapes)

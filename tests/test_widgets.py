@@ -446,21 +446,21 @@ def test_steering_panel_run_calls_direction_then_compare(toy_session, calls):
     assert list(bars.x) == frame["position"].tolist()
     expected = (frame["logprob_steered"] - frame["logprob_base"]).tolist()
     assert list(bars.y) == pytest.approx(expected)
-    assert "baseline:" in panel._texts.value and "steered:" in panel._texts.value
+    assert panel.live_texts == panel.comparison.texts[0]
+    assert "baseline" in panel._texts.value and "steered" in panel._texts.value
 
 
 @engine
 def test_steering_panel_streams_and_ends_with_what_compare_gives(toy_session):
     panel = _panel(toy_session)
     seen: list[str] = []
-    panel._texts.observe(lambda change: seen.append(change["new"]), names="value")
+    panel.observe(lambda change: seen.append(change["new"]), names="live_texts")
     panel.run_comparison()
     assert panel.error == "" and panel.streamed_states >= 3
-    partial = [v for v in seen if v.count("\n") == 1]
-    assert len(set(partial)) >= 3  # the texts grew, visibly, before the end
+    assert len(set(seen[:-1])) >= 3  # the texts grew, visibly, before the end
     ref = toy_session.compare([PROMPT], steer=panel.steer(), max_new_tokens=6)
     assert panel.comparison.texts == ref.texts
-    assert seen[-1] == f"baseline: {ref.baseline[0].text}\nsteered:  {ref.steered[0].text}"
+    assert seen[-1] == ref.texts[0] == panel.live_texts
 
 
 @engine

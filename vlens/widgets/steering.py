@@ -10,6 +10,8 @@ relative, the sweep's scales) is :func:`steering_defaults`.
 
 from __future__ import annotations
 
+import html
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +29,13 @@ from vlens.widgets.token_span import TokenSpanPicker
 __all__ = ["SteeringDefaults", "SteeringPanel", "steering_defaults"]
 
 SPAN_MODES = ("all", "prompt", "generated", "selection")
+
+
+def _texts_html(baseline: str, steered: str) -> str:
+    cell = '<div style="flex:1;white-space:pre-wrap"><b>{}</b><br>{}</div>'
+    return ('<div class="vlens-stream" style="display:flex;gap:1.5em">'
+            + cell.format("baseline", html.escape(baseline))
+            + cell.format("steered", html.escape(steered)) + "</div>")
 
 
 def _text_of(run: Any) -> str:
@@ -72,6 +81,8 @@ class SteeringPanel(View):
     sweep_result = traitlets.Any(None, allow_none=True)
     #: how many partial states the last run showed before it finished
     streamed_states = traitlets.Int(0)
+    #: (baseline, steered) text as shown now: it grows while a run streams
+    live_texts = traitlets.Tuple(("", ""))
 
     def __init__(
         self,
@@ -159,7 +170,9 @@ class SteeringPanel(View):
                                           button_style="primary")
         self._sweep_button = widgets.Button(description=f"sweep {len(self.scales)} scales",
                                             icon="line-chart")
-        self._texts = widgets.Textarea(disabled=True, layout={"width": "95%", "height": "60px"})
+        # baseline and steered side by side, growing as the run streams
+        self._texts = widgets.HTML(layout={"width": "95%"})
+        self._texts.add_class("vlens-texts")
         self._metric = widgets.Dropdown(options=[metric], value=metric, description="metric")
         self.comparison_figure = figure_widget()
         self.dose_figure = figure_widget()
@@ -174,6 +187,8 @@ class SteeringPanel(View):
         ])
 
         self.source = self._source.value
+        self.observe(lambda change: setattr(self._texts, "value", _texts_html(*change["new"])),
+                     names="live_texts")
         self.scale = scale
         self.relative = self._relative.value
         self.metric = metric
@@ -289,8 +304,7 @@ class SteeringPanel(View):
                     cmp = state
                     break
                 base, steered = state
-                self._texts.value = (f"baseline: {_text_of(base)}\n"
-                                     f"steered:  {_text_of(steered)}")
+                self.live_texts = (_text_of(base), _text_of(steered))
                 report(sum(len(t.output_token_ids) for r in state for t in r), total)
                 self.streamed_states += 1
         self.comparison = cmp
@@ -355,7 +369,7 @@ class SteeringPanel(View):
         ts = [x if isinstance(x, str) else "" for x in frame["token_steered"]]
         i = cmp.first_divergence[0]
         positions = frame["position"].tolist()
-        self._texts.value = f"baseline: {base.text}\nsteered:  {steered.text}"
+        self.live_texts = (base.text, steered.text)
         show_figure(
             self.comparison_figure,
             baseline_vs_steered(
