@@ -15,7 +15,7 @@ CPU_BROKEN := torchvision torchaudio torchcodec triton
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench bench-idle bench-widgets clean
+.PHONY: demo test lab bench bench-idle bench-widgets eval-toyworld clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ bench-idle: $(STAMP)
 
 bench-widgets: $(STAMP)
 	$(PY) benchmarks/widget_latency.py
+
+# the bundled model's steering grid, probes, copying head and vLLM = HF check:
+# rewrites the tables in docs/toyworld.md and the model card
+eval-toyworld: $(STAMP)
+	$(PY) scripts/eval_toyworld.py
 
 clean:
 	rm -rf $(VENV) vlens-demo.html .pytest_cache benchmarks/.venv-nnsight benchmarks/.models

@@ -747,6 +747,23 @@ Flip: most sentiment words of the continuation belong to the other sentiment.
 Well-formed: ends with "the end." within the budget, no word three times in a row.
 Grammatical: the whole story parses. Faithful: grammatical, and the animal is copied,
 the things match the colour and the verbs form a pair (`world.story_problems()`). All figures are also in `evaluation.json`.
+
+## Steering at every layer
+
+`scripts/eval_toyworld.py` (`make eval-toyworld`) measures what a new user
+meets: two sentiment directions, each a difference of means at the last token
+of decoder layer L, steered with `relative=True` at every layer over a range of
+scales. *recipe* is the documented one (`world.sentiment_prompts()`, prompts
+cut just before a sentiment word); *natural* is the contrast one types into the
+steering panel, whole first sentences that differ only in the mood word
+(`world.mood_contrast_prompts()`). It also fits linear probes at every layer,
+finds the head that copies the animal, and checks that vLLM's greedy
+continuations equal transformers' on every evaluation prompt. The tables
+below are written by that script.
+
+<!-- eval_toyworld:begin -->
+(run `python scripts/eval_toyworld.py` to fill this in)
+<!-- eval_toyworld:end -->
 """
 
 
