@@ -25,7 +25,7 @@ Four checks, all on held-out (animal, colour, sentiment) combinations:
 Usage::
 
     python scripts/eval_toyworld.py                 # full: prints, writes JSON and the docs' tables
-    python scripts/eval_toyworld.py --small         # a few minutes: what `make test` runs
+    python scripts/eval_toyworld.py --small         # a few minutes (make test runs tests/test_toyworld_eval.py)
     python scripts/eval_toyworld.py --no-vllm --no-write
 """
 
@@ -69,22 +69,30 @@ def load(path: Path) -> tuple[Any, Any]:
     return model, tok
 
 
-@torch.no_grad()
 def last_states(model: Any, tok: Any, prompts: Sequence[str], layer: int) -> torch.Tensor:
     """Output of decoder layer ``layer`` (residual stream, a forward hook) at
     each prompt's last token: ``[len(prompts), hidden]``."""
-    seen: list[torch.Tensor] = []
-    hook = model.model.layers[layer].register_forward_hook(
-        lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out)
-    )
+    return last_states_at(model, tok, prompts, [layer])[layer]
+
+
+@torch.no_grad()
+def last_states_at(model: Any, tok: Any, prompts: Sequence[str], layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """:func:`last_states` for several layers from one forward pass."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(layer: int) -> Any:
+        return lambda m, a, out: seen.__setitem__(layer, out[0] if isinstance(out, tuple) else out)
+
+    hooks = [model.model.layers[i].register_forward_hook(keep(i)) for i in layers]
     tok.padding_side = "right"
     try:
         enc = tok(list(prompts), padding=True, return_tensors="pt")
         model(**enc)
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
     last = enc.attention_mask.sum(1) - 1
-    return seen[0][torch.arange(len(last)), last]
+    return {i: seen[i][torch.arange(len(last)), last] for i in layers}
 
 
 def contrast(kind: str, n: int = 64) -> tuple[list[str], list[str]]:
@@ -209,9 +217,10 @@ def probes(model: Any, tok: Any, n: int, layers: Sequence[int]) -> dict[str, Any
         y_train = torch.tensor([classes.index(p.value) for p in train])
         y_test = torch.tensor([classes.index(p.value) for p in test])
         res["linear"][concept] = {}
+        all_train = last_states_at(model, tok, [p.prompt for p in train], layers)
+        all_test = last_states_at(model, tok, [p.prompt for p in test], layers)
         for layer in layers:
-            x_train = last_states(model, tok, [p.prompt for p in train], layer)
-            x_test = last_states(model, tok, [p.prompt for p in test], layer)
+            x_train, x_test = all_train[layer], all_test[layer]
             mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
             res["linear"][concept][layer] = _logistic(
                 (x_train - mu) / sd, y_train, (x_test - mu) / sd, y_test, len(classes)
@@ -327,7 +336,7 @@ def markdown(ev: dict[str, Any]) -> str:
             for s in scales:
                 r = next(r for r in g["rows"] if (r["direction"], r["layer"], r["scale"]) == (kind, layer, s))
                 cells.append(f"{_pct(r['sad_flip'])}/{_pct(r['sad_formed'])}, {_pct(r['happy_flip'])}/{_pct(r['happy_formed'])}")
-            mark = " **(recipe)**" if layer == ev["recipe"]["layer"] else ""
+            mark = " (the recipe)" if (kind, layer) == ("recipe", ev["recipe"]["layer"]) else ""
             lines.append(f"| {kind} | {layer}{mark} | " + " | ".join(cells) + " |")
     p = ev["probes"]
     layers = sorted(next(iter(p["linear"].values())))
@@ -377,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM comparison")
     p.add_argument("--no-write", action="store_true", help="do not write JSON or the docs' tables")
     p.add_argument("--json", type=Path, default=None, help="where to write the results")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a busy machine)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
@@ -405,7 +414,8 @@ def _run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     if args.scales:
         scales = [float(x) for x in args.scales.split(",")]
     t0 = time.perf_counter()
-    ev: dict[str, Any] = {"model": str(path), "recipe": dict(RECIPE)}
+    shown = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+    ev: dict[str, Any] = {"model": str(shown), "recipe": dict(RECIPE)}
     log("steering grid")
     ev["grid"] = steering_grid(model, tok, n, layers, scales, log)
     if args.only_grid:

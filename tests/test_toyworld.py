@@ -163,6 +163,7 @@ def test_shipped_files_and_config():
         "tokenizer_config.json",
         "README.md",
         "evaluation.json",
+        "steering_eval.json",  # scripts/eval_toyworld.py
     ):
         assert (path / name).is_file(), name
     size = sum(f.stat().st_size for f in path.iterdir())

@@ -104,7 +104,7 @@ def test_small_run_writes_its_tables(ev, tmp_path):
     # --small on a copy of the docs' marker block: the markdown is complete.
     out = tmp_path / "ev.json"
     result = ev.main(["--small", "--no-vllm", "--prompts", "4", "--layers", str(RECIPE["layer"]),
-                      "--scales", str(RECIPE["scale"]), "--json", str(out), "--quiet", "--threads", "2"])
+                      "--scales", str(RECIPE["scale"]), "--json", str(out), "--quiet", "--threads", "1"])
     assert out.is_file()
     md = ev.markdown(result)
     assert "| recipe |" in md and "| natural |" in md and "Copying head" in md
@@ -113,3 +113,23 @@ def test_small_run_writes_its_tables(ev, tmp_path):
     ev.write_block(doc, md)
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and md in text
+
+
+def test_docs_tables_are_the_shipped_evaluation(ev):
+    """docs/toyworld.md and the model card quote steering_eval.json exactly,
+    and that full run met the recipe's window and the vLLM = HF check."""
+    import json
+
+    res = json.loads((toyworld_path() / "steering_eval.json").read_text())
+    md = ev.markdown(res)
+    for doc in (ROOT / "docs" / "toyworld.md", toyworld_path() / "README.md"):
+        assert f"{ev.BEGIN}\n{md}{ev.END}" in doc.read_text(), doc
+    assert res["recipe"]["layer"] == RECIPE["layer"] and res["grid"]["prompts_per_sentiment"] >= 100
+    for row in res["grid"]["rows"]:
+        if row["direction"] == "recipe" and row["layer"] == RECIPE["layer"] and (
+            RECIPE["window"][0] <= row["scale"] <= RECIPE["window"][1]
+        ):
+            assert min(row[k] for k in ("sad_flip", "sad_formed", "happy_flip", "happy_formed")) >= 0.9, row
+    v = res["vllm"]
+    assert v["unsteered"] == v["towards_happy"] == v["towards_sad"] == v["prompts"], v
+    assert res["attention"]["best"]["layer"] == COPY_HEAD[0] and res["attention"]["best"]["head"] == COPY_HEAD[1]
