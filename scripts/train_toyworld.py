@@ -54,7 +54,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from vlens.models import world
+from vlens.models import RECIPE, world
 
 DEFAULT_OUT = ROOT / "vlens" / "models" / "toyworld"
 
@@ -83,8 +83,8 @@ class Settings:
     direction_pairs: int = 64  # minimal pairs for the difference of means
     max_new_tokens: int = 64
     # The steering recipe (see AddToLayer): decoder layer, relative scale.
-    steer_layer: int = 3
-    steer_scale: float = 1.5
+    steer_layer: int = RECIPE["layer"]
+    steer_scale: float = RECIPE["scale"]
     sweep: bool = True  # also evaluate a grid of layers and scales
 
 
