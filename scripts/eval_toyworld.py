@@ -378,7 +378,7 @@ def write_block(path: Path, block: str) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled one)")
-    p.add_argument("--small", action="store_true", help="a few prompts, layers and scales (make test)")
+    p.add_argument("--small", action="store_true", help="a few prompts, layers and scales; writes only to --json")
     p.add_argument("--prompts", type=int, default=None, help="openings per sentiment (default 100; small 12)")
     p.add_argument("--layers", default=None, help="comma-separated layers for the grid (default: all)")
     p.add_argument("--scales", default=None, help="comma-separated relative scales (default: %s)" % ",".join(map(str, SCALES)))
@@ -437,8 +437,9 @@ def _run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     ev["seconds"] = round(time.perf_counter() - t0, 1)
     md = markdown(ev)
     log(md)
-    if not args.no_write:
-        out = args.json or (path / "steering_eval.json")
+    # A small run never overwrites the shipped results; it writes only to --json.
+    out = args.json or (None if args.small else path / "steering_eval.json")
+    if not args.no_write and out is not None:
         out.write_text(json.dumps(ev, indent=1) + "\n")
         if args.model is None and not args.small:
             for doc in (ROOT / "docs" / "toyworld.md", path / "README.md"):
