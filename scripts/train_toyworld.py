@@ -54,7 +54,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from vlens.models import world
+from vlens.models import RECIPE, world
 
 DEFAULT_OUT = ROOT / "vlens" / "models" / "toyworld"
 
@@ -83,8 +83,8 @@ class Settings:
     direction_pairs: int = 64  # minimal pairs for the difference of means
     max_new_tokens: int = 64
     # The steering recipe (see AddToLayer): decoder layer, relative scale.
-    steer_layer: int = 3
-    steer_scale: float = 1.5
+    steer_layer: int = RECIPE["layer"]
+    steer_scale: float = RECIPE["scale"]
     sweep: bool = True  # also evaluate a grid of layers and scales
 
 
@@ -747,6 +747,23 @@ Flip: most sentiment words of the continuation belong to the other sentiment.
 Well-formed: ends with "the end." within the budget, no word three times in a row.
 Grammatical: the whole story parses. Faithful: grammatical, and the animal is copied,
 the things match the colour and the verbs form a pair (`world.story_problems()`). All figures are also in `evaluation.json`.
+
+## Steering at every layer
+
+`scripts/eval_toyworld.py` (`make eval-toyworld`) measures what a new user
+meets: two sentiment directions, each a difference of means at the last token
+of decoder layer L, steered with `relative=True` at every layer over a range of
+scales. *recipe* is the documented one (`world.sentiment_prompts()`, prompts
+cut just before a sentiment word); *natural* is the contrast one types into the
+steering panel, whole first sentences that differ only in the mood word
+(`world.mood_contrast_prompts()`). It also fits linear probes at every layer,
+finds the head that copies the animal, and checks that vLLM's greedy
+continuations equal transformers' on every evaluation prompt. The tables
+below are written by that script.
+
+<!-- eval_toyworld:begin -->
+(run `python scripts/eval_toyworld.py` to fill this in)
+<!-- eval_toyworld:end -->
 """
 
 

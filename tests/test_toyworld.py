@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vlens.models import toyworld_path, world
+from vlens.models import RECIPE, toyworld_path, world
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # unit difference of means (happy - sad) of the output of decoder layer
 # STEER_LAYER at the last token of world.sentiment_prompts(); a forward hook on
 # that layer adds STEER_SCALE * |h_t| * u to every position's residual h_t.
-STEER_LAYER = 3
-STEER_SCALE = 1.5
+STEER_LAYER = RECIPE["layer"]
+STEER_SCALE = RECIPE["scale"]
 BUDGET = 64  # new tokens; a story needs at most 49 (EOS included) after its opening
 
 
@@ -163,6 +163,7 @@ def test_shipped_files_and_config():
         "tokenizer_config.json",
         "README.md",
         "evaluation.json",
+        "steering_eval.json",  # scripts/eval_toyworld.py
     ):
         assert (path / name).is_file(), name
     size = sum(f.stat().st_size for f in path.iterdir())

@@ -1,17 +1,18 @@
-"""The bundled model's sentiment recipe, through vlens on the real engine:
-a difference-of-means direction at layer 3, added relative to each token's
-norm (scale 1.5), flips held-out stories' sentiment and keeps them whole."""
+"""The bundled model's sentiment recipe (``vlens.models.RECIPE``), through
+vlens on the real engine: a difference-of-means direction added relative to
+each token's norm flips held-out stories' sentiment and keeps them whole, and
+vLLM's steered and unsteered greedy continuations equal transformers'."""
 
 from __future__ import annotations
 
 import pytest
 
 import vlens
-from vlens.models import world
+from vlens.models import RECIPE, world
 
 pytestmark = pytest.mark.engine
 
-LAYER, SCALE, N = 3, 1.5, 100  # N prompts per direction
+LAYER, SCALE, N = RECIPE["layer"], RECIPE["scale"], 100  # N prompts per direction
 
 
 def test_relative_steering_flips_sentiment_through_vlens(toy_session):
@@ -52,3 +53,24 @@ def test_relative_steer_is_a_unit_direction_scaled_per_token(toy_session):
     assert delta[:, 1:].abs().max() < 1e-3
     with pytest.raises(vlens.VlensError, match="non-zero"):
         vlens.Steer(torch.zeros(toy_session.hidden_size), layer=1, relative=True)
+
+
+def test_vllm_greedy_equals_transformers_steered_and_not(toy_session):
+    """scripts/eval_toyworld.py's check, on a few evaluation prompts."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from vlens.models import toyworld_path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "eval_toyworld.py"
+    spec = importlib.util.spec_from_file_location("eval_toyworld", path)
+    ev = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ev
+    spec.loader.exec_module(ev)
+    model, tok = ev.load(toyworld_path())
+    prompts = world.steering_prompts(world.SAD, 4) + world.steering_prompts(world.HAPPY, 4)
+    prompts += [p.prompt for p in world.probe_prompts("animal", 4)]
+    res = ev.vllm_parity(model, tok, toy_session, prompts, LAYER, SCALE)
+    n = len(prompts)
+    assert (res["unsteered"], res["towards_happy"], res["towards_sad"]) == (n, n, n), res

@@ -8,8 +8,34 @@ is cheap: nothing here imports torch or transformers.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-__all__ = ["toyworld_path"]
+__all__ = ["COPY_HEAD", "RECIPE", "toyworld_path"]
+
+#: The bundled model's sentiment-steering recipe, as data, for the docs, the
+#: notebooks, the demo and the steering widget's defaults (docs/toyworld.md).
+#: The direction is ``session.direction(*world.sentiment_prompts(),
+#: layer=RECIPE["layer"], position=RECIPE["position"])`` (happy minus sad); to
+#: steer, ``vlens.Steer(d, layer=RECIPE["layer"], scale=RECIPE["scale"],
+#: site=RECIPE["site"], relative=RECIPE["relative"])`` (``-d`` turns happy
+#: stories sad). ``window`` is the range of scales over which this direction
+#: flips >= 90% of held-out stories and keeps >= 90% well-formed, both ways
+#: (measured by scripts/eval_toyworld.py, which also measures every other
+#: layer and the natural contrast ``world.mood_contrast_prompts()``).
+RECIPE: dict[str, Any] = {
+    "layer": 3,
+    "scale": 1.5,
+    "relative": True,
+    "site": "resid_post",
+    "position": "last",
+    "prompts": "world.sentiment_prompts",
+    "window": (1.0, 2.0),
+}
+
+#: (layer, head) of the bundled model's animal-copying head: from the token
+#: before the animal's second mention it attends to the first mention
+#: (scripts/eval_toyworld.py, docs/toyworld.md).
+COPY_HEAD: tuple[int, int] = (0, 2)
 
 _TOYWORLD = Path(__file__).resolve().parent / "toyworld"
 

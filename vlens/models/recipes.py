@@ -76,15 +76,17 @@ def toyworld_recipe() -> SteeringRecipe:
     """Sentiment steering on the bundled toyworld model: the difference of
     means of :func:`~vlens.models.world.sentiment_prompts` at the last
     layer, added relative to each token's norm (docs/toyworld.md)."""
+    from vlens.models import RECIPE  # the measured values (scripts/eval_toyworld.py)
+
     happy, sad = world.sentiment_prompts(64)
     return SteeringRecipe(
         name="toyworld sentiment",
-        layer=3,
-        scale=1.5,
-        relative=True,
-        site="resid_post",
+        layer=RECIPE["layer"],
+        scale=RECIPE["scale"],
+        relative=RECIPE["relative"],
+        site=RECIPE["site"],
         span="all",
-        position="last",
+        position=RECIPE["position"],
         positive=tuple(happy),
         negative=tuple(sad),
         example=world.steering_prompts(world.SAD, 1)[0],
@@ -92,8 +94,8 @@ def toyworld_recipe() -> SteeringRecipe:
         example_to=world.HAPPY,
         scales=(-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0),
         max_new_tokens=48,
-        note=("the bundled model's sentiment recipe: happy minus sad at layer 3, "
-              "relative scale 1.5 (docs/toyworld.md)"),
+        note=(f"the bundled model's sentiment recipe: happy minus sad at layer "
+              f"{RECIPE['layer']}, relative scale {RECIPE['scale']:g} (docs/toyworld.md)"),
     )
 
 

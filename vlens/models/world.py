@@ -68,6 +68,7 @@ __all__ = [
     "is_held_out",
     "is_well_formed",
     "max_story_tokens",
+    "mood_contrast_prompts",
     "parse_story",
     "probe_prompts",
     "sentiment_of",
@@ -536,6 +537,33 @@ def sentiment_prompts(n: int = 64, *, seed: int = 11) -> tuple[list[str], list[s
         words = story.words[: story.slots[cuts[len(happy) % len(cuts)]]]
         happy.append(to_text(words))
         sad.append(to_text([_OPPOSITE.get(w, w) for w in words]))
+    return happy, sad
+
+
+def mood_contrast_prompts(
+    n: int = 64, *, seed: int = 13
+) -> tuple[list[str], list[str]]:
+    """``(happy_openings, sad_openings)``: ``n`` pairs of whole first sentences
+    that differ only in the mood word ("a merry fox ..." / "a lonely fox ...").
+
+    This is the contrast a user naturally types into a steering panel; its
+    difference of means at the last token (the opening's final ".") is the
+    *natural* sentiment direction that ``scripts/eval_toyworld.py`` measures
+    next to the recipe's. Combinations are training ones.
+    """
+    rng = random.Random(seed)
+    happy: list[str] = []
+    sad: list[str] = []
+    while len(happy) < n:
+        story = generate_story(rng, sentiment=HAPPY, fidelity=1.0)
+        if is_held_out(story.animal, story.colour, HAPPY) or is_held_out(
+            story.animal, story.colour, SAD
+        ):
+            continue
+        words = list(story.words[: story.slots["sky_sentence"]])
+        happy.append(to_text(words))
+        words[story.slots["mood"]] = _OPPOSITE[words[story.slots["mood"]]]
+        sad.append(to_text(words))
     return happy, sad
 
 
