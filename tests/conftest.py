@@ -119,7 +119,8 @@ def toy_session():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run tests that start the Transformers-backend engine last.
+    """Run tests that start the Transformers-backend engine last (and the
+    Mixtral engine first, before any other engine exists).
 
     In the engine's own process, vLLM's Transformers backend patches Hugging
     Face's model class for torch.compile support (LlamaModel gains a base
@@ -136,9 +137,12 @@ def pytest_collection_modifyitems(config, items):
             or "llama_tf_session" in item.nodeid
         )
 
-    late = [i for i in items if uses_tf_backend(i)]
-    early = [i for i in items if i not in late]
-    items[:] = early + late
+    # vLLM makes its expert-parallel group only when a process's first engine
+    # is a mixture-of-experts model that needs it: Mixtral goes first
+    first = [i for i in items if "[mixtral" in i.nodeid]
+    late = [i for i in items if uses_tf_backend(i) and i not in first]
+    early = [i for i in items if i not in late and i not in first]
+    items[:] = first + early + late
 
 
 @pytest.hookimpl(hookwrapper=True)

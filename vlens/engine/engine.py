@@ -107,13 +107,26 @@ class Engine:
         extra: dict[str, Any] = {}
         if self.compiled:
             extra = _compiled_settings(self.llm_kwargs.pop("compilation_config", None))
-        self.llm = LLM(
-            model=self.model,
-            enforce_eager=not self.compiled,
-            worker_extension_cls=EXTENSION,
-            **extra,
-            **self.llm_kwargs,
-        )
+        try:
+            self.llm = LLM(
+                model=self.model,
+                enforce_eager=not self.compiled,
+                worker_extension_cls=EXTENSION,
+                **extra,
+                **self.llm_kwargs,
+            )
+        except AssertionError as exc:
+            if "expert parallel group is not initialized" not in str(exc):
+                raise
+            # vLLM makes its expert-parallel group once per process, and only
+            # when the process's first engine is a mixture-of-experts model
+            raise VlensError(
+                f"{Path(self.model).name}: this mixture-of-experts model cannot start in a "
+                "process whose first vLLM engine was a dense model (vLLM sets up its "
+                "expert-parallel group only for the first engine). Close the other "
+                "Sessions first (s.close()) or restart the kernel, or run this one out "
+                "of process (VLLM_ENABLE_V1_MULTIPROCESSING=1 before the first Session)"
+            ) from None
         self.tokenizer = self.llm.get_tokenizer()
         try:
             self.info: dict[str, Any] = self.rpc("vlens_setup")[0]
