@@ -266,3 +266,36 @@ def test_docs_table_covers_every_architecture():
         assert f"| {a.family} | `{name}` |" in text, f"{name} missing from docs/models.md"
         for route in a.routes:
             assert f"| {a.family} | {route} | logit lens |" in text, (name, route)
+
+
+_DENSE_THEN_MOE = r"""
+import sys
+import vlens
+from vlens.errors import VlensError
+from vlens.tiny import make_tiny_model
+
+root = sys.argv[1]
+dense = make_tiny_model(root + "/llama", "llama", layers=1, seed=3)
+moe = make_tiny_model(root + "/mixtral", "mixtral", layers=1, seed=3)
+kw = dict(kv_cache_memory_bytes=32 << 20, max_model_len=128, reuse=False)
+s = vlens.Session(dense, **kw)
+try:
+    vlens.Session(moe, **kw)
+    print("STARTED")
+except VlensError as exc:
+    print("REFUSED:", exc)
+print("SERVES:", s.trace(["w1 w2"], max_new_tokens=2, layers=[0])[0].n_tokens)
+"""
+
+
+def test_mixtral_after_a_dense_engine_says_what_to_do(tmp_path):
+    """vLLM sets up its expert-parallel group only for a process's first
+    engine: a Mixtral after a dense model is refused with the way out, and
+    the dense engine keeps serving. In a fresh process, as a notebook is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLENS_TEST")}
+    out = subprocess.run([sys.executable, "-c", _DENSE_THEN_MOE, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr[-3000:]
+    assert out.returncode == 0, text
+    assert "REFUSED:" in out.stdout and "Close the other Sessions first" in out.stdout, text
+    assert "SERVES: 4" in out.stdout, text

@@ -11,6 +11,8 @@ tests/test_notebooks.py.
 
 from __future__ import annotations
 
+import html
+
 import math
 import subprocess
 import sys
@@ -671,7 +673,9 @@ def test_explorer_snapshot_has_every_tab_and_needs_no_engine(toy_session, calls,
     assert "(the tab on screen)" in page
     # heatmap + strip, the tracked lens, the comparison (the sweep never ran)
     assert _plots_in(page) == 4
-    assert "baseline:" in page and "steered:" in page
+    baseline, steered = ex.steering_panel.live_texts
+    assert "<b>baseline</b>" in page and "<b>steered</b>" in page
+    assert html.escape(baseline) in page and html.escape(steered) in page
     assert page.count("vl-chip") >= ex.run[0].n_tokens
 
 
