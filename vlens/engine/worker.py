@@ -1,4 +1,8 @@
-"""vlens inside every vLLM worker: the thin shell around the step planner.
+"""vlens inside every vLLM worker: the RPC surface the client calls.
+
+The hook state behind it is :class:`~vlens.engine.hooks.WorkerHooks`
+(``hooks.py``, a thin shell around the pure step planner); what each hook
+does at one (site, layer) is in ``site_ops.py``.
 
 ``VlensWorkerExtension`` is handed to ``vllm.LLM(worker_extension_cls=...)``;
 vLLM mixes it into its worker class, so ``self`` is the worker and
