@@ -60,8 +60,7 @@ def test_compiled_steering_changes_only_the_steered_request(compiled_session):
     d = torch.randn(s.hidden_size, generator=torch.Generator().manual_seed(1))
     plain = s.trace(PROMPTS, layers=[2], max_new_tokens=5)
     st = vlens.Steer(d, layer=1, scale=4.0)
-    # steer only the middle prompt: one entry per prompt
-    steer = [[], [st], []] if not hasattr(vlens, "PerPrompt") else vlens.PerPrompt([None, st, None])
+    steer = vlens.PerPrompt([None, st, None])  # only the middle prompt
     mixed = s.trace(PROMPTS, layers=[2], max_new_tokens=5, steer=steer)
     for i in (0, 2):
         assert mixed[i].output_token_ids == plain[i].output_token_ids

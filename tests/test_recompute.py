@@ -188,7 +188,7 @@ def test_a_malformed_plan_is_reported_on_its_request_and_the_engine_serves(llama
     from vllm import SamplingParams
 
     s = llama_session
-    engine = _engine_of(s)
+    engine = s.engine
     bad = SamplingParams(max_tokens=3, temperature=0.0,
                          extra_args={"vlens": {"v": 3, "tag": "broken-1", "reads": [{"site": 1}]}})
     with engine.lock:
@@ -199,16 +199,6 @@ def test_a_malformed_plan_is_reported_on_its_request_and_the_engine_serves(llama
     run = s.trace(["w1 w2 w3"], layers=[0], max_new_tokens=2)
     assert run[0].activations().shape[1] == run[0].n_tokens
     assert s.status()["records"] == 0 and s.status()["plans"] == 0
-
-
-def _engine_of(s):
-    """The live Engine behind a Session (for driving it directly)."""
-    for attr in ("_engine", "engine"):
-        e = getattr(s, attr, None)
-        if e is not None and hasattr(e, "rpc"):
-            return e
-    runner = getattr(s, "_runner", None)
-    return runner.engine
 
 
 # -- the user's engine arguments win ------------------------------------------

@@ -384,11 +384,7 @@ def _cached_adds(adds: Sequence[Add], start: int) -> int:
     """Rows before ``start`` (served from the prefix cache) inside each Add's
     span: they were computed under the same steers (the cache_salt is made
     from them), so they count as steered."""
-    total = 0
-    for a in adds:
-        stop = start if a.stop < 0 else min(a.stop, start)
-        total += max(0, stop - a.start)
-    return total
+    return sum(a.rows_in(0, start) for a in adds)
 
 
 def _token_logprobs(out: Any, comp: Any, prompt_ids: list[int]) -> list[float | None]:

@@ -74,6 +74,11 @@ class Add:
     stop: int = -1  # -1: to the end of the sequence
     relative: bool = False  # scale by each token's activation norm
 
+    def rows_in(self, lo: int, hi: int) -> int:
+        """How many of positions ``[lo, hi)`` this add's span covers."""
+        stop = hi if self.stop < 0 else min(self.stop, hi)
+        return max(0, stop - max(self.start, lo))
+
 
 @dataclass(frozen=True)
 class Edit:
@@ -142,28 +147,22 @@ def parse_plan(raw: Any) -> Plan:
     """Wire form -> :class:`Plan`. Raises ValueError on a malformed plan."""
     if not isinstance(raw, dict) or raw.get("v") != PLAN_VERSION:
         raise ValueError(f"not a vlens plan (version {PLAN_VERSION}): {raw!r:.200}")
-    plan = _parse(raw)
-    return Plan(plan.tag, _shared(plan.reads), _shared(plan.adds), plan.edits, plan.clone,
-                plan.prompt_len, plan.index)
-
-
-def _parse(raw: dict) -> Plan:
     return Plan(
         tag=str(raw["tag"]),
         index=int(raw.get("index", 0)),
         clone=bool(raw.get("clone", False)),
         prompt_len=int(raw.get("prompt_len", 0)),
-        reads=tuple(
+        reads=_shared(tuple(
             Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
                  int(r.get("k", 0)))
             for r in raw.get("reads") or ()
-        ),
-        adds=tuple(
+        )),
+        adds=_shared(tuple(
             Add(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
                   int(w.get("start", 0)), int(w.get("stop", -1)),
                   bool(w.get("relative", False)))
             for w in raw.get("adds") or ()
-        ),
+        )),
         edits=tuple(
             Edit(str(e["site"]), int(e["layer"]), str(e["fn"])) for e in raw.get("edits") or ()
         ),

@@ -117,12 +117,7 @@ class RequestRecord:
 
     def steered_rows(self) -> int:
         """Rows seen that fell inside a steering span of the plan."""
-        lo, hi = self.start, self.end
-        total = 0
-        for add in self.plan.adds:
-            stop = hi if add.stop < 0 else min(add.stop, hi)
-            total += max(0, stop - max(add.start, lo))
-        return total
+        return sum(add.rows_in(self.start, self.end) for add in self.plan.adds)
 
     def _stacked(self, key: str, part: str, layers: tuple[int, ...]) -> torch.Tensor | None:
         per_layer = []
