@@ -30,6 +30,7 @@ from vlens.plots import activation_values, token_set_metric
 from vlens.testing import make_run, make_trace
 from vlens.widgets import (
     ActivationView,
+    AttentionView,
     CloneReadsToggle,
     Controller,
     LayerPicker,
@@ -201,6 +202,74 @@ def test_clone_reads_toggle_switches_the_session_and_shows_bytes(toy_session, mo
     toggle.value = False
     assert toy_session.clone_reads is False
     assert "next run: clone reads off" in toggle._label.value
+
+
+# -- attention view -----------------------------------------------------------
+
+
+class Points:
+    """What plotly hands a click callback: the clicked points' indices."""
+
+    def __init__(self, point_inds):
+        self.point_inds = point_inds
+
+
+def causal_patterns(n_layers=2, heads=3, n=5, seed=0):
+    """Attention probabilities ``[layers, heads, n, n]``, causal, rows summing to 1."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(n_layers, heads, n, n, generator=g)
+    return scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")).softmax(-1)
+
+
+def test_attention_view_picks_a_head_from_its_thumbnail_and_a_token_by_hover():
+    p = causal_patterns()
+    view = AttentionView(n_layers=4)
+    view.show(p, ["<s>", "the", "cat", "the", "dog"], layers=[1, 3], n_prompt=4)
+    assert (view.layer, view.head, view.token) == (1, 0, -1)  # moved to a read layer
+    assert len(view.thumbnails.data) == 6 and view.heatmap.layout.title.text == "layer 1, head 0"
+    assert torch.equal(view.pattern(), p[0, 0])
+
+    # a click on the thumbnail of layer 3, head 2 (trace 5)
+    view._on_thumbnail(view.thumbnails.data[5], Points([[0, 0]]), None)
+    assert (view.layer, view.head) == (3, 2) and view.layer_picker.value == 3
+    assert view.heatmap.layout.title.text == "layer 3, head 2"
+    assert view.heatmap.data[0].z[4][2] == pytest.approx(float(p[1, 2, 4, 2]))
+    (sel,) = [s for s in view.thumbnails.layout.shapes if s.name == "selected"]
+    assert sel.xref == "x6 domain"
+
+    # the pointer over chip 2 picks token 2: its row and column, and the chips' tint
+    view.chips.hovered = 2
+    assert view.token == 2
+    assert {s.name for s in view.heatmap.layout.shapes} >= {"query", "key"}
+    to, by = view.token_figure.data
+    assert list(to.y[:3]) == pytest.approx(p[1, 2, 2, :3].tolist())
+    assert list(by.y[2:]) == pytest.approx(p[1, 2, 2:, 2].tolist())
+    assert view.chips.shade[:3] == pytest.approx(p[1, 2, 2, :3].tolist())
+    assert view.chips.shade[3:] == [0.0, 0.0]  # a causal head cannot look ahead
+
+    # a click on a heatmap cell picks its query row; the head box too
+    view._on_cell(view.heatmap.data[0], Points([[4, 1]]), None)
+    assert view.token == 4
+    view._head.value = 1
+    assert view.head == 1 and view.heatmap.layout.title.text == "layer 3, head 1"
+    assert view.error == ""
+
+
+def test_attention_view_says_what_is_wrong_and_keeps_working(run):
+    view = AttentionView(n_layers=4)
+    with pytest.raises(ValueError, match=r"\[layers, heads, 3, 3\]"):
+        view.show(torch.zeros(1, 2, 4, 4), ["a", "b", "c"])
+    view.show(causal_patterns(2, 2, 3), ["a", "b", "c"], layers=[0, 2])
+    view.layer = 1  # not read: shown in the widget, not raised
+    assert "layer 1 has no attention pattern" in view.error and "[0, 2]" in view.error
+    view.layer = 2
+    assert view.error == "" and view.heatmap.layout.title.text == "layer 2, head 0"
+    view.run = run  # a run that read no attention
+    assert "sites=['attn_pattern']" in view.error
+    with pytest.raises(TypeError):
+        AttentionView(n_layers=4, heads=2)
+    with pytest.raises(ValueError, match="n_layers="):
+        AttentionView()
 
 
 # -- activation view ----------------------------------------------------------
