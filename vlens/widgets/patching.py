@@ -98,6 +98,10 @@ class PatchingView(Panel):
         elif self.session is not None and auto_run and clean and corrupt:
             self._guard(self.run)()
 
+    def set_clean(self, prompt: str) -> None:
+        """Use ``prompt`` as the clean run of the next :meth:`run`."""
+        self._clean.value = prompt
+
     # -- engine ----------------------------------------------------------------
     def run(self, clean: str | None = None, corrupt: str | None = None) -> Any:
         """Patch ``clean`` into ``corrupt`` (default: the text boxes),
