@@ -33,16 +33,7 @@ TOP = 8
 
 def _columns(p: Any) -> tuple[list[str], str]:
     """Column labels of ``p.grid`` and what they are (``"position"``/``"head"``)."""
-    n_cols = int(p.grid.shape[1])
-    positions = list(getattr(p, "positions", None) or [])
-    if len(positions) == n_cols and not _per_head(p):
-        return [f"{pos}:{tok}" for pos, tok in zip(positions, p.tokens)], "position"
-    return [f"head {h}" for h in range(n_cols)], "head"
-
-
-def _per_head(p: Any) -> bool:
-    heads = getattr(p, "heads", None)
-    return bool(heads) if not hasattr(heads, "__len__") else len(heads) > 0
+    return list(p.columns), "position" if p.heads is None else "head"
 
 
 class PatchingView(Panel):
@@ -133,7 +124,7 @@ class PatchingView(Panel):
         p = change["new"]
         if p is None:
             return
-        self.cells_done = int((~p.grid.isnan()).sum())
+        self.cells_done = p.done
         self.replot()
 
     def _on_cell(self, change) -> None:
@@ -157,9 +148,10 @@ class PatchingView(Panel):
         """``{run name: (top tokens, probabilities)}`` for clean, corrupt and
         the picked cell (when it has finished)."""
         p = self.patching
-        out = {"clean": _top(p.clean_logprobs), "corrupt": _top(p.corrupt_logprobs)}
+        out = {name: _top(dist) for name, dist in
+               (("clean", p.clean_logprobs), ("corrupt", p.corrupt_logprobs)) if dist}
         row, col = self.cell
-        if row >= 0 and not math.isnan(float(p.grid[row, col])):
+        if row >= 0 and p.cell_logprobs and p.cell_logprobs[row][col] is not None:
             out[self.cell_name()] = _top(p.cell_logprobs[row][col])
         return out
 
@@ -190,7 +182,7 @@ def _esc(text: str) -> str:
     return html.escape(str(text))
 
 
-def _top(logprobs: Any) -> tuple[list[str], list[float]]:
-    """``(tokens, probabilities)`` of a ``{token: logprob}`` top-k."""
-    items = sorted(dict(logprobs).items(), key=lambda kv: -kv[1])
-    return [str(k) for k, _ in items], [math.exp(v) for _, v in items]
+def _top(dist: Any) -> tuple[list[str], list[float]]:
+    """``(tokens, probabilities)`` of a ``(tokens, log-probabilities)`` top-k."""
+    tokens, logprobs = dist
+    return [str(t) for t in tokens], [math.exp(float(v)) for v in logprobs]

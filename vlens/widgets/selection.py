@@ -114,13 +114,31 @@ class Controller(traitlets.HasTraits):
         return self.session.compare([prompt], steer=steer, progress=progress,
                                     max_new_tokens=self.max_new_tokens)
 
-    def stream_compare(self, prompt: str, steer: Any = None, *, ablate: Any = None) -> Any:
+    def stream_compare(self, prompt: str, steer: Any) -> Any:
         """``compare``, token by token: partial ``(baseline, steered)`` Runs
-        after every engine step, the finished Comparison last. With
-        ``ablate=`` (a :class:`vlens.Ablate`) the second run is ablated."""
-        extra = {} if ablate is None else {"ablate": ablate}
+        after every engine step, the finished Comparison last."""
         return self.session.stream_compare([prompt], steer=steer,
-                                           max_new_tokens=self.max_new_tokens, **extra)
+                                           max_new_tokens=self.max_new_tokens)
+
+    def stream_ablation(self, prompt: str, ablate: Any) -> Any:
+        """Like :meth:`stream_compare`, with ``ablate`` (a
+        :class:`vlens.Ablate` or a list) in place of a steer: the prompt
+        runs twice in ONE engine batch, plain and ablated
+        (``session.stream(..., ablate=PerPrompt([None, ablate]))``); partial
+        ``(baseline, ablated)`` Runs after every step, then a Comparison of
+        the two (its ``steered`` is the ablated run; no KL is computed)."""
+        from vlens.steering import Comparison, PerPrompt
+
+        s = self.session
+        last = None
+        # the smallest read a run can make: one layer's norms
+        for state in s.stream([prompt, prompt], ablate=PerPrompt([None, ablate]),
+                              layers=[s.n_layers - 1], reduce="norm",
+                              max_new_tokens=self.max_new_tokens):
+            last = state
+            yield Run([state[0]], prompts=[prompt]), Run([state[1]], prompts=[prompt])
+        yield Comparison(baseline=Run([last[0]], prompts=[prompt]),
+                         steered=Run([last[1]], prompts=[prompt]))
 
     def sweep(self, prompt: str, steer: Any, scales: Sequence[float], *,
               progress: Progress | None = None) -> Any:

@@ -332,7 +332,7 @@ class SteeringPanel(View):
         counts tokens, and the figures follow when the run is done."""
         prompt = self._need_prompt()
         if self.mode == "ablate":
-            states = self.controller.stream_compare(prompt, ablate=self.ablation())
+            states = self.controller.stream_ablation(prompt, self.ablation())
             what = f"knocking out heads {self.ablate_heads} of layer {self.layer}…"
         else:
             states = self.controller.stream_compare(prompt, self.steer())
