@@ -737,11 +737,12 @@ def test_explorer_snapshot_has_every_tab_and_needs_no_engine(toy_session, calls,
     n_calls = len(calls)
     page = ex.snapshot(tmp_path / "ex.html").read_text()
     assert len(calls) == n_calls  # saving draws what is there, it runs nothing
-    for title in ("activations", "logit lens", "steering"):
+    for title in ("activations", "logit lens", "attention", "steering"):
         assert f"<h3>{title}" in page
     assert "(the tab on screen)" in page
-    # heatmap + strip, the tracked lens, the comparison (the sweep never ran)
-    assert _plots_in(page) == 4
+    # heatmap + strip, the tracked lens, the head grid + one head + one token's
+    # row and column, the comparison (the sweep never ran)
+    assert _plots_in(page) == 7
     baseline, steered = ex.steering_panel.live_texts
     assert "<b>baseline</b>" in page and "<b>steered</b>" in page
     assert html.escape(baseline) in page and html.escape(steered) in page
@@ -780,3 +781,45 @@ def test_import_vlens_does_not_load_widget_libraries():
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert vlens.explore is explore  # reached lazily, from the widgets package
+
+
+# -- attention, patching and ablation on the bundled model -----------------------
+
+ANIMAL = ("once upon a time, a sad duck lived in a green house near the farm. the sky was grey "
+          "and the wind was cold. its friend the fox came to say hello. the")
+
+
+@engine
+def test_attention_view_on_a_real_trace_shows_the_copy_head(toy_session):
+    from vlens.models import COPY_HEAD
+
+    run = toy_session.trace(ANIMAL, sites=["attn_pattern"], layers=None, max_new_tokens=1)
+    t = run[0]
+    view = AttentionView(run)
+    assert view.layers == list(range(toy_session.n_layers)) and view.tokens == t.tokens
+    n_heads = toy_session.info["n_heads"]
+    assert len(view.thumbnails.data) == toy_session.n_layers * n_heads
+    layer, head = COPY_HEAD
+    view._on_thumbnail(view.thumbnails.data[layer * n_heads + head], Points([[0, 0]]), None)
+    assert (view.layer, view.head) == COPY_HEAD
+    assert torch.equal(view.pattern(), t.attention(layer)[head])
+    view.chips.hovered = t.n_tokens - 1  # the token before the second mention
+    to = list(view.token_figure.data[0].y)
+    first = t.tokens.index("duck")
+    assert max(range(len(to)), key=lambda j: to[j] or 0) == first  # it looks back at the duck
+    assert to[first] > 0.5 and view.chips.shade[first] == pytest.approx(to[first])
+    assert view.error == ""
+
+
+@engine
+def test_explore_has_an_attention_tab_fed_by_its_one_trace(toy_session, calls):
+    ex = explore(toy_session, ANIMAL, max_new_tokens=2)
+    assert "attention" in ex.tabs.titles and ex.attention_view.run is ex.run
+    (call,) = calls_of(calls, "trace")
+    assert "attn_pattern" in call["sites"]
+    assert not {"q", "k", "v", "z"} & set(call["sites"])  # nothing no view shows
+    assert "attn_pattern" not in ex.activation_view.site_picker.options
+    ex.activation_view.layer_picker.value = 2  # the shared layer moves the attention view
+    assert ex.attention_view.layer == 2
+    assert ex.attention_view.heatmap.layout.title.text == "layer 2, head 0"
+    assert ex.error == "" and ex.attention_view.error == ""
