@@ -477,10 +477,13 @@ def test_controller_traces_every_site_and_layer_with_the_lens(toy_session, calls
     run = controller.trace(PROMPT, progress=lambda done, total: seen.append((done, total)))
     (call,) = calls
     assert call["name"] == "trace" and call["args"] == ([PROMPT],)
-    assert call["sites"] == toy_session.sites and call["layers"] is None
+    # every site but the per-head q, k, v, z (no view shows them; the pattern is read)
+    wanted = [x for x in toy_session.sites if x not in ("q", "k", "v", "z")]
+    assert "attn_pattern" in wanted and len(wanted) == len(toy_session.sites) - 4
+    assert call["sites"] == wanted and call["layers"] is None
     assert call["logit_lens"] == 5 and call["max_new_tokens"] == 5
     assert controller.run is run and seen[-1] == (1, 1)
-    assert set(run[0].read_keys) == set(toy_session.sites) | {"resid_post:logit_lens"}
+    assert set(run[0].read_keys) == set(wanted) | {"resid_post:logit_lens"}
     assert controller.prompt_tokens(PROMPT) == toy_session.token_strings(
         toy_session.tokenize(PROMPT))
     assert controller.prompt_tokens("  ") == []

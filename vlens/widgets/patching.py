@@ -112,9 +112,11 @@ class PatchingView(Panel):
         with self._working("patching…") as report:
             for state in self.session.stream_patch(self._clean.value, self._corrupt.value,
                                                    **self.options):
+                if state is self.patching:  # the same object, filled further: no change event
+                    self._on_patching({"new": state})
+                else:
+                    self.patching = state
                 last = state
-                self.patching = state  # may be the same object, filled further
-                self._on_patching({"new": state})
                 report(self.cells_done, int(state.grid.numel()))
                 self.streamed_states += 1
         return last
