@@ -826,3 +826,33 @@ def test_explore_has_an_attention_tab_fed_by_its_one_trace(toy_session, calls):
     assert ex.attention_view.layer == 2
     assert ex.attention_view.heatmap.layout.title.text == "layer 2, head 0"
     assert ex.error == "" and ex.attention_view.error == ""
+
+
+@engine
+def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
+    from vlens.models import COPY_HEAD
+
+    layer, head = COPY_HEAD
+    panel = SteeringPanel(toy_session, ANIMAL, layer=layer, max_new_tokens=6)
+    assert panel._mode.layout.display == ""  # the model has a z site: the toggle shows
+    panel._mode.value = "ablate"  # the toggle, as clicked
+    assert panel.mode == "ablate" and panel._ablate_row.layout.display == ""
+    assert panel._scale_row.layout.display == "none" and panel._lists.layout.display == "none"
+    panel._run_button.click()
+    assert "pick at least one head" in panel.error  # shown, not raised
+    panel.head_picker._buttons[head].value = True  # a click on the head's button
+    assert panel.ablate_heads == [head]
+    ab = panel.ablation()
+    assert (ab.site, ab.layer, list(ab.heads), ab.kind) == ("z", layer, [head], "zero")
+    panel._run_button.click()
+    assert panel.error == "" and panel.streamed_states >= 2
+    base, ablated = panel.comparison.texts[0]
+    # the plain run and the ablated one equal what trace gives for each
+    ref = toy_session.trace([ANIMAL, ANIMAL], max_new_tokens=6, layers=[0], reduce="norm",
+                            ablate=vlens.PerPrompt([None, ab]))
+    assert (base, ablated) == tuple(ref.texts)
+    assert base.split()[0] == "duck" and ablated.split()[0] != "duck"  # the copy fails
+    assert "ablated" in panel._texts.value and "knocked out" in \
+        panel.comparison_figure.layout.title.text
+    panel.mode = "steer"  # back: the steering controls again
+    assert panel._scale_row.layout.display == "" and panel._ablate_row.layout.display == "none"
