@@ -26,7 +26,7 @@ pytest.importorskip("anywidget")
 import vlens
 from vlens.lens import LogitLens
 from vlens.models.world import sentiment_prompts
-from vlens.plots import activation_values, token_set_metric
+from vlens.plots import activation_values, plain_text, token_set_metric
 from vlens.testing import make_run, make_trace
 from vlens.widgets import (
     ActivationView,
@@ -35,6 +35,7 @@ from vlens.widgets import (
     Controller,
     LayerPicker,
     LogitLensView,
+    PatchingView,
     Selection,
     SitePicker,
     SteeringPanel,
@@ -856,3 +857,52 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
         panel.comparison_figure.layout.title.text
     panel.mode = "steer"  # back: the steering controls again
     assert panel._scale_row.layout.display == "" and panel._ablate_row.layout.display == "none"
+
+
+@engine
+def test_patching_view_streams_the_grid_and_shows_a_clicked_cell(toy_session):
+    corrupt = ANIMAL.replace("sad duck", "sad cat")
+    seen: list[int] = []
+    view = PatchingView(toy_session, auto_run=False, site="resid_pre", layers=[0, 1])
+    view.observe(lambda c: seen.append(c["new"]), names="cells_done")
+    view.run(ANIMAL, corrupt)
+    ref = toy_session.patch(ANIMAL, corrupt, site="resid_pre", layers=[0, 1])
+    total = ref.grid.numel()
+    assert view.error == "" and view.cells_done == total
+    assert seen == sorted(seen) and seen[-1] == total and view.streamed_states >= 2
+    assert torch.allclose(view.patching.grid, ref.grid, atol=1e-4)  # the stream ends at patch's
+    hm = view.heatmap.data[0]
+    assert torch.allclose(torch.tensor([list(r) for r in hm.z]), ref.grid, atol=1e-4)
+    assert list(hm.x) == [plain_text(c) for c in ref.columns]  # "<s>" shown as text
+    assert list(hm.y) == ["layer 0", "layer 1"]
+
+    first = ref.columns.index("8:duck")
+    view._on_click(hm, Points([[0, first]]), None)  # a click on (layer 0, the duck)
+    assert view.cell == (0, first)
+    assert [s.name for s in view.heatmap.layout.shapes] == ["cell"]
+    clean, cor, cell = view.bars.data
+    assert (clean.name, cor.name, cell.name) == ("clean", "corrupt", "layer 0, 8:duck")
+    dist = view.distributions()
+    assert dist["clean"][0][0] == "duck" and dist["corrupt"][0][0] == "cat"
+    assert dist["layer 0, 8:duck"][0][0] == "duck"  # patching the word restores it
+    assert "duck" in view._summary.value and "cat" in view._summary.value
+
+    view._corrupt.value = "a short corrupt prompt"  # typed; a different length
+    view._run_button.click()  # said in the widget, not raised
+    assert "same length" in view.error and view.patching is not None
+
+
+@engine
+def test_patching_view_of_a_result_and_its_argument_checks(toy_session):
+    corrupt = ANIMAL.replace("sad duck", "sad cat")
+    result = toy_session.patch(ANIMAL, corrupt, site="z", heads=True)
+    view = PatchingView(result)
+    assert view.session is None and view.cells_done == result.grid.numel()
+    assert list(view.heatmap.data[0].x) == [f"head {h}" for h in range(4)]
+    assert view.heatmap.layout.xaxis.title.text == "head"
+    view.cell = (0, 2)  # set from Python: the same as a click
+    assert view.cell_name() == "layer 0, head 2" and len(view.bars.data) == 3
+    view._run_button.click()
+    assert "given a result, not a session" in view.error
+    with pytest.raises(TypeError, match="site"):
+        PatchingView(result, site="z")
