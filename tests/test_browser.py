@@ -65,7 +65,8 @@ _VIEWS_CELLS = [
     "import vlens\n"
     "from vlens.widgets import AttentionView, PatchingView\n"
     "s = vlens.Session(MODEL)\n"
-    "CLEAN = 'once upon a time, a sad duck lived in a green house near the farm. the'\n"
+    "CLEAN = ('once upon a time, a sad duck lived in a green house near the farm. '\n"
+    "         'the sky was grey and the wind was cold. the')\n"
     "CORRUPT = CLEAN.replace('sad duck', 'sad cat')",
     "run = s.trace(CLEAN, sites=['attn_pattern'], layers=None, max_new_tokens=1)\n"
     "att = AttentionView(run, layer=0, head=0)\n"
@@ -451,8 +452,9 @@ def test_attention_and_patching_views_in_a_real_browser(lab):
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
         try:
             _open_and_run_all(page, url, token, "views.ipynb")
-            page.locator(".jp-OutputArea-output", has_text="patching view:").last.wait_for(
-                timeout=RUN_ALL_TIMEOUT_MS)
+            # (stdout only: a traceback shows the cell's source, marker included)
+            page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
+                         has_text="patching view:").last.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
             cell = page.locator(".jp-CodeCell", has_text="att = AttentionView").first
             chips = cell.locator(".vlens-chip")
             try:
