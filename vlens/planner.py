@@ -35,11 +35,16 @@ import torch
 from vlens.batcher import RowSpan, StepLayout
 from vlens.plan import Edit, Plan, Read
 
-__all__ = ["AddBatch", "EditCall", "ReadGroup", "StepPlan", "plan_step", "COLLECTIVE"]
+__all__ = ["AddBatch", "EditCall", "ReadGroup", "StepPlan", "plan_step", "COLLECTIVE",
+           "GATHERED"]
 
 #: reductions that every tensor-parallel rank must join (the unembedding
 #: gathers across ranks), though only the reading rank keeps the result
 COLLECTIVE = ("logit_lens", "logprobs")
+
+#: sites whose values are sharded by head across tensor-parallel ranks: every
+#: rank reads them, and the worker gathers the heads before one rank keeps them
+GATHERED = ("q", "k", "v", "z", "attn_pattern")
 
 Key = tuple[str, int]  # (site, layer)
 
@@ -156,7 +161,7 @@ def plan_step(
     read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
     for plan, spans in by_reads.values():
         for where, how, read in plan.read_slots:
-            if reader or read.reduce in COLLECTIVE:
+            if reader or read.reduce in COLLECTIVE or read.site in GATHERED:
                 group = read_spans[where].get(how)
                 if group is None:
                     group = read_spans[where][how] = [read]
