@@ -270,6 +270,13 @@ def steers_per_prompt(steer: Any, n_prompts: int) -> list[list[Steer]]:
                 f"PerPrompt has {len(steer)} per-prompt entries for {n_prompts} prompts: "
                 "give one entry (a Steer, a list of Steers, or None) per prompt"
             )
+        for i, e in enumerate(steer):
+            for x in e:
+                if not isinstance(x, Steer):
+                    raise VlensError(
+                        f"steer= PerPrompt entry {i} holds a {type(x).__name__}: steer= takes "
+                        "Steers (pass Ablates as ablate=)"
+                    )
         return [_no_twice(list(e), f"PerPrompt entry {i}") for i, e in enumerate(steer)]
     if isinstance(steer, (list, tuple)):
         if any(x is None or isinstance(x, (list, tuple)) for x in steer):

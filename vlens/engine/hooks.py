@@ -16,7 +16,7 @@ import torch
 
 from vlens._wire import decode_tensor
 from vlens.batcher import gather, token_axis
-from vlens.engine.site_ops import apply_adds, reduce_rows, run_edit
+from vlens.engine.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.engine.vectors import VectorStore
 from vlens.plan import PLAN_KEY, Plan, parse_plan
 from vlens.planner import StepPlan, plan_step
@@ -229,7 +229,8 @@ class WorkerHooks:
         if step is None or not step.wants(key):
             return
         get_value = lambda: value  # noqa: E731
-        if target is not None and value is not target and (key in step.adds or key in step.edits):
+        if target is not None and value is not target and (
+                key in step.adds or key in step.sets or key in step.edits):
             # the value was summed before the operator ran; after an add to
             # the target, reads and edits must see the changed sum, as in eager
             before = target.clone()
@@ -252,6 +253,7 @@ class WorkerHooks:
         t0 = time.perf_counter_ns()
         site, layer = key
         label = f"{site}[{layer}]"
+        self._apply_sets(step, key, get_value, get_target, label)
         batch = step.adds.get(key)
         if batch is not None:
             try:
@@ -276,6 +278,19 @@ class WorkerHooks:
             except Exception as exc:  # reported to the client, never swallowed
                 self._fail([r for g in groups for r in g.req_ids], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
+
+    def _apply_sets(self, step: StepPlan, key, get_value, get_target, label: str) -> None:
+        """Ablations and patched cells at one (site, layer): before the adds,
+        so a steer on an ablated site adds to what the ablation left."""
+        batch = step.sets.get(key)
+        if batch is None:
+            return
+        try:
+            if get_target is None:
+                raise ValueError(f"site {key[0]} is read-only: it cannot be ablated or patched")
+            apply_sets(self.vectors.matrix_of, batch, step.layout, get_value, get_target, label)
+        except Exception as exc:  # the requests concerned get the error
+            self._fail(batch.req_ids, key, exc)
 
     def _read(self, step, spec, value, groups, layer, label) -> None:
         axis = token_axis(value, step.layout, site=label)
