@@ -155,9 +155,7 @@ def ablates_per_prompt(ablate: Any, n_prompts: int) -> list[list[Ablate]]:
 def site_width(site: str, facts: Any, info: dict[str, Any]) -> int:
     """How wide one row of ``site`` is in the worker: ``z`` is
     ``heads * head_dim``, every other writable site the hidden size."""
-    if site == "z":
-        return int(info["n_heads"]) * int(info["head_dim"])
-    return facts.hidden_size
+    return facts.width(site)
 
 
 def check_ablate(ab: Ablate, facts: Any, info: dict[str, Any], prompt_len: int,

@@ -52,12 +52,14 @@ class Read:
     activation, ``[n, hidden]``), ``"norm"`` (its L2 norm, ``[n]``),
     ``"logit_lens"`` (top-``k`` ids and probabilities of the model's own
     final norm + unembedding, ``[n, k]`` each) or ``"logprobs"`` (the logit
-    lens over the whole vocabulary, ``[n, vocab]``)."""
+    lens over the whole vocabulary, ``[n, vocab]``). ``heads``: for
+    ``attn_pattern``, the query heads to compute (empty: all)."""
 
     site: str
     layers: tuple[int, ...]
     reduce: str = "full"
     k: int = 0
+    heads: tuple[int, ...] = ()
 
     @cached_property
     def key(self) -> str:
@@ -122,7 +124,8 @@ class Plan:
         """Every (site, layer) this plan reads, with how it reads there:
         ``((site, layer), (read key, k), read)``; worked out once per plan,
         used by the step planner every step."""
-        return tuple(((r.site, layer), (r.key, r.k), r) for r in self.reads for layer in r.layers)
+        return tuple(((r.site, layer), (r.key, r.k, r.heads), r)
+                     for r in self.reads for layer in r.layers)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -132,7 +135,8 @@ class Plan:
             "clone": self.clone,
             "prompt_len": self.prompt_len,
             "reads": [
-                {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k}
+                {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k,
+                 **({"heads": list(r.heads)} if r.heads else {})}
                 for r in self.reads
             ],
             "adds": [
@@ -179,7 +183,7 @@ def parse_plan(raw: Any) -> Plan:
         prompt_len=int(raw.get("prompt_len", 0)),
         reads=_shared(tuple(
             Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
-                 int(r.get("k", 0)))
+                 int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()))
             for r in raw.get("reads") or ()
         )),
         adds=_shared(tuple(

@@ -141,6 +141,7 @@ class Session:
         edit_at: Sequence[tuple[str, int]] | None = None,
         reduce: str = "full",
         logit_lens: int = 0,
+        heads: int | Sequence[int] | None = None,
         progress: Any = None,
         **sampling: Any,
     ) -> Run:
@@ -168,6 +169,9 @@ class Session:
         * ``reduce``: ``"full"`` (default) or ``"norm"`` (the worker ships
           only norms); ``logit_lens=k`` also reads the logit lens top-k of
           ``resid_post`` at ``layers``, computed in the worker;
+        * ``heads``: the query heads an ``attn_pattern`` read computes (None:
+          all); the pattern costs ``heads x T x T`` floats per layer, so
+          pick heads (and layers) for long prompts;
         * ``background``: prompts run in the same batch with no plan, as
           other users' traffic would (``run.background_texts``);
         * ``progress``: True for a progress bar, or ``fn(done, total)``
@@ -179,7 +183,7 @@ class Session:
         """
         requests, assemble, edit_fns, _ = self._trace_call(
             prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
-            reduce, logit_lens, sampling, ablate)
+            reduce, logit_lens, sampling, heads, ablate)
         return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress,
                                 edit_fns=edit_fns)
 
@@ -188,7 +192,8 @@ class Session:
                logprobs: bool = True, background: Sequence[str] = (), steer: Any = None,
                ablate: Any = None, edit: Any = None,
                edit_at: Sequence[tuple[str, int]] | None = None,
-               reduce: str = "full", logit_lens: int = 0, **sampling: Any) -> Iterator[Run]:
+               reduce: str = "full", logit_lens: int = 0,
+               heads: int | Sequence[int] | None = None, **sampling: Any) -> Iterator[Run]:
         """``trace``, token by token: an iterator of Runs. After every engine
         step it yields a partial Run (each sample's tokens and text so far,
         no reads; ``finish_reason`` None while it runs); the last item is the
@@ -197,7 +202,7 @@ class Session:
         requests and leaves the engine clean."""
         requests, assemble, edit_fns, prompts = self._trace_call(
             prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
-            reduce, logit_lens, sampling, ablate)
+            reduce, logit_lens, sampling, heads, ablate)
         n = len(prompts)
         return self._runner.stream(
             requests, assemble,
@@ -205,14 +210,15 @@ class Session:
             budget=self.read_budget, edit_fns=edit_fns)
 
     def _trace_call(self, prompts, layers, sites, max_new_tokens, logprobs, background, steer,
-                    edit, edit_at, reduce, logit_lens, sampling, ablate=None):
+                    edit, edit_at, reduce, logit_lens, sampling, heads=None, ablate=None):
         """Check a trace's arguments and build its requests: ``(requests,
         assemble, edit functions, prompts)``."""
         facts = self._facts
         prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
         layers = checks.check_layers(layers, facts)
         sites = checks.check_sites(sites, facts)
-        reads = checks.check_reads(sites, layers, reduce, logit_lens, facts)
+        reads = checks.check_reads(sites, layers, reduce, logit_lens, facts,
+                                   checks.check_heads(heads, sites, facts))
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
         per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)

@@ -16,12 +16,13 @@ import torch
 
 from vlens._wire import decode_tensor
 from vlens.batcher import gather, token_axis
+from vlens.engine.attention import AttentionShape, attention_probs
 from vlens.engine.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.engine.vectors import VectorStore
 from vlens.plan import PLAN_KEY, Plan, parse_plan
 from vlens.planner import StepPlan, plan_step
 from vlens.records import RequestRecord, to_host
-from vlens.sites import ModelSites, resolve_sites
+from vlens.sites import HEAD_SITES, ModelSites, resolve_sites
 
 __all__ = ["WorkerHooks"]
 
@@ -47,6 +48,9 @@ class WorkerHooks:
         self.compiled = False
         self._codes: list[tuple[Any, int]] = []  # compiled mode: code -> (spec, layer)
         self._code_base: int | None = None
+        #: sites this engine leaves unhooked, and why (head sites in
+        #: compiled mode and under tensor parallelism)
+        self.unhooked: dict[str, str] = {}
         self.hook_errors = 0
         self.steps_seen = 0
         self.steps_planned = 0
@@ -70,8 +74,11 @@ class WorkerHooks:
             from vlens.engine import compiled as ops
 
             self._code_base = ops.register(self)
+        self.unhooked = self._head_refusals(compiled)
         for layer_idx, layer in enumerate(self.sites.layers):
             for spec in self.sites.specs.values():
+                if spec.name in self.unhooked:
+                    continue
                 module = spec.module_of(layer)
                 if compiled:
                     code = self._code_base + len(self._codes)
@@ -84,6 +91,38 @@ class WorkerHooks:
                 else:
                     handle = module.register_forward_hook(hook, with_kwargs=True)
                 self.handles.append(handle)
+
+    def _head_refusals(self, compiled: bool) -> dict[str, str]:
+        """Head sites this engine cannot serve, with the way out."""
+        heads = [s for s in HEAD_SITES if s in self.sites.specs]
+        if not heads:
+            return {}
+        if compiled:
+            return dict.fromkeys(heads, (
+                "the head sites (q, k, v, z, attn_pattern) are read on vLLM's attention "
+                "layer, which compiled mode runs inside its graph: open the Session with "
+                "enforce_eager=True (the default) to read them"))
+        tp = 1
+        try:
+            tp = int(self.worker.vllm_config.parallel_config.tensor_parallel_size)
+        except AttributeError:  # pragma: no cover - another worker layout
+            pass
+        if tp > 1:
+            return dict.fromkeys(heads, (
+                f"this engine shards attention heads across {tp} tensor-parallel ranks and "
+                "vlens does not gather the head sites (q, k, v, z, attn_pattern) yet; it "
+                "never returns one rank's shard: open the model with tensor_parallel_size=1 "
+                "to read them"))
+        return {}
+
+    def head_info(self) -> dict[str, int]:
+        """``n_heads``, ``n_kv_heads``, ``head_dim`` of the model (0 where it
+        has no attention layer vlens found)."""
+        if not self.sites.attention:
+            return {"n_heads": 0, "n_kv_heads": 0, "head_dim": 0}
+        m = self.sites.attention[0]
+        return {"n_heads": int(m.num_heads), "n_kv_heads": int(m.num_kv_heads),
+                "head_dim": int(m.head_size)}
 
     def remove(self) -> None:
         for h in self.handles:
@@ -274,7 +313,10 @@ class WorkerHooks:
         groups = step.reads.get(key)
         if groups:
             try:
-                self._read(step, spec, get_value(), groups, layer, label)
+                if site == "attn_pattern":
+                    self._read_pattern(step, get_value(), groups, layer, label)
+                else:
+                    self._read(step, spec, get_value(), groups, layer, label)
             except Exception as exc:  # reported to the client, never swallowed
                 self._fail([r for g in groups for r in g.req_ids], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
@@ -294,7 +336,11 @@ class WorkerHooks:
 
     def _read(self, step, spec, value, groups, layer, label) -> None:
         axis = token_axis(value, step.layout, site=label)
-        if spec.name != "positions" and value.shape[-1] != self.hidden:
+        heads = None
+        if spec.name in HEAD_SITES:
+            m = self.sites.attention[layer]
+            heads = int(m.num_kv_heads if spec.name in ("k", "v") else m.num_heads)
+        elif spec.name != "positions" and value.shape[-1] != self.hidden:
             raise ValueError(
                 f"its value has width {value.shape[-1]}, not the hidden size "
                 f"{self.hidden}: it is sharded across tensor-parallel ranks, "
@@ -303,6 +349,8 @@ class WorkerHooks:
         for g in groups:
             # one gather and one reduction for every request in the group
             rows = gather(value, step.layout, list(g.spans), axis=axis, site=label)
+            if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
+                rows = rows.reshape(rows.shape[0], heads, -1)
             parts = reduce_rows(self.model, rows, g.read)
             split = {part: t.split(g.lengths) for part, t in parts.items()}
             for i, req_id in enumerate(g.req_ids):
@@ -311,6 +359,27 @@ class WorkerHooks:
                     continue
                 for part, chunks in split.items():
                     rec.keep(g.read.key, part, layer, chunks[i])
+
+    def _read_pattern(self, step, qk, groups, layer, label) -> None:
+        """Keep each reading request's keys of this step, then its query
+        rows' attention probabilities over every key so far (one request at
+        a time: each has its own key length)."""
+        q, k = qk
+        axis = token_axis(q, step.layout, site=label)
+        if axis != 0:
+            raise ValueError(f"expected [T, heads * head_dim] queries, got {list(q.shape)}")
+        shape = AttentionShape.of(self.sites.attention[layer])
+        for g in groups:
+            heads = list(g.read.heads) or None
+            for span in g.spans:
+                rec = self.records.get(span.key)
+                if rec is None:
+                    continue
+                rows = slice(span.start, span.stop)
+                keys = rec.add_keys(layer, span.first_position,
+                                    k[rows].reshape(span.length, shape.kv_heads, -1))
+                probs = attention_probs(q[rows], keys, span.first_position, shape, heads)
+                rec.keep(g.read.key, "value", layer, probs)
 
     # -- client-facing ------------------------------------------------------
     def _forget_plans(self, wanted: set[str]) -> None:

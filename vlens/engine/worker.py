@@ -86,9 +86,13 @@ class VlensWorkerExtension:
             "architecture": hooks.sites.architecture,
             "n_layers": hooks.sites.n_layers,
             "hidden_size": hooks.hidden,
-            "sites": sorted(hooks.sites.specs),
+            "sites": sorted(set(hooks.sites.specs) - set(hooks.unhooked)),
             "rank": int(getattr(self, "rank", 0)),
             "hooks": len(hooks.handles),
+            # sites this engine lacks, and why, as the worker sees them
+            "worker_absent": {**{k: v for k, v in hooks.sites.absent.items()},
+                              **hooks.unhooked},
+            **hooks.head_info(),
         }
 
     def vlens_put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
