@@ -56,10 +56,13 @@ def gpt2_session(tiny_gpt2, engine_options):
     s.close()
 
 
-def _job(t, ab, prompt_len, mean_over=None):
+def _job(t, ab, prompt_len, head_dim, mean_over=None):
     start, stop = ab.positions(prompt_len)
+    dims = None
+    if ab.heads is not None:  # the cases' heads are adjacent: one dim range
+        dims = [ab.heads[0] * head_dim, (ab.heads[-1] + 1) * head_dim]
     return {"kind": "ablate", "ids": t.token_ids, "site": ab.site, "layer": ab.layer,
-            "span": [start, None if stop < 0 else stop], "dims": None,
+            "span": [start, None if stop < 0 else stop], "dims": dims,
             "value": ab.kind, "mean_over": mean_over or []}
 
 
@@ -67,11 +70,15 @@ def _job(t, ab, prompt_len, mean_over=None):
 # (zeroing a whole residual stream leaves every later logit 0, a tie, so
 # whole-row residual cases take a span)
 CASES = [
-    ("resid_post", 1, "zero", (2, 8)),
-    ("mlp_out", 0, "mean", "prompt"),
-    ("attn_out", 2, "zero", "all"),
-    ("resid_pre", 2, "mean", "generated"),
-    ("resid_mid", 1, "zero", (0, 4)),
+    ("resid_post", 1, "zero", (2, 8), None),
+    ("mlp_out", 0, "mean", "prompt", None),
+    ("attn_out", 2, "zero", "all", None),
+    ("resid_pre", 2, "mean", "generated", None),
+    ("resid_mid", 1, "zero", (0, 4), None),
+    # single heads: each head's output before the output projection
+    ("z", 1, "zero", "all", [1, 2]),
+    ("z", 2, "mean", (1, 7), [0]),
+    ("z", 0, "zero", "generated", None),
 ]
 
 
@@ -80,16 +87,16 @@ def test_ablate_equals_a_hugging_face_hook(request, which, tmp_path):
     s = request.getfixturevalue("llama_session" if which == "llama" else "gpt2_session")
     path = request.getfixturevalue("tiny_llama" if which == "llama" else "tiny_gpt2")
     cases = [c for c in CASES if c[0] in s.sites]
-    assert len(cases) >= 4
+    assert len(cases) >= 7
     prompts = PROMPTS[:2]
     lens = [len(s.tokenize(p)) for p in prompts]
     runs, jobs = [], []
-    for site, layer, kind, span in cases:
-        ab = vlens.Ablate(site, layer, kind=kind, span=span)
+    for site, layer, kind, span, heads in cases:
+        ab = vlens.Ablate(site, layer, kind=kind, span=span, heads=heads)
         run = s.trace(prompts, layers=None, sites=["resid_post"], max_new_tokens=5, ablate=ab)
         runs.append(run)
         mean_over = [s.tokenize(p) for p in prompts] if kind == "mean" else None
-        jobs += [_job(t, ab, n, mean_over) for t, n in zip(run, lens)]
+        jobs += [_job(t, ab, n, s.info["head_dim"], mean_over) for t, n in zip(run, lens)]
     refs = iter(hf_jobs(path, jobs, tmp_path))
     for case, run in zip(cases, runs):
         for t, n in zip(run, lens):
@@ -153,6 +160,8 @@ def test_given_mean_and_stream_agree_with_trace(llama_session):
     (lambda: vlens.Ablate("nope", 1), r"unknown Ablate site 'nope'"),
     (lambda: vlens.Ablate("resid_post", 99), r"layer 99 does not exist: this model has 3"),
     (lambda: vlens.Ablate("resid_post", 1, heads=[0]), r"heads= is for site 'z'"),
+    (lambda: vlens.Ablate("z", 1, heads=[1, 9]), r"this model has 4 heads, numbered 0 to 3"),
+    (lambda: vlens.Ablate("attn_pattern", 1), r"'attn_pattern' cannot be written"),
     (lambda: vlens.Ablate("resid_post", 1, kind="mean", mean=torch.zeros(7)),
      r"mean has 7 elements; site 'resid_post' rows have"),
     (lambda: [vlens.Ablate("mlp_out", 1), vlens.Ablate("mlp_out", 1, span="prompt")],
