@@ -21,7 +21,10 @@ built in this process before any Transformers-backend engine exists
 
 from __future__ import annotations
 
-import json
+import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,14 +92,23 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[0].reshape(x.shape[1], n, -1)
 
 
-def hf_reference(path: Path, token_ids: list[int]) -> dict[str, torch.Tensor]:
-    """Hugging Face eager values on ``token_ids``: q, k, v, z as ``[layers,
-    T, heads, head_dim]`` and attentions ``[layers, heads, T, T]``."""
+@functools.cache
+def _hf_model(path: Path):
     from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_reference(path: Path, token_ids: list[int],
+                 add_z: tuple[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Hugging Face eager values on ``token_ids``: q, k, v, z as ``[layers,
+    T, heads, head_dim]`` and attentions ``[layers, heads, T, T]``.
+    ``add_z = (layer, vector)`` adds ``vector`` to that layer's output
+    projection input (z) on every token, as a Steer at z does."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = _hf_model(path)
     cfg = model.config
     got: dict[str, list] = {s: [] for s in ("q", "k", "v", "z")}
     handles = []
@@ -123,8 +135,12 @@ def hf_reference(path: Path, token_ids: list[int]) -> dict[str, torch.Tensor]:
             got["k"].append(_heads(k, kv))
             got["v"].append(_heads(v, kv))
 
-        def z_hook(mod, args):
-            got["z"].append(_heads(args[0], cfg.num_attention_heads if not gpt2 else cfg.n_head))
+        def z_hook(mod, args, at=len(handles) // 2):
+            x = args[0]
+            if add_z is not None and add_z[0] == at:
+                x = x + add_z[1]
+            got["z"].append(_heads(x, cfg.num_attention_heads if not gpt2 else cfg.n_head))
+            return (x,)
 
         handles.append(attn.register_forward_pre_hook(before, with_kwargs=True))
         out_proj = attn.c_proj if gpt2 else attn.o_proj
@@ -221,3 +237,127 @@ def test_heads_selects_pattern_heads_and_budget_counts_them(arch_session):
         s.trace(PROMPT, sites=["attn_pattern"], reduce="norm")
     # the engine still works after the refusals
     assert s.trace(PROMPT, sites=["q"], max_new_tokens=1)[0].activations("q").shape[2] == h
+
+
+def test_a_steer_at_z_equals_hugging_face_adding_to_the_o_proj_input(arch_session,
+                                                                      attn_models):
+    """z is writable: a Steer there (a vector of heads * head_dim) lands on
+    the output projection's input, and everything after it follows."""
+    arch, s = arch_session
+    width = s.info["n_heads"] * s.info["head_dim"]
+    vector = torch.randn(width, generator=torch.Generator().manual_seed(3))
+    steer = vlens.Steer(vector, layer=1, site="z", scale=0.5)
+    t = s.trace(_prompt(arch), sites=SITES, max_new_tokens=NEW, steer=steer)[0]
+    assert t.steered_rows == len(t.token_ids)
+    ref = hf_reference(attn_models[arch], t.token_ids, add_z=(1, 0.5 * vector))
+    worst = _worst(t, ref)
+    assert max(worst.values()) <= TOL, worst
+    clean = hf_reference(attn_models[arch], t.token_ids)
+    # the steer changed layer 2's pattern (through the residual), not layer 1's
+    assert float((clean["attn_pattern"][2] - ref["attn_pattern"][2]).abs().max()) > 1e-3
+    assert torch.equal(clean["attn_pattern"][1], ref["attn_pattern"][1])
+    with pytest.raises(VlensError, match="heads \\* head_dim"):
+        vlens_steer = vlens.Steer(torch.ones(width + 1), layer=0, site="z")
+        s.trace(_prompt(arch), steer=vlens_steer)
+
+
+# n > 1 needs sampling in vLLM; top_k=1 keeps every sample on the argmax
+TWO_GREEDY = dict(n=2, temperature=1.0, top_k=1)
+
+
+@pytest.fixture(scope="module")
+def crowded_session(attn_models):
+    """A KV cache of three 128-token blocks for six 140-token requests:
+    vLLM preempts requests as they grow and recomputes them from the start."""
+    s = vlens.Session(attn_models["llama"], reuse=False, max_num_batched_tokens=CHUNK,
+                      max_model_len=256, num_gpu_blocks_override=3,
+                      kv_cache_memory_bytes=64 * 2**20)
+    yield s
+    s.close()
+
+
+def test_patterns_survive_preemption_and_samples(crowded_session, attn_models):
+    s = crowded_session
+    prompts = [" ".join(f"w{(i * 13 + j * 5) % 240}" for j in range(100)) for i in range(3)]
+    run = s.trace(prompts, sites=["attn_pattern", "k"], layers=[0, 2], max_new_tokens=40,
+                  logprobs=False, **TWO_GREEDY)
+    assert len(run) == 6
+    assert any(t.restarts > 0 for t in run), [t.restarts for t in run]
+    for t in run:
+        n = len(t.token_ids)
+        assert n == 101 + 40 - 1
+        ref = hf_reference(attn_models["llama"], t.token_ids)
+        for site in ("attn_pattern", "k"):
+            got = t.activations(site)
+            diff = float((got - ref[site][[0, 2]]).abs().max())
+            assert diff <= TOL, (site, t.index, t.sample, t.restarts, diff)
+
+
+def test_the_transformers_backend_refuses_head_sites_with_the_way_out(llama_tf_session):
+    s = llama_tf_session
+    assert "q" not in s.sites and "attn_pattern" not in s.sites
+    for site in SITES:
+        with pytest.raises(VlensError, match="without model_impl='transformers'"):
+            s.trace("w1 w2 w3", sites=[site], max_new_tokens=1)
+    assert s.trace("w1 w2 w3", max_new_tokens=1)[0].activations().shape[0] == 3
+
+
+_TP2_SCRIPT = r"""
+import os, sys, torch
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # ships the edit function below
+import vlens
+from tp2_edit import same  # importable by the worker processes too
+
+def main():
+    model, prompt, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    s = vlens.Session(model, tensor_parallel_size=2, max_num_batched_tokens=32,
+                      max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
+    sites = ["q", "k", "v", "z", "attn_pattern"]
+    vec = torch.linspace(-1, 1, s.info["n_heads"] * s.info["head_dim"])
+    plain = s.trace(prompt, sites=sites, max_new_tokens=6)[0]
+    steered = s.trace(prompt, sites=sites, max_new_tokens=6,
+                      steer=vlens.Steer(vec, layer=1, site="z", scale=0.5))[0]
+    some = s.trace(prompt, sites=["attn_pattern"], max_new_tokens=3, heads=[3, 0])[0]
+    try:
+        s.trace(prompt, sites=["z"], edit=same, edit_at=[("z", 0)])
+        edit_error = ""
+    except Exception as exc:
+        edit_error = str(exc)
+    torch.save({
+        "plain": {k: plain.activations(k) for k in sites} | {"ids": plain.token_ids},
+        "steered": {k: steered.activations(k) for k in sites} | {"ids": steered.token_ids},
+        "some": some.activations("attn_pattern"), "some_ids": some.token_ids,
+        "vec": vec, "info": s.info, "edit_error": edit_error,
+    }, out)
+    s.close()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_tensor_parallel_heads_are_gathered_not_one_ranks_shard(attn_models, tmp_path):
+    """TP=2 on the grouped-query Qwen2 (each rank: 2 query heads, 1 key
+    head): every head site equals Hugging Face, z steers on both ranks."""
+    script = tmp_path / "tp2_heads.py"
+    script.write_text(_TP2_SCRIPT)
+    (tmp_path / "tp2_edit.py").write_text("def same(rows, ctx):\n    return rows\n")
+    out = tmp_path / "tp2.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "VLENS_TEST"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                         str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), str(attn_models["qwen2"]), PUNCT,
+                           str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out)
+    assert (got["info"]["n_heads"], got["info"]["n_kv_heads"]) == (4, 2)
+    path = attn_models["qwen2"]
+    for name, add in (("plain", None), ("steered", (1, 0.5 * got["vec"]))):
+        ref = hf_reference(path, got[name]["ids"], add_z=add)
+        worst = {s: float((got[name][s] - ref[s]).abs().max()) for s in SITES}
+        assert max(worst.values()) <= TOL, (name, worst)
+    ref = hf_reference(path, got["some_ids"])
+    assert float((got["some"] - ref["attn_pattern"][:, [3, 0]]).abs().max()) <= TOL
+    assert "one tensor-parallel rank's heads" in got["edit_error"]

@@ -26,10 +26,13 @@ Pure torch, no vLLM import. Cost: per request, layer and step,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["AttentionShape", "attention_probs"]
+from vlens.sites import HEAD_SITES
+
+__all__ = ["AttentionShape", "attention_probs", "head_info", "head_refusals"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,30 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, first: int, shape: Atte
         hidden = hidden | (cols <= rows - shape.window)
     scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
     return scores.softmax(-1)
+
+
+def head_info(sites: Any, tp: int) -> dict[str, int]:
+    """``n_heads``, ``n_kv_heads``, ``head_dim`` of the whole model (every
+    tensor-parallel rank's heads; 0 where vlens found no attention layer).
+    ``sites`` is the model's :class:`~vlens.sites.ModelSites`."""
+    if not sites.attention:
+        return {"n_heads": 0, "n_kv_heads": 0, "head_dim": 0}
+    m = sites.attention[0]
+    return {"n_heads": int(m.num_heads) * tp, "n_kv_heads": int(m.num_kv_heads) * tp,
+            "head_dim": int(m.head_size)}
+
+
+def head_refusals(sites: Any, tp: int, total_kv_heads: int) -> dict[str, str]:
+    """Head sites an engine cannot serve, with the way out. Compiled mode
+    serves them (its operator takes attn_pattern's q and k side by side);
+    tensor parallelism too (the worker gathers every rank's heads), except
+    where the key/value heads are copied onto ranks instead of split."""
+    heads = [s for s in HEAD_SITES if s in sites.specs]
+    if not heads or tp == 1 or total_kv_heads % tp == 0:
+        return {}
+    return dict.fromkeys(heads, (
+        f"this model's {total_kv_heads} key/value heads are copied onto each of the {tp} "
+        "tensor-parallel ranks rather than split between them, and vlens gathers only split "
+        "heads (it never returns one rank's shard): open the model with "
+        f"tensor_parallel_size=1 (or one that divides {total_kv_heads}) to read the head "
+        "sites (q, k, v, z, attn_pattern)"))

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from vlens.engine.attention import head_info
 from vlens.engine.hooks import WorkerHooks
 
 __all__ = ["VlensWorkerExtension"]
@@ -92,7 +93,7 @@ class VlensWorkerExtension:
             # sites this engine lacks, and why, as the worker sees them
             "worker_absent": {**{k: v for k, v in hooks.sites.absent.items()},
                               **hooks.unhooked},
-            **hooks.head_info(),
+            **head_info(hooks.sites, hooks.tp),
         }
 
     def vlens_put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:
