@@ -446,7 +446,8 @@ def test_attention_and_patching_views_in_a_real_browser(lab):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
                                     headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        # tall enough that a whole view fits on screen for its screenshot
+        page = browser.new_page(viewport={"width": 1400, "height": 2000})
         console: list[str] = []
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))

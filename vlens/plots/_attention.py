@@ -102,6 +102,7 @@ def attention_heads(
         title={"text": title or "attention of every head (click one)"},
         shapes=shapes,
         height=60 + thumb_px * n_layers, width=80 + thumb_px * n_heads,
+        plot_bgcolor="white",  # the causal gaps read as empty, not as a colour
         margin={"t": 60, "b": 10, "l": 10, "r": 40},
     )
     return fig
@@ -148,7 +149,7 @@ def attention_heatmap(
         xaxis={"title": "key (attended to)", "tickangle": -60, "tickfont": {"size": 10}},
         yaxis={"title": "query (attending)", "autorange": "reversed",
                "tickfont": {"size": 10}},
-        shapes=shapes, height=side + 80, width=side + 160,
+        shapes=shapes, height=side + 80, width=side + 160, plot_bgcolor="white",
         margin={"t": 50, "b": 60},
     )
     return fig
