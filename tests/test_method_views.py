@@ -88,10 +88,16 @@ def test_attention_view_says_what_is_wrong_and_keeps_working(run):
     assert "layer 1 has no attention pattern" in view.error and "[0, 2]" in view.error
     view.layer = 2
     assert view.error == "" and view.heatmap.layout.title.text == "layer 2, head 0"
+    view.show(causal_patterns(1, 2, 3), ["a", "b", "c"], heads=[1, 3])  # read with heads=
+    assert view.heads == [1, 3] and view.head == 1
+    view.head = 3
+    assert view.heatmap.layout.title.text == "layer 0, head 3" and view.error == ""
+    view.head = 2
+    assert "head 2 has no attention pattern" in view.error and "[1, 3]" in view.error
     view.run = run  # a run that read no attention
     assert "sites=['attn_pattern']" in view.error
     with pytest.raises(TypeError):
-        AttentionView(n_layers=4, heads=2)
+        AttentionView(n_layers=4, head_count=2)
     with pytest.raises(ValueError, match="n_layers="):
         AttentionView()
 
@@ -120,6 +126,13 @@ def test_attention_view_on_a_real_trace_shows_the_copy_head(toy_session):
     assert max(range(len(to)), key=lambda j: to[j] or 0) == first  # it looks back at the duck
     assert to[first] > 0.5 and view.chips.shade[first] == pytest.approx(to[first])
     assert view.error == ""
+    # a trace of one head: the view numbers it as read
+    one = toy_session.trace(ANIMAL, sites=["attn_pattern"], layers=[layer], heads=[head],
+                            max_new_tokens=1)
+    small = AttentionView(one, heads=[head])
+    assert (small.layers, small.heads, small.head) == ([layer], [head], head)
+    assert torch.allclose(small.pattern(), t.attention(layer)[head], atol=1e-6)
+    assert list(small.thumbnails.data[0].meta) == [layer, head] and small.error == ""
 
 
 @engine

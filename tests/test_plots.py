@@ -351,6 +351,11 @@ def test_attention_heads_is_a_grid_of_thumbnails_with_the_pick_outlined():
     (sel,) = _shape(fig, "selected")
     assert sel.xref == "x6 domain" and sel.yref == "y6 domain"  # the 6th subplot
     assert not _shape(plots.attention_heads(p, [1, 3], selected=(0, 0)), "selected")
+    some = plots.attention_heads(p, [1, 3], heads=[0, 2, 5], selected=(1, 5))  # heads= read
+    assert list(some.data[2].meta) == [1, 5] and _shape(some, "selected")[0].xref == "x3 domain"
+    assert [a.text for a in some.layout.annotations][:3] == ["head 0", "head 2", "head 5"]
+    with pytest.raises(ValueError, match="2 head names for 3"):
+        plots.attention_heads(p, [1, 3], heads=[0, 1])
     with pytest.raises(ValueError, match="layers, heads, tokens, tokens"):
         plots.attention_heads(p[0], [1])
     with pytest.raises(ValueError, match="3 layer names for 2"):

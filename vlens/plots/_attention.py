@@ -51,6 +51,7 @@ def attention_heads(
     patterns: torch.Tensor,
     layers: Sequence[int],
     *,
+    heads: Sequence[int] | None = None,
     selected: tuple[int, int] | None = None,
     title: str | None = None,
     cells: int = 48,
@@ -58,12 +59,13 @@ def attention_heads(
 ) -> go.Figure:
     """A grid of thumbnails: one row per layer, one column per head.
 
-    ``patterns`` ``[n_layers, heads, T, T]`` (``layers`` names its rows).
-    Each thumbnail is one head's pattern on one colour scale (0 to 1),
-    pooled to at most ``cells`` x ``cells``. Trace ``n`` is layer row
-    ``n // heads``, head ``n % heads``; each trace's ``meta`` is
-    ``[layer, head]`` (what a click on it picks). ``selected``
-    ``(layer, head)`` is outlined (a shape named ``"selected"``).
+    ``patterns`` ``[n_layers, n_heads, T, T]`` (``layers`` names its rows,
+    ``heads`` its head columns: default ``0..n_heads-1``, or the heads a
+    trace read with ``heads=``). Each thumbnail is one head's pattern on one
+    colour scale (0 to 1), pooled to at most ``cells`` x ``cells``. Trace
+    ``n`` is layer row ``n // n_heads``, head column ``n % n_heads``; each
+    trace's ``meta`` is ``[layer, head]`` (what a click on it picks).
+    ``selected`` ``(layer, head)`` is outlined (a shape named ``"selected"``).
     """
     p = as_float(patterns)
     if p.dim() != 4 or p.shape[-1] != p.shape[-2]:
@@ -72,28 +74,32 @@ def attention_heads(
     n_layers, n_heads = p.shape[0], p.shape[1]
     if len(layers) != n_layers:
         raise ValueError(f"{len(layers)} layer names for {n_layers} layers of patterns")
+    heads = list(range(n_heads)) if heads is None else [int(h) for h in heads]
+    if len(heads) != n_heads:
+        raise ValueError(f"{len(heads)} head names for {n_heads} heads of patterns")
     small = pool_pattern(p, cells)
     fig = make_subplots(
         rows=n_layers, cols=n_heads, horizontal_spacing=0.02, vertical_spacing=0.03,
         row_titles=[f"layer {x}" for x in layers],
-        column_titles=[f"head {h}" for h in range(n_heads)],
+        column_titles=[f"head {h}" for h in heads],
     )
     for r, layer in enumerate(layers):
-        for h in range(n_heads):
+        for c, h in enumerate(heads):
             fig.add_trace(
                 go.Heatmap(
-                    z=_causal(small[r, h]), zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
+                    z=_causal(small[r, c]), zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
                     showscale=False, meta=[int(layer), h], name=f"layer {layer} head {h}",
                     hovertemplate=f"layer {layer} head {h}<extra></extra>",
                 ),
-                row=r + 1, col=h + 1,
+                row=r + 1, col=c + 1,
             )
     fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
     fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
     shapes = []
     if selected is not None and int(selected[0]) in [int(x) for x in layers] \
-            and 0 <= int(selected[1]) < n_heads:
-        n = [int(x) for x in layers].index(int(selected[0])) * n_heads + int(selected[1]) + 1
+            and int(selected[1]) in heads:
+        n = ([int(x) for x in layers].index(int(selected[0])) * n_heads
+             + heads.index(int(selected[1])) + 1)
         axis = "" if n == 1 else str(n)
         shapes.append({"type": "rect", "xref": f"x{axis} domain", "yref": f"y{axis} domain",
                        "x0": -0.02, "x1": 1.02, "y0": -0.02, "y1": 1.02, "line": OUTLINE,

@@ -45,8 +45,10 @@ class AttentionView(View):
     and column, for a run's first trace.
 
     ``AttentionView(run)`` shows a Run that read ``attn_pattern`` (at the
-    layers it read); ``view.show(patterns, tokens)`` shows a tensor
-    ``[layers, heads, T, T]`` instead. Traits: ``head``, ``token`` (the
+    layers it read; a run read with ``heads=[...]`` needs the same
+    ``heads=`` here, since a trace does not say which heads it holds);
+    ``view.show(patterns, tokens)`` shows a tensor ``[layers, heads, T, T]``
+    instead. Traits: ``head``, ``token`` (the
     picked query token, -1 for none; the chips' hover sets it), ``run``;
     ``layer`` is the :class:`Selection`'s (shared in an explorer).
     ``thumbnails``, ``heatmap`` and ``token_figure`` are the
@@ -65,11 +67,14 @@ class AttentionView(View):
         n_layers: int | None = None,
         layer: int | None = None,
         head: int = 0,
+        heads: Sequence[int] | None = None,
     ) -> None:
         if run is None and n_layers is None:
             raise ValueError("give a run to show, or n_layers= for one to come")
         self._patterns: torch.Tensor | None = None  # [layers read, heads, T, T]
         self._layers: list[int] = []
+        self._heads: list[int] = []
+        self._run_heads = None if heads is None else [int(h) for h in heads]
         self._tokens: list[str] = []
         self._n_prompt: int | None = None
         if n_layers is None:
@@ -108,12 +113,13 @@ class AttentionView(View):
         tokens: Sequence[str],
         *,
         layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
         n_prompt: int | None = None,
     ) -> None:
-        """Show ``patterns`` ``[n_layers, heads, T, T]`` (attention
+        """Show ``patterns`` ``[n_layers, n_heads, T, T]`` (attention
         probabilities, rows over keys) of ``tokens``; ``layers`` names the
-        rows (default ``0..n_layers-1``), ``n_prompt`` marks where
-        generation starts."""
+        rows (default ``0..n_layers-1``), ``heads`` the heads (default
+        ``0..n_heads-1``), ``n_prompt`` marks where generation starts."""
         p = torch.as_tensor(patterns, dtype=torch.float32)
         if p.dim() != 4 or p.shape[-2:] != (len(tokens), len(tokens)):
             raise ValueError(f"patterns has shape {list(p.shape)}; expected "
@@ -122,12 +128,15 @@ class AttentionView(View):
         layers = list(range(p.shape[0])) if layers is None else [int(x) for x in layers]
         if len(layers) != p.shape[0]:
             raise ValueError(f"{len(layers)} layer names for {p.shape[0]} layers of patterns")
-        self._patterns, self._layers = p, layers
+        heads = list(range(p.shape[1])) if heads is None else [int(h) for h in heads]
+        if len(heads) != p.shape[1]:
+            raise ValueError(f"{len(heads)} head names for {p.shape[1]} heads of patterns")
+        self._patterns, self._layers, self._heads = p, layers, heads
         self._tokens, self._n_prompt = [str(t) for t in tokens], n_prompt
-        self._head.max = p.shape[1] - 1
+        self._head.max = max(heads)
         with self.hold_trait_notifications():
-            if self.head >= p.shape[1]:
-                self.head = 0
+            if self.head not in heads:
+                self.head = heads[0]
             if self.token >= len(tokens):
                 self.token = -1
         if self.layer not in layers:  # the selection's observer redraws
@@ -143,12 +152,20 @@ class AttentionView(View):
         if self.layer not in self._layers:
             raise ValueError(f"layer {self.layer} has no attention pattern in this run "
                              f"(read: {self._layers})")
-        return self._patterns[self._layers.index(self.layer), self.head]
+        if self.head not in self._heads:
+            raise ValueError(f"head {self.head} has no attention pattern in this run "
+                             f"(read: {self._heads})")
+        return self._patterns[self._layers.index(self.layer), self._heads.index(self.head)]
 
     @property
     def layers(self) -> list[int]:
         """The layers whose patterns are on show."""
         return list(self._layers)
+
+    @property
+    def heads(self) -> list[int]:
+        """The heads whose patterns are on show."""
+        return list(self._heads)
 
     @property
     def tokens(self) -> list[str]:
@@ -164,7 +181,7 @@ class AttentionView(View):
             raise ValueError("this run did not read attention patterns: trace with "
                              "sites=['attn_pattern'] (layers=None for every layer)")
         self.show(t.activations(PATTERN_SITE), t.tokens, layers=t.layers[PATTERN_SITE],
-                  n_prompt=len(t.prompt_token_ids))
+                  heads=self._run_heads, n_prompt=len(t.prompt_token_ids))
 
     def _on_chip(self, change) -> None:
         if change["name"] == "hovered" and change["new"] >= 0:
@@ -199,7 +216,8 @@ class AttentionView(View):
         if self._patterns is None:
             return
         show_figure(self.thumbnails, attention_heads(
-            self._patterns, self._layers, selected=(self.layer, self.head)))
+            self._patterns, self._layers, heads=self._heads,
+            selected=(self.layer, self.head)))
         for trace in self.thumbnails.data:
             trace.on_click(self._guard(self._on_thumbnail))
         self._draw_token()
