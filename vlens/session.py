@@ -254,7 +254,8 @@ class Session:
                   site: str = "resid_post", position: str = "last",
                   progress: Any = None) -> torch.Tensor:
         """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
-        at ``layer``, ``[hidden]`` float32. ``position="last"`` takes each
+        at ``layer``, ``[hidden]`` float32 (at ``z``: ``[heads * head_dim]``,
+        flat, as a Steer there takes it). ``position="last"`` takes each
         prompt's last token, ``"mean"`` the mean over its tokens (the BOS row,
         the same for every prompt, left out)."""
         if position not in ("last", "mean"):
@@ -264,12 +265,16 @@ class Session:
                 raise VlensError(f"{name} must be a non-empty list of prompt strings")
         layer = checks.check_layers([layer], self._facts)[0]
         checks.check_sites([site], self._facts)
+        if site == "attn_pattern":
+            raise VlensError("a direction needs a site with a value per token; attn_pattern "
+                             "has one per token pair: use 'z' or a residual site")
         run = self.trace(list(positive) + list(negative), layers=[layer], sites=[site],
                          max_new_tokens=1, logprobs=False, progress=progress)
         bos = self.tokenizer.bos_token_id
         means = []
         for t in run:
             rows = t.activations(site)[0]  # [prompt tokens, hidden]
+            rows = rows.reshape(rows.shape[0], -1)  # head sites: heads * head_dim, flat
             if position == "last":
                 means.append(rows[-1])
             else:

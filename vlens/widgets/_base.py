@@ -139,8 +139,11 @@ class Panel(widgets.VBox):
 
 
 def full_sites(run: Run) -> list[str]:
-    """The sites ``run`` read in full (``"resid_post"``, not ``"resid_post:norm"``)."""
-    return [key for key in run[0].read_keys if ":" not in key]
+    """The hidden-width sites ``run`` read in full (``"resid_post"``, not
+    ``"resid_post:norm"``; not the per-head sites, which AttentionView shows)."""
+    from vlens.sites import HEAD_SITES
+
+    return [key for key in run[0].read_keys if ":" not in key and key not in HEAD_SITES]
 
 
 def layers_spanned(run: Run) -> int:

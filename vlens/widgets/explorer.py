@@ -18,6 +18,7 @@ import ipywidgets as widgets
 
 from vlens.lens import LogitLens
 from vlens.results import Run
+from vlens.sites import HEAD_SITES
 from vlens.widgets._base import View
 from vlens.widgets.activation import ActivationView
 from vlens.widgets.clone_reads import CloneReadsToggle
@@ -59,7 +60,8 @@ class Explorer(View):
         self.clone_reads_toggle = CloneReadsToggle(session)
         self.span_picker = TokenSpanPicker()
         shared = {"selection": self.selection, "n_layers": session.n_layers}
-        self.activation_view = ActivationView(sites=session.sites, **shared)
+        self.activation_view = ActivationView(
+            sites=[x for x in session.sites if x not in HEAD_SITES], **shared)
         self.logit_lens_view = LogitLensView(
             token_strings=session.token_strings, tokenize=session.tokenize,
             # the trace reads resid_post in full: tracking a token is exact

@@ -17,6 +17,7 @@ from typing import Any
 import traitlets
 
 from vlens.results import Run
+from vlens.sites import HEAD_SITES
 
 __all__ = ["Controller", "Selection"]
 
@@ -71,7 +72,9 @@ class Controller(traitlets.HasTraits):
     def trace(self, prompt: str, *, progress: Progress | None = None) -> Run:
         """Trace ``prompt`` for every view and set ``run``."""
         s = self.session
-        run = s.trace([prompt], layers=None, sites=s.sites, logit_lens=TOP_K,
+        # the hidden-width sites: the views draw [layers, tokens, hidden] reads
+        sites = [x for x in s.sites if x not in HEAD_SITES]
+        run = s.trace([prompt], layers=None, sites=sites, logit_lens=TOP_K,
                       max_new_tokens=self.max_new_tokens, progress=progress)
         self.run = run
         return run

@@ -19,6 +19,7 @@ import ipywidgets as widgets
 import traitlets
 
 from vlens.plots import baseline_vs_steered, dose_response, token_set_metric
+from vlens.sites import HEAD_SITES
 from vlens.steering import Steer
 from vlens.widgets._base import View, figure_widget, show_figure
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
@@ -151,7 +152,9 @@ class SteeringPanel(View):
         self._vector_label = widgets.Label()
         self._vector_row = widgets.HBox([self._path, self._load, self._vector_label])
         self.layer_picker = LayerPicker(s.n_layers, value=self.selection.layer)
-        self.site_picker = SitePicker(s.sites, value=self.selection.site)
+        # residual-width sites: a direction there is a [hidden] vector
+        self.site_picker = SitePicker([x for x in s.sites if x not in HEAD_SITES],
+                                      value=self.selection.site)
         self._prompt = widgets.Text(prompt or "", description="prompt",
                                     layout={"width": "60%"})
         self.span_picker = TokenSpanPicker() if span_picker else None
