@@ -311,7 +311,7 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
     cands = list(dict.fromkeys([*answer, *(sorted(tops[0], key=lambda t: -tops[0][t])),
                                 *(sorted(tops[1], key=lambda t: -tops[1][t]))]))
     score = {"logprob_token_ids": cands}
-    info = session.info
+    facts = session._facts
     runner = session._runner
     call = runner.next_call()
     corrupt_ids = ids[1]
@@ -324,8 +324,8 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
         for p in positions:
             row = acts[0][i, p]
             vecs[(i, p)] = (vector_id(row), row)
-    columns: list[Any] = positions if not heads else list(range(int(info["n_heads"])))
-    hd = int(info["head_dim"]) if heads else 0
+    columns: list[Any] = positions if not heads else list(range(facts.n_heads))
+    hd = facts.head_dim
     for i, layer in enumerate(layers):
         for j, col in enumerate(columns):
             if heads:

@@ -223,8 +223,7 @@ class Session:
         lens = [len(ids) for ids in prompt_ids]
         per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
         ablates = ablation.ablates_per_prompt(ablate, len(prompts))
-        info = self.info
-        ablation.check_ablates(ablates, facts, info, lens, max_new_tokens)
+        ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(edit, edit_at, facts,
                                   can_ship=self._runner.can_ship_functions)
         bg_ids = []
@@ -237,7 +236,7 @@ class Session:
         requests = [
             self._runner.request(f"{call}-{i}", i, ids, reads, steers, edits, max_new_tokens,
                                  logprobs, sampling, clone=self.clone_reads,
-                                 **ablation.plan_parts(abl, len(ids), info))
+                                 **ablation.plan_parts(abl, len(ids), facts.head_dim))
             for i, (ids, steers, abl) in enumerate(zip(prompt_ids, per_prompt, ablates))
         ]
         requests += [self._runner.background(ids, max_new_tokens, sampling) for ids in bg_ids]
