@@ -257,13 +257,6 @@ def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int
             f"Steer vector has {st.vector.shape[0]} elements but this model's hidden size "
             f"is {facts.hidden_size}: compute it on this model (s.direction)"
         )
-    if st.site == "z" and width != facts.hidden_size:
-        # the workers' vector store holds hidden-size rows (see engine/vectors.py)
-        raise VlensError(
-            f"this model's heads * head_dim ({width}) differs from its hidden size "
-            f"({facts.hidden_size}), and vlens steers z only where they are equal: use "
-            "edit=fn at ('z', layer) to change z here"
-        )
     # the last generated token is sampled, never fed back: the request runs
     # prompt_len + max_new_tokens - 1 rows at most
     total = prompt_len + max_new_tokens - 1
@@ -328,6 +321,13 @@ def steers_per_prompt(steer: Any, n_prompts: int) -> list[list[Steer]]:
                 f"PerPrompt has {len(steer)} per-prompt entries for {n_prompts} prompts: "
                 "give one entry (a Steer, a list of Steers, or None) per prompt"
             )
+        for i, e in enumerate(steer):
+            for x in e:
+                if not isinstance(x, Steer):
+                    raise VlensError(
+                        f"steer= PerPrompt entry {i} holds a {type(x).__name__}: steer= takes "
+                        "Steers (pass Ablates as ablate=)"
+                    )
         return [_no_twice(list(e), f"PerPrompt entry {i}") for i, e in enumerate(steer)]
     if isinstance(steer, (list, tuple)):
         if any(x is None or isinstance(x, (list, tuple)) for x in steer):

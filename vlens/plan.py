@@ -11,6 +11,8 @@ id (a hash of their bytes).
      "reads":  [{"site": "resid_post", "layers": [0, 2], "reduce": "full", "k": 0}],
      "adds":   [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
                  "start": 0, "stop": -1, "relative": false}],
+     "sets":   [{"site": "z", "layer": 1, "vec": "", "lo": 16, "hi": 32,
+                 "start": 0, "stop": -1}],
      "edits":  [{"site": "resid_post", "layer": 2, "fn": "<id>"}]}
 
 ``tag`` names the client-side request: vLLM's internal request ids carry a
@@ -32,6 +34,7 @@ __all__ = [
     "EditContext",
     "Plan",
     "Read",
+    "Set",
     "Edit",
     "read_key",
     "parse_plan",
@@ -83,6 +86,22 @@ class Add:
 
 
 @dataclass(frozen=True)
+class Set:
+    """Replace dims ``[lo, hi)`` of ``site`` at ``layer`` (``hi == -1``: to
+    the row's end) with the same dims of ``vector[vec]`` (``vec == ""``:
+    zeros), at positions ``[start, stop)``: an ablation, or one cell of a
+    patching grid (the clean run's row written into the corrupt run)."""
+
+    site: str
+    layer: int
+    vec: str = ""  # "": zeros
+    lo: int = 0
+    hi: int = -1  # -1: to the end of the row
+    start: int = 0
+    stop: int = -1  # -1: to the end of the sequence
+
+
+@dataclass(frozen=True)
 class Edit:
     site: str
     layer: int
@@ -94,6 +113,7 @@ class Plan:
     tag: str
     reads: tuple[Read, ...] = ()
     adds: tuple[Add, ...] = ()
+    sets: tuple[Set, ...] = ()
     edits: tuple[Edit, ...] = ()
     clone: bool = False
     prompt_len: int = 0
@@ -123,6 +143,11 @@ class Plan:
                 {"site": w.site, "layer": w.layer, "vec": w.vec, "scale": float(w.scale),
                  "start": w.start, "stop": w.stop, "relative": w.relative}
                 for w in self.adds
+            ],
+            "sets": [
+                {"site": w.site, "layer": w.layer, "vec": w.vec, "lo": w.lo, "hi": w.hi,
+                 "start": w.start, "stop": w.stop}
+                for w in self.sets
             ],
             "edits": [{"site": e.site, "layer": e.layer, "fn": e.fn} for e in self.edits],
         }
@@ -166,6 +191,11 @@ def parse_plan(raw: Any) -> Plan:
                   int(w.get("start", 0)), int(w.get("stop", -1)),
                   bool(w.get("relative", False)))
             for w in raw.get("adds") or ()
+        )),
+        sets=_shared(tuple(
+            Set(str(w["site"]), int(w["layer"]), str(w.get("vec", "")), int(w.get("lo", 0)),
+                int(w.get("hi", -1)), int(w.get("start", 0)), int(w.get("stop", -1)))
+            for w in raw.get("sets") or ()
         )),
         edits=tuple(
             Edit(str(e["site"]), int(e["layer"]), str(e["fn"])) for e in raw.get("edits") or ()

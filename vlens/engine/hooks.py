@@ -17,7 +17,7 @@ import torch
 from vlens._wire import decode_tensor
 from vlens.batcher import gather, token_axis
 from vlens.engine.attention import AttentionShape, attention_probs, head_refusals
-from vlens.engine.site_ops import apply_adds, reduce_rows, run_edit
+from vlens.engine.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.engine.vectors import VectorStore
 from vlens.plan import PLAN_KEY, Plan, parse_plan
 from vlens.planner import StepPlan, plan_step
@@ -97,18 +97,25 @@ class WorkerHooks:
                     handle = module.register_forward_hook(hook, with_kwargs=True)
                 self.handles.append(handle)
 
-    def _rank_columns(self, batch) -> torch.Tensor:
-        """The columns of the steering vectors (heads * head_dim wide) that
-        fall on this rank's heads."""
+    def _add_matrix(self, site: str, layer: int, batch) -> torch.Tensor:
+        """The vector matrix a steering add at ``site`` draws from: hidden
+        wide, or for a head site every head's ``heads * head_dim`` (only the
+        columns of this rank's heads under tensor parallelism)."""
+        if site not in HEAD_SITES:
+            return self.vectors.matrix
+        m = self.sites.attention[layer]
+        local = int(m.num_heads) * int(m.head_size)
+        full = self.vectors.matrix_of(local * self.tp)
+        if self.tp == 1:
+            return full
         if batch.relative is not None:
             raise ValueError("relative steering at z needs every head's values, which "
                              "tensor-parallel ranks split: use relative=False, or "
                              "tensor_parallel_size=1")
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        width = self.vectors.matrix.shape[1] // self.tp
         rank = get_tensor_model_parallel_rank()
-        return self.vectors.matrix[:, rank * width:(rank + 1) * width]
+        return full[:, rank * local:(rank + 1) * local]
 
     def _gather_heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's heads of ``x`` along ``dim`` (rank order is head
@@ -265,7 +272,8 @@ class WorkerHooks:
         if step is None or not step.wants(key):
             return
         get_value = lambda: value  # noqa: E731
-        if target is not None and value is not target and (key in step.adds or key in step.edits):
+        if target is not None and value is not target and (
+                key in step.adds or key in step.sets or key in step.edits):
             # the value was summed before the operator ran; after an add to
             # the target, reads and edits must see the changed sum, as in eager
             before = target.clone()
@@ -288,11 +296,12 @@ class WorkerHooks:
         t0 = time.perf_counter_ns()
         site, layer = key
         label = f"{site}[{layer}]"
+        self._apply_sets(step, key, get_value, get_target, label)
         batch = step.adds.get(key)
         sharded = self.tp > 1 and site in HEAD_SITES  # this rank holds only its heads
         if batch is not None:
             try:
-                matrix = self._rank_columns(batch) if sharded else self.vectors.matrix
+                matrix = self._add_matrix(site, layer, batch)
                 apply_adds(matrix, batch, step.layout, get_value, get_target, label)
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
@@ -321,6 +330,24 @@ class WorkerHooks:
             except Exception as exc:  # reported to the client, never swallowed
                 self._fail([r for g in groups for r in g.req_ids], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
+
+    def _apply_sets(self, step: StepPlan, key, get_value, get_target, label: str) -> None:
+        """Ablations and patched cells at one (site, layer): before the adds,
+        so a steer on an ablated site adds to what the ablation left."""
+        batch = step.sets.get(key)
+        if batch is None:
+            return
+        try:
+            if get_target is None:
+                raise ValueError(f"site {key[0]} is read-only: it cannot be ablated or patched")
+            if self.tp > 1 and key[0] in HEAD_SITES:
+                raise ValueError(
+                    f"ablating or patching {key[0]} under tensor parallelism ({self.tp} ranks, "
+                    "each holding its own heads) is not supported yet: use "
+                    "tensor_parallel_size=1, or a residual site")
+            apply_sets(self.vectors.matrix_of, batch, step.layout, get_value, get_target, label)
+        except Exception as exc:  # the requests concerned get the error
+            self._fail(batch.req_ids, key, exc)
 
     def _read(self, step, spec, value, groups, layer, label) -> None:
         axis = token_axis(value, step.layout, site=label)
