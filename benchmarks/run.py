@@ -303,12 +303,12 @@ def widget_latency(model: str, timeout: int, repeats: int = 5) -> dict:
 def patching_grid(model: str, args: argparse.Namespace) -> dict:
     """benchmarks/patching.py on the first model: a 4 x 40 patching grid as
     one batch, one call per cell and a Hugging Face loop. It rewrites its
-    table in docs/methods.md when this run rewrites docs/performance.md."""
+    table in docs/methods.md only when this run rewrites docs/performance.md."""
     import patching
 
     log("\n== patching grid")
     argv = ["--model", model, "--reps", str(max(2, min(args.reps, 5)))]
-    if args.doc is None:
+    if args.doc != ROOT / "docs" / "performance.md":  # a partial or test run: figures aside
         argv += ["--no-doc", "--json", str(args.json.with_name("results-patching-custom.json"))]
     try:
         return patching.main(argv)
