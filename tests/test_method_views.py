@@ -142,6 +142,8 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
     layer, head = COPY_HEAD
     panel = SteeringPanel(toy_session, ANIMAL, layer=layer, max_new_tokens=6)
     assert panel._mode.layout.display == ""  # the model has a z site: the toggle shows
+    # a steering direction is [hidden]-wide: no per-head site and no pattern to steer at
+    assert not {"q", "k", "v", "z", "attn_pattern"} & set(panel.site_picker.options)
     panel._mode.value = "ablate"  # the toggle, as clicked
     assert panel.mode == "ablate" and panel._ablate_row.layout.display == ""
     assert panel._scale_row.layout.display == "none" and panel._lists.layout.display == "none"

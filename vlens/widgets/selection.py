@@ -17,6 +17,7 @@ from typing import Any
 import traitlets
 
 from vlens.results import Run
+from vlens.sites import HEAD_SITES
 
 __all__ = ["Controller", "Selection"]
 
@@ -25,16 +26,16 @@ Progress = Callable[[int, int], None]
 #: how many logit-lens predictions a trace keeps per layer and token (the hover's list)
 TOP_K = 5
 
-#: sites read per head (``[layers, T, heads, head_dim]``) or as a pattern
-#: (``[layers, heads, T, T]``): not one vector per token, so the activation
-#: view does not offer them, and the explorer's trace reads only the pattern
-HEAD_SITES = ("q", "k", "v", "z")
-PATTERN_SITES = ("attn_pattern",)
+#: the sites read per head (``[layers, T, heads, head_dim]``): no view shows
+#: them, so the explorer's trace leaves them out (it reads the pattern)
+PER_HEAD_SITES = tuple(x for x in HEAD_SITES if x != "attn_pattern")
 
 
 def token_sites(sites: Sequence[str]) -> list[str]:
-    """The sites of ``sites`` that hold one ``[hidden]`` vector per token."""
-    return [x for x in sites if x not in HEAD_SITES + PATTERN_SITES]
+    """The sites of ``sites`` that hold one ``[hidden]`` vector per token
+    (not the per-head sites nor ``attn_pattern``): what the activation view
+    draws and where a steering direction lives."""
+    return [x for x in sites if x not in HEAD_SITES]
 
 
 class Selection(traitlets.HasTraits):
@@ -84,7 +85,7 @@ class Controller(traitlets.HasTraits):
         """Trace ``prompt`` for every view and set ``run``."""
         s = self.session
         # per-head sites would double the read for nothing the views show
-        sites = [x for x in s.sites if x not in HEAD_SITES]
+        sites = [x for x in s.sites if x not in PER_HEAD_SITES]
         run = s.trace([prompt], layers=None, sites=sites, logit_lens=TOP_K,
                       max_new_tokens=self.max_new_tokens, progress=progress)
         self.run = run

@@ -25,7 +25,7 @@ from vlens.steering import Steer
 from vlens.widgets._base import View, figure_widget, show_figure
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
 from vlens.widgets.pickers import HeadPicker, LayerPicker, SitePicker
-from vlens.widgets.selection import Controller, Selection
+from vlens.widgets.selection import Controller, Selection, token_sites
 from vlens.widgets.token_span import TokenSpanPicker
 
 __all__ = ["SteeringDefaults", "SteeringPanel", "steering_defaults"]
@@ -163,7 +163,8 @@ class SteeringPanel(View):
         self._vector_label = widgets.Label()
         self._vector_row = widgets.HBox([self._path, self._load, self._vector_label])
         self.layer_picker = LayerPicker(s.n_layers, value=self.selection.layer)
-        self.site_picker = SitePicker(s.sites, value=self.selection.site)
+        # the [hidden]-wide sites: a steering direction is one vector per token
+        self.site_picker = SitePicker(token_sites(s.sites), value=self.selection.site)
         self._prompt = widgets.Text(prompt or "", description="prompt",
                                     layout={"width": "60%"})
         self.span_picker = TokenSpanPicker() if span_picker else None
