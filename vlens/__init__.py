@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from vlens.architectures import supported_architectures
     from vlens.steering import PerPrompt, Steer
     from vlens.widgets import explore
+    from vlens.remote.client import connect
 
 __all__ = [
     "ClosedError",
@@ -34,6 +35,7 @@ __all__ = [
     "Steer",
     "TokenAxisError",
     "Trace",
+    "connect",
     "VlensError",
     "__version__",
     "explore",
@@ -50,6 +52,7 @@ _LAZY = {
     "Run": "vlens.results",
     "Trace": "vlens.results",
     "explore": "vlens.widgets",
+    "connect": "vlens.remote.client",
     "supported_architectures": "vlens.architectures",
 }
 

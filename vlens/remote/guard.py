@@ -1,0 +1,223 @@
+"""The server's checks on everything a client sends, before any of it
+reaches the engine.
+
+A client is not trusted: its plans are parsed and re-checked here against
+the model (sites, layers, reductions, spans), its steering vectors against
+the hidden size, its sampling settings against a whitelist, and its call
+against the server's per-client limits. The plan's tag and vector ids are
+then prefixed with the client's name, so a client's requests can only ever
+read into, and be collected by, that client.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vlens.checks import REMOTE_EDIT, ModelFacts, check_budget
+from vlens.errors import VlensError
+from vlens.plan import PLAN_KEY, Plan, parse_plan
+from vlens.remote.wire import PARAM_FIELDS
+
+__all__ = ["Refused", "Limits", "Checked", "check_call"]
+
+_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_REDUCES = {"full", "norm", "logit_lens", "logprobs"}
+
+
+class Refused(Exception):
+    """A request the server turns down: HTTP ``status`` and why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-client limits, set with ``vlens serve`` flags."""
+
+    read_bytes: int = 256 * 2**20  # activations one call may read
+    concurrent: int = 4  # calls of one client in flight at once
+    prompt_tokens: int = 4096  # tokens in one prompt
+    requests: int = 256  # engine requests in one call
+    samples: int = 16  # n per request
+    vectors: int = 64  # steering vectors one call may ship
+    body_bytes: int = 64 * 2**20  # one request body
+
+    def public(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Checked:
+    """One call, checked: per request its token ids, server-made
+    SamplingParams and prefixed tag (None: no plan); the vectors to hold."""
+
+    ids: list[list[int]]
+    params: list[Any]
+    tags: list[str | None]
+    vectors: dict[str, dict[str, Any]]
+
+
+def _bad(message: str) -> Refused:
+    return Refused(400, message)
+
+
+def _int(x: Any, what: str, lo: int, hi: int) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi:
+        raise _bad(f"{what} must be a whole number from {lo} to {hi}, got {x!r:.60}")
+    return x
+
+
+def check_vector(vid: Any, payload: Any, hidden: int) -> dict[str, Any]:
+    if not isinstance(vid, str) or not _ID.match(vid):
+        raise _bad(f"vector id {vid!r:.60} is not a vlens id (1-128 of A-Z a-z 0-9 _ . : -)")
+    if not isinstance(payload, dict) or set(payload) != {"data", "shape", "dtype"}:
+        raise _bad(f"vector {vid}: expected {{data, shape, dtype}}")
+    size = _DTYPES.get(payload["dtype"]) if isinstance(payload["dtype"], str) else None
+    if size is None:
+        raise _bad(f"vector {vid}: dtype must be one of {sorted(_DTYPES)}")
+    if payload["shape"] != [hidden]:
+        raise _bad(f"vector {vid}: shape must be [{hidden}] (the hidden size), "
+                   f"got {payload['shape']!r:.60}")
+    data = payload["data"]
+    if not isinstance(data, bytes) or len(data) != hidden * size:
+        raise _bad(f"vector {vid}: data must be {hidden * size} bytes")
+    import torch
+
+    from vlens._wire import decode_tensor
+
+    if not torch.isfinite(decode_tensor(payload).float()).all():
+        raise _bad(f"vector {vid} holds NaN or infinite values")
+    return payload
+
+
+def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: set[str],
+               client: str) -> Plan:
+    """Parse and check a client's plan; return it with the tag and vector
+    ids prefixed by ``client``."""
+    try:
+        plan = parse_plan(raw)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise _bad(f"malformed plan: {exc}") from None
+    if plan.edits:
+        raise _bad(REMOTE_EDIT)
+    if not _ID.match(plan.tag):
+        raise _bad(f"plan tag {plan.tag!r:.60} is not a vlens tag")
+    if plan.prompt_len != len(ids):
+        raise _bad(f"plan prompt_len {plan.prompt_len} != the prompt's {len(ids)} tokens")
+    _int(plan.index, "plan index", 0, 1 << 20)
+    for r in plan.reads:
+        if r.site not in facts.sites:
+            raise _bad(f"read site {r.site!r:.40} is not one of {list(facts.sites)}")
+        if r.reduce not in _REDUCES:
+            raise _bad(f"read reduce {r.reduce!r:.40} is not one of {sorted(_REDUCES)}")
+        if not r.layers or len(r.layers) > facts.n_layers:
+            raise _bad(f"read layers must be 1 to {facts.n_layers} layers")
+        for layer in r.layers:
+            _int(layer, "read layer", 0, facts.n_layers - 1)
+        hi = min(facts.vocab_size, 1000) if r.reduce == "logit_lens" else 0
+        _int(r.k, f"read k for {r.reduce}", 1 if hi else 0, hi)
+    adds = []
+    for a in plan.adds:
+        if a.site not in facts.writable:
+            raise _bad(f"steering site {a.site!r:.40} is not one of {list(facts.writable)}")
+        _int(a.layer, "steering layer", 0, facts.n_layers - 1)
+        if not math.isfinite(a.scale):
+            raise _bad("steering scale must be a finite number")
+        _int(a.start, "steering start", 0, 1 << 24)
+        if a.stop != -1:
+            _int(a.stop, "steering stop", a.start + 1, 1 << 24)
+        if a.vec not in vectors:
+            raise _bad(f"steering vector {a.vec!r:.60} was not sent with this call")
+        adds.append(replace(a, vec=f"{client}/{a.vec}"))
+    return replace(plan, tag=f"{client}/{plan.tag}", adds=tuple(adds))
+
+
+def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
+                 vectors: set[str], client: str) -> tuple[Any, Plan | None]:
+    """A whitelisted params dict -> (vLLM SamplingParams, checked plan)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    if not isinstance(raw, dict):
+        raise _bad("params must be an object")
+    unknown = set(raw) - set(PARAM_FIELDS)
+    if unknown:
+        raise _bad(f"sampling settings {sorted(unknown)} are not accepted; "
+                   f"allowed: {', '.join(PARAM_FIELDS)}")
+    args = dict(raw)
+    _int(args.get("n", 1), "n", 1, limits.samples)
+    max_tokens = _int(args.get("max_tokens", 16), "max_tokens", 1, facts.max_model_len)
+    if len(ids) + max_tokens > facts.max_model_len:
+        raise _bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                   f"model's max_model_len {facts.max_model_len}")
+    for key in ("logprobs", "prompt_logprobs"):
+        if args.get(key) is not None:
+            _int(args[key], key, 0, 20)
+    stop = args.get("stop")
+    if stop is not None and not (isinstance(stop, list) and len(stop) <= 16 and all(
+            isinstance(s, str) and 0 < len(s) <= 200 for s in stop)):
+        raise _bad("stop must be a list of at most 16 strings")
+    stop_ids = args.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and len(stop_ids) <= 64):
+        raise _bad("stop_token_ids must be a list of at most 64 token ids")
+    for t in stop_ids or ():
+        _int(t, "stop token id", 0, facts.vocab_size - 1)
+    extra = args.pop("extra_args", None)
+    plan = None
+    if extra is not None:
+        if not isinstance(extra, dict) or set(extra) != {PLAN_KEY}:
+            raise _bad(f"extra_args may hold only {{{PLAN_KEY!r}: plan}}")
+        plan = check_plan(extra[PLAN_KEY], ids, facts, vectors, client)
+        args["extra_args"] = {PLAN_KEY: plan.to_wire()}
+    try:
+        sp = SamplingParams(**args)
+    except Exception as exc:  # noqa: BLE001 - vLLM's validation errors vary
+        raise _bad(f"bad sampling settings: {exc}") from None
+    sp.output_kind = RequestOutputKind.CUMULATIVE
+    return sp, plan
+
+
+def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Checked:
+    """A decoded /v1/generate body -> a :class:`Checked` call, or Refused."""
+    if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
+        raise _bad("body must be {requests: [...], vectors: {...}, stream: bool}")
+    if set(body) - {"requests", "vectors", "stream"}:
+        raise _bad(f"unknown fields {sorted(set(body) - {'requests', 'vectors', 'stream'})}")
+    reqs = body["requests"]
+    if not 1 <= len(reqs) <= limits.requests:
+        raise Refused(413 if reqs else 400,
+                      f"a call holds 1 to {limits.requests} requests, got {len(reqs)}")
+    raw_vectors = body.get("vectors") or {}
+    if not isinstance(raw_vectors, dict) or len(raw_vectors) > limits.vectors:
+        raise Refused(413, f"vectors must be an object of at most {limits.vectors} vectors")
+    vectors = {vid: check_vector(vid, p, facts.hidden_size) for vid, p in raw_vectors.items()}
+    ids_all, params, tags, sizes = [], [], [], []
+    for i, req in enumerate(reqs):
+        if not isinstance(req, dict) or set(req) != {"ids", "params"}:
+            raise _bad(f"request {i} must be {{ids, params}}")
+        ids = req["ids"]
+        if not isinstance(ids, list) or not ids:
+            raise _bad(f"request {i}: ids must be a non-empty list of token ids")
+        if len(ids) > limits.prompt_tokens:
+            raise Refused(413, f"request {i}: {len(ids)} prompt tokens; this server takes at "
+                               f"most {limits.prompt_tokens} per prompt")
+        for t in ids:
+            _int(t, f"request {i} token id", 0, facts.vocab_size - 1)
+        sp, plan = check_params(req["params"], ids, facts, limits, set(vectors), client)
+        ids_all.append(ids)
+        params.append(sp)
+        tags.append(plan.tag if plan else None)
+        if plan is not None:
+            sizes.append((len(ids), plan.reads, sp.max_tokens, sp.n))
+    try:
+        check_budget(sizes, facts, limits.read_bytes)
+    except VlensError as exc:
+        raise Refused(413, f"over this server's read limit per call: {exc}") from None
+    return Checked(ids_all, params, tags, {f"{client}/{k}": v for k, v in vectors.items()})
