@@ -105,6 +105,9 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: set[str],
         plan = parse_plan(raw)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise _bad(f"malformed plan: {exc}") from None
+    if plan.to_wire() != raw:  # only the canonical form: no coerced strings, no extra keys
+        raise _bad("malformed plan: it is not in the form vlens writes plans "
+                   "(wrong types, missing or extra fields)")
     if plan.edits:
         raise _bad(REMOTE_EDIT)
     if not _ID.match(plan.tag):
@@ -139,6 +142,20 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: set[str],
     return replace(plan, tag=f"{client}/{plan.tag}", adds=tuple(adds))
 
 
+_NUM = (int, float)
+_KINDS: dict[str, tuple] = {
+    "n": (int,), "temperature": _NUM, "top_p": _NUM, "top_k": (int, type(None)),
+    "min_p": _NUM, "seed": (int, type(None)), "max_tokens": (int,), "min_tokens": (int,),
+    "logprobs": (int, type(None)), "prompt_logprobs": (int, type(None)),
+    "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM,
+    "stop": (list, type(None)), "stop_token_ids": (list, type(None)), "ignore_eos": (bool,),
+    "skip_special_tokens": (bool,), "spaces_between_special_tokens": (bool,),
+    "include_stop_str_in_output": (bool,), "skip_reading_prefix_cache": (bool, type(None)),
+    "extra_args": (dict, type(None)),
+}
+assert set(_KINDS) == set(PARAM_FIELDS)
+
+
 def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
                  vectors: set[str], client: str) -> tuple[Any, Plan | None]:
     """A whitelisted params dict -> (vLLM SamplingParams, checked plan)."""
@@ -151,8 +168,21 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
     if unknown:
         raise _bad(f"sampling settings {sorted(unknown)} are not accepted; "
                    f"allowed: {', '.join(PARAM_FIELDS)}")
+    for key, value in raw.items():
+        kinds = _KINDS[key]
+        if value is None and type(None) in kinds:
+            continue
+        if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+            raise _bad(f"sampling setting {key}={value!r:.40} has the wrong type")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _bad(f"sampling setting {key} must be a finite number")
     args = dict(raw)
     _int(args.get("n", 1), "n", 1, limits.samples)
+    _int(args.get("min_tokens", 0), "min_tokens", 0, facts.max_model_len)
+    if args.get("seed") is not None:
+        _int(args["seed"], "seed", 0, 2**63 - 1)
+    if args.get("top_k") is not None:
+        _int(args["top_k"], "top_k", -1, facts.vocab_size)
     max_tokens = _int(args.get("max_tokens", 16), "max_tokens", 1, facts.max_model_len)
     if len(ids) + max_tokens > facts.max_model_len:
         raise _bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
@@ -178,6 +208,11 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
         args["extra_args"] = {PLAN_KEY: plan.to_wire()}
     try:
         sp = SamplingParams(**args)
+        # the engine core decodes requests with msgspec's typed decoder, and a
+        # value it rejects there kills its input thread: check the same way here
+        import msgspec
+
+        msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
     except Exception as exc:  # noqa: BLE001 - vLLM's validation errors vary
         raise _bad(f"bad sampling settings: {exc}") from None
     sp.output_kind = RequestOutputKind.CUMULATIVE
