@@ -461,5 +461,10 @@ def test_a_server_restart_is_a_clear_error_then_reconnect_works(server, toy_sess
     server.start()
     with server.connect("c6") as again:
         got = again.trace("the wind was", layers=[2], max_new_tokens=4)
-    assert got[0].text == want[0].text
-    torch.testing.assert_close(got[0].activations(), want[0].activations(), atol=1e-5, rtol=0)
+    # the server keeps nothing between calls: the old session works again too
+    old = s.trace("the wind was", layers=[2], max_new_tokens=4)
+    s.close()
+    for run in (got, old):
+        assert run[0].text == want[0].text
+        torch.testing.assert_close(run[0].activations(), want[0].activations(),
+                                   atol=1e-5, rtol=0)
