@@ -127,3 +127,15 @@ def test_compiled_mode_refuses_full_cuda_graphs_and_foreign_workers(tiny_llama):
         vlens.Session(tiny_llama, reuse=False, worker_cls="my.Worker")
     with pytest.raises(VlensError, match="enforce_eager=False for compiled mode"):
         vlens.Session(tiny_llama, reuse=False, compilation_config={"mode": 3})
+
+
+def test_compiled_mode_reads_heads_and_patterns_as_eager_does(compiled_session, llama_session):
+    sites = ["q", "k", "v", "z", "attn_pattern"]
+    d = torch.randn(compiled_session.hidden_size, generator=torch.Generator().manual_seed(2))
+    steer = vlens.Steer(d, layer=1, site="z", scale=0.5)
+    eager, compiled = (s.trace(PROMPTS, sites=sites, max_new_tokens=4, steer=steer)
+                       for s in (llama_session, compiled_session))
+    for a, b in zip(eager, compiled):
+        assert a.token_ids == b.token_ids and a.steered_rows == b.steered_rows > 0
+        for site in sites:
+            assert torch.allclose(a.activations(site), b.activations(site), atol=1e-5), site

@@ -316,8 +316,12 @@ def test_vector_store_reuses_rows_and_keeps_values_when_it_grows():
     assert store.drop("v1") and "v1" not in store
     assert store.put("new", torch.ones(3)) == row  # the freed row, no growth
     assert store.matrix.shape[0] == 8 and len(store) == 5
-    with pytest.raises(ValueError, match=r"expected \[3\]"):
-        store.put("bad", torch.ones(4))
+    with pytest.raises(ValueError, match=r"expected \[width\] \(steering: \[3\]\)"):
+        store.put("bad", torch.ones(2, 3))
+    # a vector of another width (a z site's) gets a matrix of its own
+    wide = store.put("wide", torch.full((5,), 7.0))
+    assert store.matrix_of(5)[wide].tolist() == [7.0] * 5
+    assert store.matrix.shape == (8, 3) and len(store) == 6
 
 
 def test_vector_store_memory_is_bounded_by_what_it_holds():

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError
 
 if TYPE_CHECKING:
+    from vlens.ablation import Ablate
+    from vlens.patching import Patching
     from vlens.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
@@ -26,9 +28,11 @@ if TYPE_CHECKING:
     from vlens.remote.client import connect
 
 __all__ = [
+    "Ablate",
     "ClosedError",
     "EditContext",
     "EngineError",
+    "Patching",
     "PerPrompt",
     "Run",
     "Session",
@@ -45,6 +49,8 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Ablate": "vlens.ablation",
+    "Patching": "vlens.patching",
     "EditContext": "vlens.plan",
     "PerPrompt": "vlens.steering",
     "Session": "vlens.session",

@@ -24,7 +24,7 @@ from vlens._progress import progress_factory
 from vlens._wire import decode_tensor
 from vlens.checks import ModelFacts, check_budget
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
-from vlens.plan import PLAN_KEY, Add, Edit, Plan, Read
+from vlens.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 from vlens.results import Run, Trace
 from vlens.steering import Steer, edit_salt
 
@@ -154,16 +154,18 @@ class Runner:
         return f"{self._name}-{next(self._calls)}"
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool, plan: Plan | None,
-                        sampling: dict[str, Any]):
+                        sampling: dict[str, Any], score: dict[str, Any] | None = None):
+        """vLLM's SamplingParams of one request. ``score``: vlens's own
+        settings over the logprob ones (patching asks for the top-k
+        (``logprobs=k``) or for given tokens (``logprob_token_ids``))."""
         from vllm import SamplingParams
 
-        args = {"temperature": 0.0, **sampling}
+        args = {"temperature": 0.0, "logprobs": 0 if logprobs else None,
+                "prompt_logprobs": 0 if logprobs else None, **sampling, **(score or {})}
         needs_rows = plan is not None and bool(plan.reads or plan.edits)
         try:
             return SamplingParams(
                 max_tokens=max_new_tokens,
-                logprobs=0 if logprobs else None,
-                prompt_logprobs=0 if logprobs else None,
                 # reads and edit functions need every prompt row; steer-only
                 # requests may reuse KV made under the same steers (their
                 # cache_salt)
@@ -176,18 +178,22 @@ class Runner:
 
     def request(self, tag: str, index: int, ids: list[int], reads: Sequence[Read],
                 steers: Sequence[Steer], edits: Sequence[Edit], max_new_tokens: int,
-                logprobs: bool, sampling: dict[str, Any], *, clone: bool) -> Request:
+                logprobs: bool, sampling: dict[str, Any], *, clone: bool,
+                sets: Sequence[Set] = (), vectors: dict[str, Any] | None = None,
+                score: dict[str, Any] | None = None) -> Request:
         """One traced request. Every traced request carries a plan, even one
-        that reads and writes nothing, so its processed tokens are recorded."""
+        that reads and writes nothing, so its processed tokens are recorded.
+        ``sets`` (ablations, patched cells) name their vectors in ``vectors``
+        (``{id: tensor [width]}``)."""
         adds = tuple(
             Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
                 relative=st.relative)
             for st in steers
         )
-        plan = Plan(tag=tag, reads=tuple(reads), adds=adds, edits=tuple(edits), clone=clone,
-                    prompt_len=len(ids), index=index)
-        params = self.sampling_params(max_new_tokens, logprobs, plan, sampling)
-        return Request(ids, plan, params, {st.id: st.vector for st in steers})
+        plan = Plan(tag=tag, reads=tuple(reads), adds=adds, sets=tuple(sets), edits=tuple(edits),
+                    clone=clone, prompt_len=len(ids), index=index)
+        params = self.sampling_params(max_new_tokens, logprobs, plan, sampling, score)
+        return Request(ids, plan, params, {**{st.id: st.vector for st in steers}, **(vectors or {})})
 
     def background(self, ids: list[int], max_new_tokens: int, sampling: dict[str, Any]) -> Request:
         """An untraced request, as other users' traffic would be."""
@@ -359,8 +365,10 @@ class _Call:
 def _engine_prompt(req: Request) -> dict[str, Any]:
     p: dict[str, Any] = {"prompt_token_ids": req.ids}
     if req.plan is not None:
-        # steered KV is kept apart from everyone else's in the prefix cache
-        salt = edit_salt([a.__dict__ for a in req.plan.adds],
+        # steered, ablated or patched KV is kept apart from everyone else's
+        # in the prefix cache
+        salt = edit_salt([a.__dict__ for a in req.plan.adds]
+                         + [dict(w.__dict__, set=True) for w in req.plan.sets],
                          [e.__dict__ for e in req.plan.edits])
         if salt:
             p["cache_salt"] = salt

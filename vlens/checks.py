@@ -21,6 +21,7 @@ __all__ = [
     "check_budget",
     "check_edit",
     "check_generation",
+    "check_heads",
     "check_layers",
     "check_prompts",
     "check_reads",
@@ -53,6 +54,18 @@ class ModelFacts:
     device: str = "cpu"
     #: sites this architecture has no value for -> why (a parallel block's resid_mid)
     absent: tuple[tuple[str, str], ...] = ()
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+
+    def width(self, site: str) -> int:
+        """Floats per token of a full read (or of a vector written) at ``site``;
+        for ``attn_pattern`` per key."""
+        if site in ("q", "z", "attn_pattern"):
+            return self.n_heads * (1 if site == "attn_pattern" else self.head_dim)
+        if site in ("k", "v"):
+            return self.n_kv_heads * self.head_dim
+        return 1 if site == "positions" else self.hidden_size
 
     def no_such_site(self, site: Any, what: str = "site") -> VlensError:
         """The error for a site this model lacks: why, where the architecture
@@ -65,14 +78,17 @@ class ModelFacts:
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> ModelFacts:
         """From ``Engine.info``."""
-        from vlens.sites import WRITABLE
+        from vlens.sites import HEAD_WRITABLE, WRITABLE
 
         sites = tuple(info["sites"])
         return cls(
             n_layers=int(info["n_layers"]),
             hidden_size=int(info["hidden_size"]),
             sites=sites,
-            writable=tuple(x for x in WRITABLE if x in sites),
+            writable=tuple(x for x in WRITABLE + HEAD_WRITABLE if x in sites),
+            n_heads=int(info.get("n_heads", 0)),
+            n_kv_heads=int(info.get("n_kv_heads", 0)),
+            head_dim=int(info.get("head_dim", 0)),
             max_model_len=int(info["max_model_len"]),
             vocab_size=int(info["vocab_size"]),
             device=str(info.get("device", "cpu")),
@@ -166,15 +182,43 @@ def check_generation(max_new_tokens: Any, sampling: dict[str, Any], facts: Model
         )
 
 
+def check_heads(heads: Any, sites: list[str], facts: ModelFacts) -> tuple[int, ...]:
+    """``heads=`` of a trace: None (every head) or query head numbers; it
+    selects the heads of ``attn_pattern`` only."""
+    if heads is None:
+        return ()
+    if "attn_pattern" not in sites:
+        raise VlensError("heads= selects heads of the attn_pattern read: add 'attn_pattern' "
+                         "to sites=, or leave heads out")
+    if _is_int(heads):
+        heads = [heads]
+    if isinstance(heads, range):
+        heads = list(heads)
+    if not isinstance(heads, (list, tuple)) or not heads or not all(_is_int(h) for h in heads):
+        raise VlensError(f"heads must be None (all), an int or a non-empty list of ints, "
+                         f"got {heads!r}")
+    bad = [h for h in heads if not 0 <= h < facts.n_heads]
+    if bad:
+        raise VlensError(f"head {bad[0]} does not exist: this model has {facts.n_heads} "
+                         f"attention heads, numbered 0 to {facts.n_heads - 1}")
+    return tuple(dict.fromkeys(heads))
+
+
 def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
-                facts: ModelFacts) -> list[Read]:
+                facts: ModelFacts, heads: tuple[int, ...] = ()) -> list[Read]:
     """The reads of a ``trace`` call: ``sites`` at ``layers`` reduced by
-    ``reduce``, plus the logit lens top-``k`` of ``resid_post`` when k > 0."""
+    ``reduce``, plus the logit lens top-``k`` of ``resid_post`` when k > 0.
+    ``heads``: the query heads of an ``attn_pattern`` read (empty: all)."""
     if reduce not in ("full", "norm"):
         raise VlensError(f"reduce must be 'full' or 'norm', got {reduce!r}")
     if not _is_int(k) or k < 0:
         raise VlensError(f"logit_lens must be a non-negative int (top-k), got {k!r}")
-    reads = [Read(site, tuple(layers), reduce) for site in sites]
+    if reduce != "full" and "attn_pattern" in sites:
+        raise VlensError("attn_pattern is read in full only (probabilities have no useful "
+                         "norm): read it in its own trace with reduce='full', and shrink it "
+                         "with heads= or layers=")
+    reads = [Read(site, tuple(layers), reduce, 0, heads if site == "attn_pattern" else ())
+             for site in sites]
     if k:
         if k > facts.vocab_size:
             raise VlensError(
@@ -201,7 +245,14 @@ def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int
         raise VlensError(
             f"Steer site {st.site!r} cannot be written: use one of {', '.join(facts.writable)}"
         )
-    if st.vector.shape[0] != facts.hidden_size:
+    width = facts.width(st.site)
+    if st.vector.shape[0] != width:
+        if st.site == "z":
+            raise VlensError(
+                f"a Steer at z needs a vector of heads * head_dim = {facts.n_heads} * "
+                f"{facts.head_dim} = {width} elements (one slice per head), got "
+                f"{st.vector.shape[0]}"
+            )
         raise VlensError(
             f"Steer vector has {st.vector.shape[0]} elements but this model's hidden size "
             f"is {facts.hidden_size}: compute it on this model (s.direction)"
@@ -270,6 +321,13 @@ def steers_per_prompt(steer: Any, n_prompts: int) -> list[list[Steer]]:
                 f"PerPrompt has {len(steer)} per-prompt entries for {n_prompts} prompts: "
                 "give one entry (a Steer, a list of Steers, or None) per prompt"
             )
+        for i, e in enumerate(steer):
+            for x in e:
+                if not isinstance(x, Steer):
+                    raise VlensError(
+                        f"steer= PerPrompt entry {i} holds a {type(x).__name__}: steer= takes "
+                        "Steers (pass Ablates as ablate=)"
+                    )
         return [_no_twice(list(e), f"PerPrompt entry {i}") for i, e in enumerate(steer)]
     if isinstance(steer, (list, tuple)):
         if any(x is None or isinstance(x, (list, tuple)) for x in steer):
@@ -332,6 +390,9 @@ def check_edit(edit: Any, edit_at: Any, facts: ModelFacts, *,
         site, layer = pair
         if site not in facts.sites:
             raise facts.no_such_site(site, "edit site")
+        if site == "attn_pattern":
+            raise VlensError("attn_pattern is computed by vlens, not by the model: an edit "
+                             "cannot change it. Edit 'q', 'k' (look only) or 'z' instead")
         check_layers([layer], facts)
         pairs.append((site, int(layer)))
     return pairs
@@ -342,13 +403,21 @@ def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
     """Refuse a call whose reads would exceed ``budget`` bytes, with the
     estimate and how to shrink it. ``requests``: per request
     ``(prompt length, reads, max_new_tokens, n samples)``."""
-    width = {"full": facts.hidden_size, "norm": 1, "logprobs": facts.vocab_size}
+    width = {"norm": 1, "logprobs": facts.vocab_size}
     total = 0
     biggest = ""
     for prompt_len, reads, max_new_tokens, n in requests:
-        rows = (prompt_len + max_new_tokens - 1) * max(1, n)
+        tokens = prompt_len + max_new_tokens - 1
+        rows = tokens * max(1, n)
         for read in reads:
-            w = 1 if read.site == "positions" else width.get(read.reduce, 3 * read.k)
+            if read.reduce == "full":
+                w = facts.width(read.site)
+                if read.site == "attn_pattern":  # [heads, T, T]: every key of every row
+                    w = (len(read.heads) or facts.n_heads) * tokens
+            elif read.reduce == "norm" and read.site in ("q", "k", "v", "z"):
+                w = facts.n_heads  # one norm per head
+            else:
+                w = width.get(read.reduce, 3 * read.k)
             size = rows * len(read.layers) * w * 4
             total += size
             if read.reduce == "full" and size * 2 > total:
@@ -358,6 +427,7 @@ def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
             f"this call would read about {total / 2**30:.2f} GiB of activations, over the "
             f"session's read budget of {budget / 2**30:.2f} GiB. Reduce it: reduce='norm' "
             "(the worker ships one number per token), fewer layers=, fewer sites=, fewer "
-            "or shorter prompts, smaller max_new_tokens=; or raise s.read_budget (bytes)"
+            "or shorter prompts, smaller max_new_tokens=, heads= for attn_pattern (it "
+            "grows with the square of the tokens); or raise s.read_budget (bytes)"
             + (f" (most of it is the full {biggest} reads)" if biggest else "")
         )

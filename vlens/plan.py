@@ -11,6 +11,8 @@ id (a hash of their bytes).
      "reads":  [{"site": "resid_post", "layers": [0, 2], "reduce": "full", "k": 0}],
      "adds":   [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
                  "start": 0, "stop": -1, "relative": false}],
+     "sets":   [{"site": "z", "layer": 1, "vec": "", "lo": 16, "hi": 32,
+                 "start": 0, "stop": -1}],
      "edits":  [{"site": "resid_post", "layer": 2, "fn": "<id>"}]}
 
 ``tag`` names the client-side request: vLLM's internal request ids carry a
@@ -32,6 +34,7 @@ __all__ = [
     "EditContext",
     "Plan",
     "Read",
+    "Set",
     "Edit",
     "read_key",
     "parse_plan",
@@ -49,12 +52,14 @@ class Read:
     activation, ``[n, hidden]``), ``"norm"`` (its L2 norm, ``[n]``),
     ``"logit_lens"`` (top-``k`` ids and probabilities of the model's own
     final norm + unembedding, ``[n, k]`` each) or ``"logprobs"`` (the logit
-    lens over the whole vocabulary, ``[n, vocab]``)."""
+    lens over the whole vocabulary, ``[n, vocab]``). ``heads``: for
+    ``attn_pattern``, the query heads to compute (empty: all)."""
 
     site: str
     layers: tuple[int, ...]
     reduce: str = "full"
     k: int = 0
+    heads: tuple[int, ...] = ()
 
     @cached_property
     def key(self) -> str:
@@ -81,6 +86,22 @@ class Add:
 
 
 @dataclass(frozen=True)
+class Set:
+    """Replace dims ``[lo, hi)`` of ``site`` at ``layer`` (``hi == -1``: to
+    the row's end) with the same dims of ``vector[vec]`` (``vec == ""``:
+    zeros), at positions ``[start, stop)``: an ablation, or one cell of a
+    patching grid (the clean run's row written into the corrupt run)."""
+
+    site: str
+    layer: int
+    vec: str = ""  # "": zeros
+    lo: int = 0
+    hi: int = -1  # -1: to the end of the row
+    start: int = 0
+    stop: int = -1  # -1: to the end of the sequence
+
+
+@dataclass(frozen=True)
 class Edit:
     site: str
     layer: int
@@ -92,6 +113,7 @@ class Plan:
     tag: str
     reads: tuple[Read, ...] = ()
     adds: tuple[Add, ...] = ()
+    sets: tuple[Set, ...] = ()
     edits: tuple[Edit, ...] = ()
     clone: bool = False
     prompt_len: int = 0
@@ -102,7 +124,8 @@ class Plan:
         """Every (site, layer) this plan reads, with how it reads there:
         ``((site, layer), (read key, k), read)``; worked out once per plan,
         used by the step planner every step."""
-        return tuple(((r.site, layer), (r.key, r.k), r) for r in self.reads for layer in r.layers)
+        return tuple(((r.site, layer), (r.key, r.k, r.heads), r)
+                     for r in self.reads for layer in r.layers)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -112,13 +135,19 @@ class Plan:
             "clone": self.clone,
             "prompt_len": self.prompt_len,
             "reads": [
-                {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k}
+                {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k,
+                 **({"heads": list(r.heads)} if r.heads else {})}
                 for r in self.reads
             ],
             "adds": [
                 {"site": w.site, "layer": w.layer, "vec": w.vec, "scale": float(w.scale),
                  "start": w.start, "stop": w.stop, "relative": w.relative}
                 for w in self.adds
+            ],
+            "sets": [
+                {"site": w.site, "layer": w.layer, "vec": w.vec, "lo": w.lo, "hi": w.hi,
+                 "start": w.start, "stop": w.stop}
+                for w in self.sets
             ],
             "edits": [{"site": e.site, "layer": e.layer, "fn": e.fn} for e in self.edits],
         }
@@ -154,7 +183,7 @@ def parse_plan(raw: Any) -> Plan:
         prompt_len=int(raw.get("prompt_len", 0)),
         reads=_shared(tuple(
             Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
-                 int(r.get("k", 0)))
+                 int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()))
             for r in raw.get("reads") or ()
         )),
         adds=_shared(tuple(
@@ -162,6 +191,11 @@ def parse_plan(raw: Any) -> Plan:
                   int(w.get("start", 0)), int(w.get("stop", -1)),
                   bool(w.get("relative", False)))
             for w in raw.get("adds") or ()
+        )),
+        sets=_shared(tuple(
+            Set(str(w["site"]), int(w["layer"]), str(w.get("vec", "")), int(w.get("lo", 0)),
+                int(w.get("hi", -1)), int(w.get("start", 0)), int(w.get("stop", -1)))
+            for w in raw.get("sets") or ()
         )),
         edits=tuple(
             Edit(str(e["site"]), int(e["layer"]), str(e["fn"])) for e in raw.get("edits") or ()

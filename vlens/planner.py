@@ -18,7 +18,9 @@ like the batcher it builds on. Rules it keeps:
   own sequence (``first`` = tokens already computed), so token spans of
   steering edits are clipped per step, whatever the chunking;
 * all requests' steering adds at one (site, layer) become one index: one
-  ``index_add_`` however many requests there are;
+  ``index_add_`` however many requests there are; so do all their sets
+  (ablations, patched cells): one gather, one masked difference, one
+  ``index_add_``;
 * requests that read the same (site, layer) the same way form one group:
   one gather and one reduction for all of them.
 """
@@ -33,13 +35,18 @@ import numpy as np
 import torch
 
 from vlens.batcher import RowSpan, StepLayout
-from vlens.plan import Edit, Plan, Read
+from vlens.plan import Add, Edit, Plan, Read, Set
 
-__all__ = ["AddBatch", "EditCall", "ReadGroup", "StepPlan", "plan_step", "COLLECTIVE"]
+__all__ = ["AddBatch", "EditCall", "ReadGroup", "SetBatch", "StepPlan", "plan_step", "COLLECTIVE",
+           "GATHERED"]
 
 #: reductions that every tensor-parallel rank must join (the unembedding
 #: gathers across ranks), though only the reading rank keeps the result
 COLLECTIVE = ("logit_lens", "logprobs")
+
+#: sites whose values are sharded by head across tensor-parallel ranks: every
+#: rank reads them, and the worker gathers the heads before one rank keeps them
+GATHERED = ("q", "k", "v", "z", "attn_pattern")
 
 Key = tuple[str, int]  # (site, layer)
 
@@ -75,6 +82,21 @@ class AddBatch:
 
 
 @dataclass(frozen=True)
+class SetBatch:
+    """Every set (ablation, patched cell) at one (site, layer) in one step.
+
+    Dims ``[lo[i], hi[i])`` of row ``rows[i]`` become those of
+    ``matrix[vectors[i]]`` (zeros where ``vectors[i] < 0``)."""
+
+    rows: torch.Tensor  # [m] int64 row numbers in the step
+    vectors: torch.Tensor  # [m] int64 rows of the worker's vector matrix, -1: zeros
+    lo: torch.Tensor  # [m] int64 first dim replaced
+    hi: torch.Tensor  # [m] int64 dim after the last replaced
+    any_vector: bool  # False: every set writes zeros (no matrix needed)
+    req_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class EditCall:
     """One request's ``edit=`` function at one (site, layer) in one step."""
 
@@ -99,12 +121,13 @@ class StepPlan:
     requests: dict[str, tuple[Plan, RowSpan]]
     reads: dict[Key, tuple[ReadGroup, ...]]
     adds: dict[Key, AddBatch]
+    sets: dict[Key, SetBatch]
     edits: dict[Key, tuple[EditCall, ...]]
     #: req_id -> what could not be planned for it (e.g. a missing vector)
     problems: dict[str, list[str]]
 
     def wants(self, key: Key) -> bool:
-        return key in self.reads or key in self.adds or key in self.edits
+        return key in self.reads or key in self.adds or key in self.sets or key in self.edits
 
 
 def plan_step(
@@ -137,6 +160,7 @@ def plan_step(
     # (plans parsed in the worker share equal reads/adds tuples, see parse_plan)
     by_reads: dict[int, tuple[Plan, list[RowSpan]]] = {}
     by_adds: dict[int, tuple[Plan, list[RowSpan]]] = {}
+    by_sets: dict[int, tuple[Plan, list[RowSpan]]] = {}
     for plan, span in zip(plans, layout.spans):
         if plan is None or span.stop == span.start:
             continue
@@ -151,12 +175,17 @@ def plan_step(
             if group is None:
                 group = by_adds[id(plan.adds)] = (plan, [])
             group[1].append(span)
+        if plan.sets:
+            group = by_sets.get(id(plan.sets))
+            if group is None:
+                group = by_sets[id(plan.sets)] = (plan, [])
+            group[1].append(span)
         for edit in plan.edits:
             edits[(edit.site, edit.layer)].append(EditCall(span, edit, plan))
     read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
     for plan, spans in by_reads.values():
         for where, how, read in plan.read_slots:
-            if reader or read.reduce in COLLECTIVE:
+            if reader or read.reduce in COLLECTIVE or read.site in GATHERED:
                 group = read_spans[where].get(how)
                 if group is None:
                     group = read_spans[where][how] = [read]
@@ -169,11 +198,15 @@ def plan_step(
     problems: dict[str, list[str]] = defaultdict(list)
     for plan, spans in by_adds.values():
         _clip_adds(plan, spans, vector_rows or {}, add_parts, problems)
+    set_parts: dict[Key, list] = defaultdict(list)
+    for plan, spans in by_sets.values():
+        _clip_sets(plan, spans, vector_rows or {}, set_parts, problems)
     return StepPlan(
         layout=layout,
         requests=requests,
         reads=reads,
         adds={key: _add_batch(parts, layout, device) for key, parts in add_parts.items()},
+        sets={key: _set_batch(parts, layout, device) for key, parts in set_parts.items()},
         edits={key: tuple(calls) for key, calls in edits.items()},
         problems=dict(problems),
     )
@@ -185,42 +218,55 @@ def _clip_adds(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
     positions fall in its ``[start, stop)`` (``stop < 0``: to the end):
     appends ``(first rows, last rows + 1, vector row, scale, relative,
     request ids)`` arrays to ``add_parts[(site, layer)]``."""
-    start = np.array([s.start for s in spans], dtype=np.int64)
-    first = np.array([s.first_position for s in spans], dtype=np.int64)
-    end = first + np.array([s.stop - s.start for s in spans], dtype=np.int64)
-    for add in plan.adds:
-        lo = np.maximum(add.start, first)
-        hi = end if add.stop < 0 else np.minimum(add.stop, end)
-        hit = np.nonzero(lo < hi)[0]
-        if not hit.size:
-            continue
+    for add, rows_lo, rows_hi, keys in _clipped(plan.adds, spans):
         vec = vector_rows.get(add.vec)
         if vec is None:
-            for i in hit.tolist():
-                problems[spans[i].key].append(
+            for key in keys:
+                problems[key].append(
                     f"site {add.site}, layer {add.layer}: steering vector {add.vec} "
                     "never reached this worker"
                 )
             continue
-        add_parts[(add.site, add.layer)].append((
-            start[hit] + lo[hit] - first[hit], start[hit] + hi[hit] - first[hit],
-            vec, add.scale, add.relative, [spans[i].key for i in hit.tolist()],
-        ))
+        add_parts[(add.site, add.layer)].append(
+            (rows_lo, rows_hi, vec, add.scale, add.relative, keys))
+
+
+def _clip_sets(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
+               set_parts: dict, problems: dict) -> None:
+    """Like :func:`_clip_adds` for the plan's sets: appends ``(first rows,
+    last rows + 1, vector row or -1, lo, hi, request ids)``."""
+    for st, rows_lo, rows_hi, keys in _clipped(plan.sets, spans):
+        vec = vector_rows.get(st.vec, None) if st.vec else -1
+        if vec is None:
+            for key in keys:
+                problems[key].append(
+                    f"site {st.site}, layer {st.layer}: vector {st.vec} never reached "
+                    "this worker"
+                )
+            continue
+        set_parts[(st.site, st.layer)].append((rows_lo, rows_hi, vec, st.lo, st.hi, keys))
+
+
+def _clipped(entries: Sequence[Add | Set], spans: list[RowSpan]):
+    """For each entry with a ``[start, stop)`` token span, the step rows of
+    ``spans`` inside it: yields ``(entry, first rows [k], last rows + 1
+    [k], the k request ids)`` for entries that cover any row."""
+    start = np.array([s.start for s in spans], dtype=np.int64)
+    first = np.array([s.first_position for s in spans], dtype=np.int64)
+    end = first + np.array([s.stop - s.start for s in spans], dtype=np.int64)
+    for entry in entries:
+        lo = np.maximum(entry.start, first)
+        hi = end if entry.stop < 0 else np.minimum(entry.stop, end)
+        hit = np.nonzero(lo < hi)[0]
+        if hit.size:
+            yield (entry, start[hit] + lo[hit] - first[hit], start[hit] + hi[hit] - first[hit],
+                   [spans[i].key for i in hit.tolist()])
 
 
 def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> AddBatch:
     """One index for all of a (site, layer)'s adds, built on the host and
     checked there, so applying it needs no device-to-host read."""
-    lo = np.concatenate([p[0] for p in parts])
-    hi = np.concatenate([p[1] for p in parts])
-    if lo.min() < 0 or hi.max() > layout.num_actual:
-        raise ValueError(f"steering rows outside the step's {layout.num_actual} rows")
-    counts = hi - lo
-    sizes = [len(p[0]) for p in parts]
-    # row numbers: each part's first row, repeated, plus 0, 1, … within the part
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    rows = np.repeat(lo, counts) + offsets
-    per_part = np.add.reduceat(counts, np.cumsum([0] + sizes[:-1]))
+    rows, per_part = _rows_of(parts, layout)
     vec = np.repeat(np.array([p[2] for p in parts], dtype=np.int64), per_part)
     scale = np.repeat(np.array([p[3] for p in parts], dtype=np.float32), per_part)
     rel = np.array([p[4] for p in parts], dtype=bool)
@@ -230,5 +276,39 @@ def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> A
         torch.from_numpy(vec).to(device),
         torch.from_numpy(scale).to(device),
         relative,
+        tuple(r for p in parts for r in p[5]),
+    )
+
+
+def _rows_of(parts: list, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+    """The step rows of ``parts`` (each with arrays of first rows and last
+    rows + 1 as its first two items), and how many rows each part has."""
+    lo = np.concatenate([p[0] for p in parts])
+    hi = np.concatenate([p[1] for p in parts])
+    if lo.min() < 0 or hi.max() > layout.num_actual:
+        raise ValueError(f"edited rows outside the step's {layout.num_actual} rows")
+    counts = hi - lo
+    sizes = [len(p[0]) for p in parts]
+    # row numbers: each part's first row, repeated, plus 0, 1, … within the part
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = np.repeat(lo, counts) + offsets
+    per_part = np.add.reduceat(counts, np.cumsum([0] + sizes[:-1]))
+    return rows, per_part
+
+
+def _set_batch(parts: list, layout: StepLayout, device: torch.device | str) -> SetBatch:
+    """One index for all of a (site, layer)'s sets; ``hi == -1`` becomes a
+    bound past any row width."""
+    rows, per_part = _rows_of(parts, layout)
+    vec = np.array([p[2] for p in parts], dtype=np.int64)
+    hi = np.array([p[4] for p in parts], dtype=np.int64)
+    hi = np.where(hi < 0, np.iinfo(np.int64).max, hi)
+    return SetBatch(
+        torch.from_numpy(rows).to(device),
+        torch.from_numpy(np.repeat(vec, per_part)).to(device),
+        torch.from_numpy(np.repeat(np.array([p[3] for p in parts], dtype=np.int64),
+                                   per_part)).to(device),
+        torch.from_numpy(np.repeat(hi, per_part)).to(device),
+        bool((vec >= 0).any()),
         tuple(r for p in parts for r in p[5]),
     )

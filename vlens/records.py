@@ -64,6 +64,9 @@ class RequestRecord:
         self.errors: list[str] = []
         self.restarts = 0  # how often vLLM went back over rows already seen
         self.copied_bytes = 0
+        # layer -> [(first position, keys [n, kv_heads, head_dim])]: the
+        # request's keys so far, kept only where it reads attn_pattern
+        self.keys: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
     @property
     def start(self) -> int:
@@ -100,6 +103,23 @@ class RequestRecord:
                 continue
             kept.append(s if s.first + s.n <= position else s.head(position - s.first))
         self.steps = kept
+        for layer, chunks in self.keys.items():
+            self.keys[layer] = [(p, k if p + k.shape[0] <= position else k[: position - p])
+                                for p, k in chunks if p < position]
+
+    def add_keys(self, layer: int, first: int, keys: torch.Tensor) -> torch.Tensor:
+        """Keep this step's keys of ``layer`` (``[n, kv_heads, head_dim]``,
+        positions ``first ..``; copied) and return every key of the request
+        so far, ``[first + n, kv_heads, head_dim]``. A ``first`` before the
+        keys held (a recompute) cuts them back to it first."""
+        chunks = [(p, k if p + k.shape[0] <= first else k[: first - p])
+                  for p, k in self.keys.get(layer, ()) if p < first]
+        chunks.append((first, keys.clone()))
+        self.keys[layer] = chunks
+        have = sum(k.shape[0] for _, k in chunks)
+        if have != first + keys.shape[0]:
+            raise ValueError(f"the keys of positions 0 to {first - 1} never reached the hooks")
+        return torch.cat([k for _, k in chunks]) if len(chunks) > 1 else chunks[0][1]
 
     def keep(self, key: str, part: str, layer: int, rows: torch.Tensor) -> None:
         """Keep this step's read rows (``[n, ...]``, a copy) of ``key``."""
@@ -127,6 +147,10 @@ class RequestRecord:
                 self.error(f"read {key}, layer {layer}: the hook never saw some of this "
                            "request's rows")
                 return None
+            if key == "attn_pattern":
+                # each step's rows reach only the keys so far: pad them to all
+                width = self.end
+                chunks = [torch.nn.functional.pad(c, (0, width - c.shape[-1])) for c in chunks]
             per_layer.append(torch.cat(chunks, 0))
         n = self.end - self.start
         lengths = {t.shape[0] for t in per_layer}
@@ -134,6 +158,8 @@ class RequestRecord:
             self.error(f"read {key}: layers read {sorted(lengths)} rows but the request "
                        f"processed {n} tokens")
             return None
+        if key == "attn_pattern":  # [layers, queries, heads, keys] -> [layers, heads, q, k]
+            return torch.stack(per_layer).transpose(1, 2).contiguous()
         return torch.stack(per_layer)
 
     def pack(self) -> dict[str, Any]:

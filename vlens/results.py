@@ -32,7 +32,14 @@ class Trace:
       logprob of each token under the model (``None`` for the first prompt
       token, which nothing predicts); empty when logprobs were not asked for;
     * ``activations(site)`` -- ``[n_layers_read, n_tokens, hidden]`` float32;
-    * ``norms(site)`` -- ``[n_layers_read, n_tokens]``;
+      for the head sites ``q`` and ``z`` ``[layers, n_tokens, heads, head_dim]``,
+      ``k`` and ``v`` ``[layers, n_tokens, kv_heads, head_dim]``, and
+      ``attn_pattern`` ``[layers, heads, n_tokens, n_tokens]`` (row i: where
+      token i attends, summing to 1 over tokens 0..i, zero above the
+      diagonal; only the heads asked for with ``heads=``);
+    * ``attention(layer)`` / ``heads(site, layer)`` -- one layer of those;
+    * ``norms(site)`` -- ``[n_layers_read, n_tokens]`` (head sites: per head,
+      ``[layers, n_tokens, heads]``);
     * ``logit_lens()`` -- top-k ids and probabilities, ``[layers, tokens, k]``;
     * ``read_keys`` -- what was read: ``"resid_post"``, ``"resid_post:norm"`` …
     * ``steered_rows`` -- rows a Steer added to (one count per Steer per row);
@@ -110,8 +117,23 @@ class Trace:
         """Logit-lens log-probabilities over the vocabulary, ``[layers, tokens, vocab]``."""
         return self._get(read_key(site, "logprobs"))
 
+    def attention(self, layer: int) -> torch.Tensor:
+        """``[heads, n_tokens, n_tokens]`` attention probabilities of one
+        layer (read with ``sites=["attn_pattern"]``): entry ``[h, i, j]`` is
+        how much head h at token i attends to token j."""
+        return self.layer("attn_pattern", layer)
+
+    def heads(self, site: str, layer: int) -> torch.Tensor:
+        """``[n_tokens, heads, head_dim]`` of a head site (q, k, v, z) at one layer."""
+        if site not in ("q", "k", "v", "z"):
+            raise KeyError(f"heads() takes a head site ('q', 'k', 'v' or 'z'), got {site!r}")
+        return self.layer(site, layer)
+
     def layer(self, site: str, layer: int) -> torch.Tensor:
-        """``[n_tokens, hidden]`` of one layer."""
+        """``[n_tokens, hidden]`` of one layer (head sites: as in
+        ``activations``, without the layer axis)."""
+        if site not in self.layers:
+            self._get(site)  # the error that says what was read
         layers = self.layers[site]
         if layer not in layers:
             raise KeyError(f"layer {layer} of {site!r} was not read; read layers: {layers}")
@@ -164,7 +186,11 @@ class Run(Sequence[Trace]):
                     continue
                 if reduce == "" and read_key(site, "norm") in t.read_keys:
                     continue
+                if site == "attn_pattern":  # [heads, T, T] has no per-token norm
+                    continue
                 norms = t.norms(site)
+                if norms.dim() == 3:  # per head: the norm of all heads together
+                    norms = norms.norm(dim=-1)
                 for li, layer in enumerate(t.layers[key]):
                     n = t.n_tokens
                     cols["request"] += [t.index] * n

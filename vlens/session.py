@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vlens import checks
+from vlens import ablation, checks, patching
 from vlens._runner import Runner, env_flag, live_engines
 from vlens.errors import VlensError
 from vlens.plan import Edit, Read
@@ -149,10 +149,12 @@ class Session:
         logprobs: bool = True,
         background: Sequence[str] = (),
         steer: Any = None,
+        ablate: Any = None,
         edit: Any = None,
         edit_at: Sequence[tuple[str, int]] | None = None,
         reduce: str = "full",
         logit_lens: int = 0,
+        heads: int | Sequence[int] | None = None,
         progress: Any = None,
         **sampling: Any,
     ) -> Run:
@@ -167,6 +169,9 @@ class Session:
         * ``steer``: a :class:`~vlens.Steer` or a list of them (all on every
           prompt), or ``vlens.PerPrompt([...])`` (one entry per prompt: a
           Steer, a list of Steers, or None);
+        * ``ablate``: a :class:`~vlens.Ablate`, a list of them, or
+          ``vlens.PerPrompt([...])``: zero or mean-replace a site (or heads
+          of ``z``), batched like steering (see docs/methods.md);
         * ``edit``: ``fn(rows, ctx) -> rows | None`` called with one
           request's rows (``[n, hidden]`` or ``[1, n, hidden]``) at each
           ``edit_at`` (site, layer) pair, every step; return the edited
@@ -177,6 +182,9 @@ class Session:
         * ``reduce``: ``"full"`` (default) or ``"norm"`` (the worker ships
           only norms); ``logit_lens=k`` also reads the logit lens top-k of
           ``resid_post`` at ``layers``, computed in the worker;
+        * ``heads``: the query heads an ``attn_pattern`` read computes (None:
+          all); the pattern costs ``heads x T x T`` floats per layer, so
+          pick heads (and layers) for long prompts;
         * ``background``: prompts run in the same batch with no plan, as
           other users' traffic would (``run.background_texts``);
         * ``progress``: True for a progress bar, or ``fn(done, total)``
@@ -188,15 +196,17 @@ class Session:
         """
         requests, assemble, edit_fns, _ = self._trace_call(
             prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
-            reduce, logit_lens, sampling)
+            reduce, logit_lens, sampling, heads, ablate)
         return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress,
                                 edit_fns=edit_fns)
 
     def stream(self, prompts: str | Sequence[str], *, layers: int | Sequence[int] | None = None,
                sites: str | Sequence[str] = ("resid_post",), max_new_tokens: int = 16,
                logprobs: bool = True, background: Sequence[str] = (), steer: Any = None,
-               edit: Any = None, edit_at: Sequence[tuple[str, int]] | None = None,
-               reduce: str = "full", logit_lens: int = 0, **sampling: Any) -> Iterator[Run]:
+               ablate: Any = None, edit: Any = None,
+               edit_at: Sequence[tuple[str, int]] | None = None,
+               reduce: str = "full", logit_lens: int = 0,
+               heads: int | Sequence[int] | None = None, **sampling: Any) -> Iterator[Run]:
         """``trace``, token by token: an iterator of Runs. After every engine
         step it yields a partial Run (each sample's tokens and text so far,
         no reads; ``finish_reason`` None while it runs); the last item is the
@@ -205,7 +215,7 @@ class Session:
         requests and leaves the engine clean."""
         requests, assemble, edit_fns, prompts = self._trace_call(
             prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
-            reduce, logit_lens, sampling)
+            reduce, logit_lens, sampling, heads, ablate)
         n = len(prompts)
         return self._runner.stream(
             requests, assemble,
@@ -213,30 +223,36 @@ class Session:
             budget=self.read_budget, edit_fns=edit_fns)
 
     def _trace_call(self, prompts, layers, sites, max_new_tokens, logprobs, background, steer,
-                    edit, edit_at, reduce, logit_lens, sampling):
+                    edit, edit_at, reduce, logit_lens, sampling, heads=None, ablate=None):
         """Check a trace's arguments and build its requests: ``(requests,
         assemble, edit functions, prompts)``."""
         facts = self._facts
         prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
         layers = checks.check_layers(layers, facts)
         sites = checks.check_sites(sites, facts)
-        reads = checks.check_reads(sites, layers, reduce, logit_lens, facts)
+        reads = checks.check_reads(sites, layers, reduce, logit_lens, facts,
+                                   checks.check_heads(heads, sites, facts))
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
         per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
+        ablates = ablation.ablates_per_prompt(ablate, len(prompts))
+        info = self.info
+        ablation.check_ablates(ablates, facts, info, lens, max_new_tokens)
         pairs = checks.check_edit(edit, edit_at, facts,
                                   can_ship=self._runner.can_ship_functions,
                                   remote=self._runner.remote)
         bg_ids = []
         if background:
             bg_ids = checks.check_prompts(list(background), facts, self.tokenize)[1]
+        ablates = ablation.fill_means(self, prompts, ablates)  # may read once first
         fid = f"fn-{uuid.uuid4().hex[:12]}"
         edits = [Edit(site, layer, fid) for site, layer in pairs]
         call = self._runner.next_call()
         requests = [
             self._runner.request(f"{call}-{i}", i, ids, reads, steers, edits, max_new_tokens,
-                                 logprobs, sampling, clone=self.clone_reads)
-            for i, (ids, steers) in enumerate(zip(prompt_ids, per_prompt))
+                                 logprobs, sampling, clone=self.clone_reads,
+                                 **ablation.plan_parts(abl, len(ids), info))
+            for i, (ids, steers, abl) in enumerate(zip(prompt_ids, per_prompt, ablates))
         ]
         requests += [self._runner.background(ids, max_new_tokens, sampling) for ids in bg_ids]
         n = len(prompts)
@@ -377,6 +393,29 @@ class Session:
                     for k in range(0, len(requests), n)]
 
         return requests, assemble
+
+    # -- methods: patching ---------------------------------------------------
+    def patch(self, clean: str, corrupt: str, *, site: str = "resid_post", layers: Any = None,
+              positions: Any = None, answer: Any = None, heads: bool = False
+              ) -> patching.Patching:
+        """Activation patching: for every (layer, position) cell, the clean
+        run's ``site`` row written into the corrupt run; ``.grid``
+        ``[layers, positions]`` of the normalised logit difference (1: the
+        clean answer restored, 0: the corrupt run's). ``answer=(clean,
+        corrupt)`` token texts or ids; None: each run's top next token.
+        ``site="z", heads=True``: one cell per (layer, head) over all
+        ``positions`` (``[layers, heads]``). Two engine calls: one reads
+        the clean and corrupt runs, one runs every cell as its own request
+        (see docs/methods.md)."""
+        return patching.run_patch(self, clean, corrupt, site, layers, positions, answer, heads)
+
+    def stream_patch(self, clean: str, corrupt: str, *, site: str = "resid_post",
+                     layers: Any = None, positions: Any = None, answer: Any = None,
+                     heads: bool = False) -> Iterator[patching.Patching]:
+        """``patch``, filling in: after every engine step a Patching with NaN
+        where a cell has not finished; the last item equals ``patch``'s."""
+        return patching.stream_patch(self, clean, corrupt, site, layers, positions, answer,
+                                     heads)
 
     # -- state and lifecycle --------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from vlens.errors import VlensError
 __all__ = [
     "SITES",
     "WRITABLE",
+    "HEAD_SITES",
+    "HEAD_WRITABLE",
     "SiteSpec",
     "ModelSites",
     "resolve_sites",
@@ -54,10 +56,24 @@ SITES: dict[str, str] = {
     "and routed experts), before any post-MLP norm and before it joins the residual",
     "positions": "the token positions the model is given (read-only; an engine buffer "
     "that is rewritten every step, used to show what clone reads protect)",
+    "q": "each head's query after rotary embedding, as the attention kernel receives it "
+    "([T, heads, head_dim] per layer; read-only)",
+    "k": "each key head's key after rotary embedding ([T, kv_heads, head_dim]; read-only)",
+    "v": "each key head's value ([T, kv_heads, head_dim]; read-only)",
+    "z": "each head's output before the output projection (the o_proj input, "
+    "[T, heads, head_dim]); writable, flat as heads * head_dim",
+    "attn_pattern": "each head's attention probabilities over the request's tokens, "
+    "recomputed from q and k ([heads, T, T] per layer; read-only)",
 }
 
-#: sites that can be written (steered / edited)
+#: residual-width sites that can be written (steered / edited)
 WRITABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+
+#: sites on vLLM's attention layer, one value per head
+HEAD_SITES = ("q", "k", "v", "z", "attn_pattern")
+
+#: head sites that can be written: the vector is flat, heads * head_dim wide
+HEAD_WRITABLE = ("z",)
 
 Extractor = Callable[[tuple, dict, Any], torch.Tensor]
 
@@ -93,6 +109,9 @@ class ModelSites:
     arch: Architecture | None = None
     final_norm: nn.Module | None = None
     project: nn.Module | None = None  # applied after the final norm, if any
+    #: each layer's vLLM attention module (the one called as attn(q, k, v));
+    #: empty where the head sites are absent
+    attention: tuple[nn.Module, ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -252,6 +271,59 @@ def _specs(layout: Layout, model: nn.Module) -> dict[str, SiteSpec]:
     return {name: specs[name] for name in SITES if name in specs}
 
 
+def _attention_module(layer: nn.Module) -> nn.Module | None:
+    """The vLLM attention layer inside a decoder layer (the module native
+    models call as ``self.attn(q, k, v)``), found by what it has rather than
+    by path: every native family names its wrapper differently."""
+    for m in layer.modules():
+        if all(hasattr(m, a) for a in ("impl", "num_heads", "num_kv_heads", "head_size",
+                                       "layer_name")):
+            return m
+    return None
+
+
+def _pattern_inputs(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+
+
+def _head_specs(find: Callable[[nn.Module], nn.Module]) -> dict[str, SiteSpec]:
+    """q, k, v before the attention layer runs; z (its output) after."""
+    return {
+        "q": SiteSpec("q", find, True, _nth_arg(0, "query")),
+        "k": SiteSpec("k", find, True, _nth_arg(1, "key")),
+        "v": SiteSpec("v", find, True, _nth_arg(2, "value")),
+        "z": SiteSpec("z", find, False, _output_value, _output_value),
+        "attn_pattern": SiteSpec("attn_pattern", find, True, _pattern_inputs),
+    }
+
+
+_TF_HEADS = (
+    "vLLM's Transformers backend calls its attention layer's forward directly, past "
+    "vlens's hooks, so the head sites (q, k, v, z, attn_pattern) are not available there"
+)
+
+
+def _find_heads(impl: str, layers: Any, arch: Architecture) -> tuple[tuple, dict[str, str]]:
+    """Each layer's attention module, or why the head sites are absent."""
+    if impl != "native":
+        way = (": open the model without model_impl='transformers' (vLLM runs "
+               f"{arch.family} natively)" if arch.native is not None else
+               f" ({arch.family} has no native vLLM implementation)")
+        return (), dict.fromkeys(HEAD_SITES, _TF_HEADS + way)
+    found = tuple(_attention_module(layer) for layer in layers)
+    if any(m is None for m in found):
+        return (), dict.fromkeys(HEAD_SITES, "vlens found no vLLM attention layer in some "
+                                 "decoder layer of this model")
+    absent = {}
+    for m in found:
+        impl_ = m.impl
+        if getattr(impl_, "alibi_slopes", None) is not None or getattr(impl_, "sinks", None) \
+                is not None:
+            absent["attn_pattern"] = ("this model's attention adds ALiBi biases or sink "
+                                      "logits, which vlens does not recompute")
+    return found, absent
+
+
 _RESOLVED: weakref.WeakKeyDictionary[nn.Module, ModelSites] = weakref.WeakKeyDictionary()
 
 
@@ -284,7 +356,13 @@ def resolve_sites(model: nn.Module) -> ModelSites:
             "out differently from the row in vlens/architectures.py"
         )
     absent = arch.absent_sites(getattr(model, "config", None))
-    specs = {k: v for k, v in _specs(layout, model).items() if k not in absent}
+    attention, no_heads = _find_heads(impl, layers, arch)
+    absent = {**absent, **no_heads}
+    specs = _specs(layout, model)
+    if attention:
+        index = {id(layer): i for i, layer in enumerate(layers)}
+        specs.update(_head_specs(lambda layer: attention[index[id(layer)]]))
+    specs = {k: v for k, v in specs.items() if k not in absent}
     for i, layer in enumerate(layers):
         for spec in specs.values():
             if spec.module_of(layer) is None:
@@ -302,6 +380,7 @@ def resolve_sites(model: nn.Module) -> ModelSites:
         arch=arch,
         final_norm=_get(model, layout.norm),
         project=_get(model, layout.project),
+        attention=attention,
     )
     _RESOLVED[model] = sites
     return sites

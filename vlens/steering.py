@@ -131,32 +131,36 @@ class Steer:
 
 
 class PerPrompt(Sequence):
-    """``steer=`` with one entry per prompt, in prompt order: each entry a
-    :class:`Steer`, a list of Steers (all on that prompt), or None (that
-    prompt runs unsteered)::
+    """``steer=`` (or ``ablate=``) with one entry per prompt, in prompt
+    order: each entry a :class:`Steer` (:class:`~vlens.Ablate`), a list of
+    them (all on that prompt), or None (that prompt runs unchanged)::
 
         s.trace([a, b, c], steer=vlens.PerPrompt([st, None, [st, st2]]))
 
     A plain Steer or list of Steers means "all of these on every prompt";
     this is the only spelling for "one each"."""
 
-    def __init__(self, entries: Sequence[Steer | Sequence[Steer] | None]) -> None:
-        if isinstance(entries, (str, Steer)) or not isinstance(entries, (list, tuple)):
+    def __init__(self, entries: Sequence[Any]) -> None:
+        from vlens.ablation import Ablate
+
+        kinds = (Steer, Ablate)
+        if isinstance(entries, (str, *kinds)) or not isinstance(entries, (list, tuple)):
             raise VlensError(
-                "PerPrompt takes a list with one entry per prompt (a Steer, a list of "
-                f"Steers, or None), got {type(entries).__name__}"
+                "PerPrompt takes a list with one entry per prompt (a Steer or Ablate, a list "
+                f"of them, or None), got {type(entries).__name__}"
             )
-        out: list[tuple[Steer, ...]] = []
+        out: list[tuple[Any, ...]] = []
         for i, entry in enumerate(entries):
             if entry is None:
                 out.append(())
-            elif isinstance(entry, Steer):
+            elif isinstance(entry, kinds):
                 out.append((entry,))
-            elif isinstance(entry, (list, tuple)) and all(isinstance(x, Steer) for x in entry):
+            elif isinstance(entry, (list, tuple)) and all(isinstance(x, kinds) for x in entry):
                 out.append(tuple(entry))
             else:
                 raise VlensError(
-                    f"PerPrompt entry {i} is {entry!r:.80}: use a Steer, a list of Steers, or None"
+                    f"PerPrompt entry {i} is {entry!r:.80}: use a Steer (or Ablate), a list of "
+                    "them, or None"
                 )
         self._entries = tuple(out)
 

@@ -93,6 +93,8 @@ def compiled_hook(spec: Any, code: int, pre: bool):
 
     def call(args: tuple, kwargs: dict, output: Any) -> None:
         value = spec.extract(args, kwargs, output)
+        if isinstance(value, tuple):  # attn_pattern's (q, k): one tensor for the operator
+            value = torch.cat(value, -1)
         if spec.target is None:
             torch.ops.vlens.read(value, code)
             return

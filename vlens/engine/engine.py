@@ -147,7 +147,8 @@ class Engine:
         self.info["kv_cache_blocks"] = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         self.info["kv_block_size"] = self.llm.llm_engine.vllm_config.cache_config.block_size
         # sites this architecture lacks, and why (for the Session's errors)
-        self.info["absent_sites"] = arch.absent_sites(config) if arch is not None else {}
+        self.info["absent_sites"] = {**self.info.pop("worker_absent", {}),
+                                     **(arch.absent_sites(config) if arch is not None else {})}
         _OPEN.add(self)
 
     # -- state --------------------------------------------------------------

@@ -16,12 +16,13 @@ import torch
 
 from vlens._wire import decode_tensor
 from vlens.batcher import gather, token_axis
-from vlens.engine.site_ops import apply_adds, reduce_rows, run_edit
+from vlens.engine.attention import AttentionShape, attention_probs, head_refusals
+from vlens.engine.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.engine.vectors import VectorStore
 from vlens.plan import PLAN_KEY, Plan, parse_plan
 from vlens.planner import StepPlan, plan_step
 from vlens.records import RequestRecord, to_host
-from vlens.sites import ModelSites, resolve_sites
+from vlens.sites import HEAD_SITES, ModelSites, resolve_sites
 
 __all__ = ["WorkerHooks"]
 
@@ -35,6 +36,10 @@ class WorkerHooks:
         self.model = self.runner.model
         self.sites: ModelSites = resolve_sites(self.model)
         self.reader = int(getattr(worker, "rank", 0)) == 0
+        try:  # ranks sharing the attention heads (each holds heads / tp of them)
+            self.tp = int(worker.vllm_config.parallel_config.tensor_parallel_size)
+        except AttributeError:  # pragma: no cover - another worker layout
+            self.tp = 1
         cfg = self.runner.model_config.hf_config
         self.hidden = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
         self.handles: list[Any] = []
@@ -47,6 +52,9 @@ class WorkerHooks:
         self.compiled = False
         self._codes: list[tuple[Any, int]] = []  # compiled mode: code -> (spec, layer)
         self._code_base: int | None = None
+        #: sites this engine leaves unhooked, and why (head sites in
+        #: compiled mode and under tensor parallelism)
+        self.unhooked: dict[str, str] = {}
         self.hook_errors = 0
         self.steps_seen = 0
         self.steps_planned = 0
@@ -70,8 +78,12 @@ class WorkerHooks:
             from vlens.engine import compiled as ops
 
             self._code_base = ops.register(self)
+        total_kv = int(self.runner.model_config.get_total_num_kv_heads()) if self.tp > 1 else 0
+        self.unhooked = head_refusals(self.sites, self.tp, total_kv)
         for layer_idx, layer in enumerate(self.sites.layers):
             for spec in self.sites.specs.values():
+                if spec.name in self.unhooked:
+                    continue
                 module = spec.module_of(layer)
                 if compiled:
                     code = self._code_base + len(self._codes)
@@ -84,6 +96,35 @@ class WorkerHooks:
                 else:
                     handle = module.register_forward_hook(hook, with_kwargs=True)
                 self.handles.append(handle)
+
+    def _add_matrix(self, site: str, layer: int, batch) -> torch.Tensor:
+        """The vector matrix a steering add at ``site`` draws from: hidden
+        wide, or for a head site every head's ``heads * head_dim`` (only the
+        columns of this rank's heads under tensor parallelism)."""
+        if site not in HEAD_SITES:
+            return self.vectors.matrix
+        m = self.sites.attention[layer]
+        local = int(m.num_heads) * int(m.head_size)
+        full = self.vectors.matrix_of(local * self.tp)
+        if self.tp == 1:
+            return full
+        if batch.relative is not None:
+            raise ValueError("relative steering at z needs every head's values, which "
+                             "tensor-parallel ranks split: use relative=False, or "
+                             "tensor_parallel_size=1")
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        return full[:, rank * local:(rank + 1) * local]
+
+    def _gather_heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's heads of ``x`` along ``dim`` (rank order is head
+        order). Every rank must call this at the same point of the step."""
+        if self.tp == 1:
+            return x
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(x.contiguous(), dim)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -177,11 +218,13 @@ class WorkerHooks:
             reader=self.reader,
             device=self.vectors.matrix.device,
         )
-        if self.reader and step is not None:
+        if step is not None and (self.reader or self.tp > 1):
             ids = input_ids.tolist() if input_ids is not None else None
             pos = (positions.reshape(-1, positions.shape[-1])[0].tolist()
                    if positions is not None else None)
             for req_id, (plan, span) in step.requests.items():
+                if not self.reader and not any(r.site == "attn_pattern" for r in plan.reads):
+                    continue  # other ranks keep records only for attn_pattern's keys
                 rec = self._record(req_id, plan)
                 rec.begin_step(
                     span.first_position,
@@ -229,7 +272,8 @@ class WorkerHooks:
         if step is None or not step.wants(key):
             return
         get_value = lambda: value  # noqa: E731
-        if target is not None and value is not target and (key in step.adds or key in step.edits):
+        if target is not None and value is not target and (
+                key in step.adds or key in step.sets or key in step.edits):
             # the value was summed before the operator ran; after an add to
             # the target, reads and edits must see the changed sum, as in eager
             before = target.clone()
@@ -252,14 +296,21 @@ class WorkerHooks:
         t0 = time.perf_counter_ns()
         site, layer = key
         label = f"{site}[{layer}]"
+        self._apply_sets(step, key, get_value, get_target, label)
         batch = step.adds.get(key)
+        sharded = self.tp > 1 and site in HEAD_SITES  # this rank holds only its heads
         if batch is not None:
             try:
-                apply_adds(self.vectors.matrix, batch, step.layout, get_value, get_target, label)
+                matrix = self._add_matrix(site, layer, batch)
+                apply_adds(matrix, batch, step.layout, get_value, get_target, label)
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
         for call in step.edits.get(key, ()):
             try:
+                if sharded:
+                    raise ValueError(
+                        "edit= functions at the head sites would see one tensor-parallel "
+                        "rank's heads only: use a Steer at z, or tensor_parallel_size=1")
                 fn = self.edit_fns.get(call.edit.fn)
                 if fn is None:
                     raise LookupError(f"edit function {call.edit.fn} never reached this worker")
@@ -272,14 +323,39 @@ class WorkerHooks:
         groups = step.reads.get(key)
         if groups:
             try:
-                self._read(step, spec, get_value(), groups, layer, label)
+                if site == "attn_pattern":
+                    self._read_pattern(step, get_value(), groups, layer, label)
+                else:
+                    self._read(step, spec, get_value(), groups, layer, label)
             except Exception as exc:  # reported to the client, never swallowed
                 self._fail([r for g in groups for r in g.req_ids], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
 
+    def _apply_sets(self, step: StepPlan, key, get_value, get_target, label: str) -> None:
+        """Ablations and patched cells at one (site, layer): before the adds,
+        so a steer on an ablated site adds to what the ablation left."""
+        batch = step.sets.get(key)
+        if batch is None:
+            return
+        try:
+            if get_target is None:
+                raise ValueError(f"site {key[0]} is read-only: it cannot be ablated or patched")
+            if self.tp > 1 and key[0] in HEAD_SITES:
+                raise ValueError(
+                    f"ablating or patching {key[0]} under tensor parallelism ({self.tp} ranks, "
+                    "each holding its own heads) is not supported yet: use "
+                    "tensor_parallel_size=1, or a residual site")
+            apply_sets(self.vectors.matrix_of, batch, step.layout, get_value, get_target, label)
+        except Exception as exc:  # the requests concerned get the error
+            self._fail(batch.req_ids, key, exc)
+
     def _read(self, step, spec, value, groups, layer, label) -> None:
         axis = token_axis(value, step.layout, site=label)
-        if spec.name != "positions" and value.shape[-1] != self.hidden:
+        heads = None
+        if spec.name in HEAD_SITES:
+            m = self.sites.attention[layer]
+            heads = int(m.num_kv_heads if spec.name in ("k", "v") else m.num_heads)
+        elif spec.name != "positions" and value.shape[-1] != self.hidden:
             raise ValueError(
                 f"its value has width {value.shape[-1]}, not the hidden size "
                 f"{self.hidden}: it is sharded across tensor-parallel ranks, "
@@ -288,6 +364,9 @@ class WorkerHooks:
         for g in groups:
             # one gather and one reduction for every request in the group
             rows = gather(value, step.layout, list(g.spans), axis=axis, site=label)
+            if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
+                rows = self._gather_heads(rows, -1)
+                rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
             parts = reduce_rows(self.model, rows, g.read)
             split = {part: t.split(g.lengths) for part, t in parts.items()}
             for i, req_id in enumerate(g.req_ids):
@@ -296,6 +375,36 @@ class WorkerHooks:
                     continue
                 for part, chunks in split.items():
                     rec.keep(g.read.key, part, layer, chunks[i])
+
+    def _read_pattern(self, step, qk, groups, layer, label) -> None:
+        """Keep each reading request's keys of this step, then its query
+        rows' attention probabilities over every key so far (one request at
+        a time: each has its own key length)."""
+        shape = AttentionShape.of(self.sites.attention[layer])
+        # compiled mode hands the operator q and k side by side in one tensor
+        q, k = qk if isinstance(qk, tuple) else qk.split(
+            [shape.heads * shape.head_dim, qk.shape[-1] - shape.heads * shape.head_dim], -1)
+        axis = token_axis(q, step.layout, site=label)
+        if axis != 0:
+            raise ValueError(f"expected [T, heads * head_dim] queries, got {list(q.shape)}")
+        for g in groups:
+            heads = list(g.read.heads) or None
+            for span in g.spans:
+                rec = self.records.get(span.key)
+                if rec is None:  # pragma: no cover - every rank records these requests
+                    raise LookupError(f"no record of request {span.key} on this rank")
+                rows = slice(span.start, span.stop)
+                keys = rec.add_keys(layer, span.first_position,
+                                    k[rows].reshape(span.length, shape.kv_heads, -1))
+                if self.tp == 1:
+                    probs = attention_probs(q[rows], keys, span.first_position, shape, heads)
+                else:  # each rank scores its own heads; the reading rank keeps them all
+                    probs = attention_probs(q[rows], keys, span.first_position, shape)
+                    probs = self._gather_heads(probs, 1)
+                    if heads is not None:
+                        probs = probs[:, heads]
+                if self.reader:
+                    rec.keep(g.read.key, "value", layer, probs)
 
     # -- client-facing ------------------------------------------------------
     def _forget_plans(self, wanted: set[str]) -> None:

@@ -2,7 +2,8 @@
 
 The worker's hooks call these with the step's plan and the site's tensors:
 the batched steering add, one request's ``edit=`` function, and the
-reduction of gathered read rows. ``get_value()`` returns the site's
+reduction of gathered read rows, and the batched sets (ablations,
+patched cells). ``get_value()`` returns the site's
 canonical value and ``get_target()`` the tensor changes are added to (for a
 native ``resid_post``, the residual half of ``(hidden, residual)``).
 """
@@ -16,10 +17,10 @@ import torch
 
 from vlens.batcher import StepLayout, add_rows, narrow, token_axis, widen
 from vlens.plan import EditContext, Read
-from vlens.planner import AddBatch, EditCall
+from vlens.planner import AddBatch, EditCall, SetBatch
 from vlens.sites import lens_logits
 
-__all__ = ["apply_adds", "reduce_rows", "run_edit"]
+__all__ = ["apply_adds", "apply_sets", "reduce_rows", "run_edit"]
 
 Getter = Callable[[], torch.Tensor]
 
@@ -37,6 +38,32 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
         norms = flat.index_select(0, batch.rows).float().norm(dim=-1)
         delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
     add_rows(target, layout, batch.rows, delta, site=label, check=False)
+
+
+def apply_sets(matrix_of: Callable[[int], torch.Tensor], batch: SetBatch, layout: StepLayout,
+               get_value: Getter, get_target: Getter, label: str) -> None:
+    """Every request's sets at this (site, layer) in one go: gather the rows'
+    current values, replace the masked dims (``[lo, hi)`` of each row) with
+    the vector's (or zeros), and add the difference to the target in one
+    ``index_add_`` -- the canonical value may be a sum (a native
+    ``resid_post`` is ``hidden + residual``), so writing the difference into
+    the target is what makes the value equal the replacement. Rows of other
+    requests are never touched. ``matrix_of(width)``: the worker's vectors of
+    the site's width. Never reads a tensor back to the host."""
+    value = get_value()
+    flat = value[0] if token_axis(value, layout, site=label) == 1 else value
+    current = flat.index_select(0, batch.rows).float()  # [m, width]
+    width = current.shape[-1]
+    if batch.any_vector:
+        mat = matrix_of(width)
+        replace = mat.index_select(0, batch.vectors.clamp_min(0))
+        replace = torch.where((batch.vectors >= 0)[:, None], replace, 0.0)
+    else:
+        replace = torch.zeros_like(current)
+    dims = torch.arange(width, device=current.device)
+    mask = (dims >= batch.lo[:, None]) & (dims < batch.hi[:, None])
+    delta = torch.where(mask, replace - current, 0.0)
+    add_rows(get_target(), layout, batch.rows, delta, site=label, check=False)
 
 
 def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from vlens.engine.attention import head_info
 from vlens.engine.hooks import WorkerHooks
 
 __all__ = ["VlensWorkerExtension"]
@@ -86,9 +87,13 @@ class VlensWorkerExtension:
             "architecture": hooks.sites.architecture,
             "n_layers": hooks.sites.n_layers,
             "hidden_size": hooks.hidden,
-            "sites": sorted(hooks.sites.specs),
+            "sites": sorted(set(hooks.sites.specs) - set(hooks.unhooked)),
             "rank": int(getattr(self, "rank", 0)),
             "hooks": len(hooks.handles),
+            # sites this engine lacks, and why, as the worker sees them
+            "worker_absent": {**{k: v for k, v in hooks.sites.absent.items()},
+                              **hooks.unhooked},
+            **head_info(hooks.sites, hooks.tp),
         }
 
     def vlens_put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:

@@ -1,0 +1,286 @@
+"""Ablation: knock a site's rows (or single heads of ``z``) out of a run.
+
+``Ablate`` says what to knock out where: a site, a layer, zeros or a mean,
+optionally a few heads of ``z``, over a token span. The Session checks it
+against the model and turns it into ``Set`` entries of the request's plan
+(:class:`vlens.plan.Set`): the workers apply every request's sets at a
+(site, layer) in one batched masked write per step, like the steering adds,
+and the request's prefix-cache salt includes them, so ablated KV is never
+served to anyone else.
+
+``kind="mean"`` with ``mean=None`` replaces the rows with the site's mean
+over every prompt token of the call's own prompts (all prompts pooled, BOS
+included), read from the unedited model in one extra engine call first.
+Nothing here touches the engine; :func:`fill_means` asks the Session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlens.errors import VlensError
+from vlens.plan import Set
+from vlens.steering import SPANS, PerPrompt, vector_id
+
+__all__ = ["Ablate", "ablates_per_prompt", "check_ablates", "fill_means", "plan_parts", "to_sets"]
+
+KINDS = ("zero", "mean")
+
+
+def _span(span: Any) -> str | tuple[int, int]:
+    if isinstance(span, str):
+        if span not in SPANS:
+            raise VlensError(f"Ablate span {span!r} is unknown: use one of {SPANS} or (start, stop)")
+        return span
+    if (isinstance(span, (tuple, list)) and len(span) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+        if not 0 <= span[0] < span[1]:
+            raise VlensError(
+                f"Ablate span {tuple(span)} is empty or negative: give (start, stop) token "
+                "positions with 0 <= start < stop"
+            )
+        return int(span[0]), int(span[1])
+    raise VlensError(f"Ablate span must be one of {SPANS} or (start, stop), got {span!r}")
+
+
+@dataclass(frozen=True)
+class Ablate:
+    """Replace ``site`` at ``layer`` with zeros (``kind="zero"``) or a mean
+    (``kind="mean"``) over ``span``.
+
+    * ``heads``: for ``site="z"`` only, the head indices to knock out (the
+      other heads' dims are left alone); None: the whole row;
+    * ``span``: ``"all"``, ``"prompt"``, ``"generated"`` or ``(start,
+      stop)`` token positions, as for :class:`~vlens.Steer`;
+    * ``mean``: with ``kind="mean"``, the replacement ``[width]`` (``z``:
+      ``[heads * head_dim]`` or ``[heads, head_dim]``); None: the site's
+      mean over every prompt token of the call (one extra read pass).
+    """
+
+    site: str
+    layer: int
+    kind: str = "zero"
+    heads: Sequence[int] | None = None
+    span: str | tuple[int, int] = "all"
+    mean: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.site, str):
+            raise VlensError(f"Ablate site must be a site name (str), got {self.site!r}")
+        if not isinstance(self.layer, int) or isinstance(self.layer, bool):
+            raise VlensError(f"Ablate layer must be an int, got {self.layer!r}")
+        if self.kind not in KINDS:
+            raise VlensError(f"Ablate kind must be one of {KINDS}, got {self.kind!r}")
+        if self.heads is not None:
+            heads = self.heads
+            if (isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range))
+                    or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
+                                            and h >= 0 for h in heads)):
+                raise VlensError(
+                    f"Ablate heads must be a non-empty list of head indices (ints >= 0), "
+                    f"got {heads!r}"
+                )
+            if len(set(heads)) != len(heads):
+                raise VlensError(f"Ablate heads {list(heads)} names a head twice")
+            object.__setattr__(self, "heads", tuple(sorted(int(h) for h in heads)))
+        object.__setattr__(self, "span", _span(self.span))
+        mean = self.mean
+        if mean is not None:
+            if self.kind != "mean":
+                raise VlensError("Ablate mean= is only used with kind='mean'")
+            if (not isinstance(mean, torch.Tensor) or not mean.is_floating_point()
+                    or mean.dim() not in (1, 2) or mean.device.type == "meta"):
+                raise VlensError(
+                    "Ablate mean must be a floating-point torch.Tensor of shape [width] "
+                    f"(z: [heads, head_dim] also), got {getattr(mean, 'shape', type(mean))}"
+                )
+            if not bool(torch.isfinite(mean).all()):
+                raise VlensError("Ablate mean holds NaN or inf: compute it again from finite data")
+            object.__setattr__(self, "mean", mean.detach().to("cpu", torch.float32).reshape(-1))
+
+    def positions(self, prompt_len: int) -> tuple[int, int]:
+        """The span as token positions ``[start, stop)``; stop -1 = the end."""
+        if self.span == "all":
+            return 0, -1
+        if self.span == "prompt":
+            return 0, prompt_len
+        if self.span == "generated":
+            return prompt_len, -1
+        return self.span  # type: ignore[return-value]
+
+    def with_mean(self, mean: torch.Tensor) -> Ablate:
+        return Ablate(self.site, self.layer, "mean", self.heads, self.span, mean)
+
+
+def ablates_per_prompt(ablate: Any, n_prompts: int) -> list[list[Ablate]]:
+    """``ablate=`` as one list of Ablates per prompt: an Ablate or a list of
+    them on every prompt, or :class:`~vlens.PerPrompt` (one entry each)."""
+    if ablate is None:
+        return [[] for _ in range(n_prompts)]
+    if isinstance(ablate, Ablate):
+        return [[ablate] for _ in range(n_prompts)]
+    if isinstance(ablate, PerPrompt):
+        if len(ablate) != n_prompts:
+            raise VlensError(
+                f"PerPrompt has {len(ablate)} per-prompt entries for {n_prompts} prompts: "
+                "give one entry (an Ablate, a list of Ablates, or None) per prompt"
+            )
+        out = [list(e) for e in ablate]
+    elif isinstance(ablate, (list, tuple)):
+        if len(ablate) == n_prompts >= 2:
+            raise VlensError(
+                f"ablate= lists {n_prompts} Ablates for {n_prompts} prompts, which is "
+                "ambiguous. One each: ablate=vlens.PerPrompt([a1, a2, ...]); all of them on "
+                f"every prompt: ablate=vlens.PerPrompt([[a1, a2, ...]] * {n_prompts})"
+            )
+        out = [list(ablate) for _ in range(n_prompts)]
+    else:
+        raise VlensError(
+            "ablate must be a vlens.Ablate, a list of them, vlens.PerPrompt([...]) or None; "
+            f"got {type(ablate).__name__}"
+        )
+    for entry in out:
+        for x in entry:
+            if not isinstance(x, Ablate):
+                raise VlensError(
+                    f"ablate entries must be vlens.Ablate objects, got {type(x).__name__}"
+                )
+    return out
+
+
+def site_width(site: str, facts: Any, info: dict[str, Any]) -> int:
+    """How wide one row of ``site`` is in the worker: ``z`` is
+    ``heads * head_dim``, every other writable site the hidden size."""
+    return facts.width(site)
+
+
+def check_ablate(ab: Ablate, facts: Any, info: dict[str, Any], prompt_len: int,
+                 max_new_tokens: int) -> None:
+    """An Ablate that fits this model and can land on the request."""
+    n = facts.n_layers
+    if not 0 <= ab.layer < n:
+        raise VlensError(
+            f"Ablate layer {ab.layer} does not exist: this model has {n} layers, "
+            f"numbered 0 to {n - 1}"
+        )
+    if ab.site not in facts.sites:
+        raise facts.no_such_site(ab.site, "Ablate site")
+    if ab.site not in facts.writable:
+        raise VlensError(
+            f"Ablate site {ab.site!r} cannot be written: use one of {', '.join(facts.writable)}"
+        )
+    if ab.heads is not None:
+        if ab.site != "z":
+            raise VlensError(
+                f"Ablate heads= is for site 'z' (each head's output before o_proj); site "
+                f"{ab.site!r} mixes the heads: use site='z', or drop heads= to ablate the row"
+            )
+        n_heads = int(info["n_heads"])
+        if max(ab.heads) >= n_heads:
+            raise VlensError(
+                f"Ablate heads {list(ab.heads)}: this model has {n_heads} heads, numbered "
+                f"0 to {n_heads - 1}"
+            )
+    width = site_width(ab.site, facts, info)
+    if ab.mean is not None and ab.mean.numel() != width:
+        raise VlensError(
+            f"Ablate mean has {ab.mean.numel()} elements; site {ab.site!r} rows have {width}"
+        )
+    total = prompt_len + max_new_tokens - 1
+    if ab.span == "generated" and max_new_tokens == 1:
+        raise VlensError(
+            "Ablate span 'generated' can never land with max_new_tokens=1 (the one "
+            "generated token is never fed back): ask for max_new_tokens >= 2"
+        )
+    if isinstance(ab.span, tuple) and ab.span[1] > total:
+        raise VlensError(
+            f"Ablate span {ab.span} reaches past the sequence: this request runs {total} "
+            f"tokens, positions 0 to {total - 1}"
+        )
+
+
+def check_ablates(per_prompt: list[list[Ablate]], facts: Any, info: dict[str, Any],
+                  prompt_lens: Sequence[int], max_new_tokens: int) -> None:
+    """Every prompt's Ablates; two on one prompt may not write the same dims
+    of one (site, layer) (the second would undo the first's difference)."""
+    for i, (ablates, n) in enumerate(zip(per_prompt, prompt_lens)):
+        seen: dict[tuple[str, int], set] = {}
+        for ab in ablates:
+            check_ablate(ab, facts, info, n, max_new_tokens)
+            heads = set(ab.heads) if ab.heads is not None else {"all"}
+            taken = seen.setdefault((ab.site, ab.layer), set())
+            if taken & heads or (taken and "all" in heads | taken):
+                raise VlensError(
+                    f"prompt {i}: two Ablates write site {ab.site!r} at layer {ab.layer} over "
+                    "the same dims; give each (site, layer) once (list several heads in one "
+                    "Ablate's heads=)"
+                )
+            taken |= heads
+
+
+def fill_means(session: Any, prompts: list[str], per_prompt: list[list[Ablate]]
+               ) -> list[list[Ablate]]:
+    """Ablates with ``kind="mean"`` and no mean get the site's mean over
+    every prompt token of ``prompts`` (one read pass of the unedited model
+    over all of them, reading each such (site, layer) once)."""
+    wanted = sorted({(ab.site, ab.layer) for abs_ in per_prompt for ab in abs_
+                     if ab.kind == "mean" and ab.mean is None})
+    if not wanted:
+        return per_prompt
+    sites = sorted({s for s, _ in wanted})
+    layers = sorted({layer for _, layer in wanted})
+    run = session.trace(prompts, layers=layers, sites=sites, max_new_tokens=1, logprobs=False)
+    means = {}
+    for site, layer in wanted:
+        k = layers.index(layer)
+        rows = [t.activations(site)[k] for t in run]  # each [T, ...]
+        flat = torch.cat([r.reshape(r.shape[0], -1) for r in rows])  # [all tokens, width]
+        means[(site, layer)] = flat.mean(0)
+    return [[ab.with_mean(means[(ab.site, ab.layer)])
+             if ab.kind == "mean" and ab.mean is None else ab for ab in abs_]
+            for abs_ in per_prompt]
+
+
+def to_sets(ablates: Sequence[Ablate], prompt_len: int, info: dict[str, Any]
+            ) -> tuple[list[Set], dict[str, torch.Tensor]]:
+    """A prompt's Ablates as plan entries and the vectors they name: one
+    Set per Ablate, or per run of adjacent heads for ``z`` heads."""
+    sets: list[Set] = []
+    vectors: dict[str, torch.Tensor] = {}
+    for ab in ablates:
+        vid = ""
+        if ab.kind == "mean":
+            vid = vector_id(ab.mean)
+            vectors[vid] = ab.mean
+        start, stop = ab.positions(prompt_len)
+        for lo, hi in _dim_ranges(ab.heads, info):
+            sets.append(Set(ab.site, ab.layer, vid, lo, hi, start, stop))
+    return sets, vectors
+
+
+def _dim_ranges(heads: Sequence[int] | None, info: dict[str, Any]) -> list[tuple[int, int]]:
+    """Head indices -> ``[lo, hi)`` dim ranges of the flat z row (adjacent
+    heads merged); None -> the whole row."""
+    if heads is None:
+        return [(0, -1)]
+    hd = int(info["head_dim"])
+    ranges: list[list[int]] = []
+    for h in heads:  # sorted
+        if ranges and ranges[-1][1] == h * hd:
+            ranges[-1][1] = (h + 1) * hd
+        else:
+            ranges.append([h * hd, (h + 1) * hd])
+    return [(lo, hi) for lo, hi in ranges]
+
+
+def plan_parts(ablates: Sequence[Ablate], prompt_len: int, info: dict[str, Any]
+               ) -> dict[str, Any]:
+    """``Runner.request`` keywords for a prompt's Ablates."""
+    if not ablates:
+        return {}
+    sets, vectors = to_sets(ablates, prompt_len, info)
+    return {"sets": sets, "vectors": vectors}

@@ -1,0 +1,360 @@
+"""Activation patching: which (layer, position) carries what the clean
+prompt knows and the corrupt one does not.
+
+For each cell of the grid, the clean run's activation at that (layer,
+position) replaces the corrupt run's, and the metric asks how much of the
+clean answer comes back:
+
+    ld(run)  = log p(clean answer) - log p(corrupt answer)   (last position)
+    cell     = (ld(patched) - ld(corrupt)) / (ld(clean) - ld(corrupt))
+
+1 = the clean run's logit difference fully restored, 0 = the corrupt run's.
+(A difference of log-probabilities of one distribution is the difference of
+the logits.)
+
+The cost is two engine calls whatever the grid's size: one batch of two
+requests reads the clean and corrupt activations (and each run's top next
+tokens); then every cell is its own request -- one ``Set`` in its plan
+writes the clean row at its (layer, position) -- and all cells, with an
+unpatched clean and corrupt run beside them, go to the engine in ONE batch,
+each asking vLLM for the log-probabilities of the answer tokens
+(``logprob_token_ids``) of its one generated token. Patched KV is salted
+apart in the prefix cache like any edit.
+
+``cell_logprobs`` covers a candidate set, not the whole vocabulary: the two
+answers, the clean and corrupt runs' top ``TOP_K`` tokens and the cell's own
+top token (vLLM returns the sampled token with the asked ones); a token
+outside that set that a cell would rank high is not listed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlens import checks
+from vlens.errors import EngineError, VlensError
+from vlens.plan import Read, Set
+from vlens.steering import vector_id
+
+__all__ = ["Patching", "patch_call", "TOP_K"]
+
+#: how many of the clean and corrupt runs' top next tokens every cell scores
+TOP_K = 10
+
+Dist = tuple[list[str], list[float]]  # (tokens, log-probabilities), most likely first
+
+
+@dataclass
+class Patching:
+    """The result of ``Session.patch``: ``grid`` ``[layers, positions]``
+    float32 (``[layers, heads]`` with ``heads=True``) of the normalised
+    metric, NaN where a cell has not finished (``stream_patch``).
+
+    ``tokens``: the clean prompt's token strings at ``positions``;
+    ``answer``: ``(clean_id, corrupt_id)``; ``clean_diff`` /
+    ``corrupt_diff``: the unpatched runs' logit differences; ``diffs``: each
+    cell's; ``cell_logprobs[i][j]``: cell (i, j)'s next-token
+    ``(tokens, logprobs)``, most likely first (None until it finished), and
+    ``clean_logprobs`` / ``corrupt_logprobs`` the same for the unpatched
+    runs."""
+
+    site: str
+    layers: list[int]
+    positions: list[int]
+    heads: list[int] | None
+    tokens: list[str]
+    answer: tuple[int, int]
+    answer_text: tuple[str, str]
+    grid: torch.Tensor
+    diffs: torch.Tensor
+    clean_diff: float = math.nan
+    corrupt_diff: float = math.nan
+    cell_logprobs: list[list[Dist | None]] = field(default_factory=list)
+    clean_logprobs: Dist | None = None
+    corrupt_logprobs: Dist | None = None
+
+    @property
+    def done(self) -> int:
+        """How many cells have finished."""
+        return int((~self.grid.isnan()).sum())
+
+    @property
+    def columns(self) -> list[str]:
+        """Column labels: ``"pos:token"`` or ``"head h"``."""
+        if self.heads is not None:
+            return [f"head {h}" for h in self.heads]
+        return [f"{p}:{t}" for p, t in zip(self.positions, self.tokens)]
+
+    def to_frame(self):
+        """Tidy: one row per cell with ``layer``, ``position`` (None for a
+        head cell, which patches every position in ``positions``), ``head``
+        (None for a position cell), ``value`` and ``logit_diff``."""
+        import pandas as pd
+
+        rows = []
+        for i, layer in enumerate(self.layers):
+            for j in range(self.grid.shape[1]):
+                rows.append({
+                    "layer": layer,
+                    "position": None if self.heads is not None else self.positions[j],
+                    "head": self.heads[j] if self.heads is not None else None,
+                    "token": None if self.heads is not None else self.tokens[j],
+                    "value": float(self.grid[i, j]),
+                    "logit_diff": float(self.diffs[i, j]),
+                })
+        return pd.DataFrame(rows)
+
+    def figure(self, cell: tuple[int, int] | None = None):
+        """A plotly heatmap of the grid (layers down, positions or heads
+        across; unfinished cells empty)."""
+        try:
+            from vlens.plots import patching_heatmap
+        except ImportError:  # a vlens without the patching figure builder
+            return _plain_heatmap(self)
+        return patching_heatmap(
+            self.grid, self.layers, self.columns, cell=cell,
+            column_title="head" if self.heads is not None else "position",
+            title=f"patching {self.site}: {self.done} of {self.grid.numel()} cells "
+                  f"({self.answer_text[0]!r} vs {self.answer_text[1]!r})",
+        )
+
+    def __repr__(self) -> str:
+        shape = "x".join(str(x) for x in self.grid.shape)
+        return (f"Patching({self.site}, grid {shape}, {self.done} done, answer "
+                f"{self.answer_text!r}, clean_diff {self.clean_diff:.3f}, corrupt_diff "
+                f"{self.corrupt_diff:.3f})")
+
+
+def _plain_heatmap(p: Patching):
+    import plotly.graph_objects as go
+
+    z = [[None if math.isnan(v) else v for v in row] for row in p.grid.tolist()]
+    fig = go.Figure(go.Heatmap(z=z, x=p.columns, y=[f"layer {x}" for x in p.layers],
+                               zmid=0, colorscale="RdBu"))
+    fig.update_layout(yaxis={"autorange": "reversed"}, title=f"patching {p.site}")
+    return fig
+
+
+# -- building the call ---------------------------------------------------------
+
+def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
+                positions: Any, heads: Any) -> tuple[list[list[int]], list[int], list[int]]:
+    facts = session._facts
+    if not isinstance(clean, str) or not isinstance(corrupt, str):
+        raise VlensError("patch takes two prompt strings: s.patch(clean, corrupt, ...)")
+    if not isinstance(site, str) or site not in facts.sites:
+        raise facts.no_such_site(site, "patch site")
+    if site not in facts.writable:
+        raise VlensError(
+            f"patch site {site!r} cannot be written: use one of {', '.join(facts.writable)}"
+        )
+    if not isinstance(heads, bool):
+        raise VlensError(f"heads must be True or False, got {heads!r}")
+    if heads and site != "z":
+        raise VlensError(
+            f"heads=True patches each head's output, which only site 'z' holds separately; "
+            f"use site='z' with heads=True, or heads=False for site {site!r}"
+        )
+    _, ids = checks.check_prompts([clean, corrupt], facts, session.tokenize)
+    if len(ids[0]) != len(ids[1]):
+        raise VlensError(
+            f"clean and corrupt prompts tokenize to {len(ids[0])} and {len(ids[1])} tokens; "
+            "patching swaps rows position by position, so they must have the same length: "
+            "change the corrupt prompt word for word (s.tokenize shows the tokens)"
+        )
+    layers = checks.check_layers(layers, facts)
+    n = len(ids[0])
+    if positions is None:
+        positions = list(range(n))
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        positions = [positions]
+    if isinstance(positions, range):
+        positions = list(positions)
+    if (not isinstance(positions, (list, tuple)) or not positions
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions)):
+        raise VlensError(f"positions must be None (all), an int or a list of ints, got {positions!r}")
+    bad = [p for p in positions if not -n <= p < n]
+    if bad:
+        raise VlensError(f"position {bad[0]} is outside the prompt: it has {n} tokens, 0 to {n - 1}")
+    positions = list(dict.fromkeys(p % n for p in positions))
+    return ids, layers, positions
+
+
+def _answer_id(session: Any, x: Any, which: str) -> int:
+    vocab = session._facts.vocab_size
+    if isinstance(x, int) and not isinstance(x, bool):
+        if not 0 <= x < vocab:
+            raise VlensError(f"{which} answer id {x} is outside the vocabulary (0 to {vocab - 1})")
+        return x
+    if isinstance(x, str):
+        ids = session.tokenizer(x, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise VlensError(
+                f"{which} answer {x!r} is {len(ids)} tokens; give one token (its text or id)"
+            )
+        return int(ids[0])
+    raise VlensError(f"{which} answer must be a token id or a one-token string, got {x!r}")
+
+
+def _top(comp: Any) -> dict[int, float]:
+    """The first generated position's returned log-probabilities by id."""
+    entry = comp.logprobs[0] if comp.logprobs else {}
+    return {int(t): float(lp.logprob) for t, lp in entry.items()}
+
+
+def _check_records(requests: Sequence[Any], collected: dict[str, list[dict]]) -> None:
+    for req in requests:
+        for rec in collected.get(req.plan.tag, []):
+            if rec["errors"]:
+                raise EngineError(f"patching request {req.plan.tag}: " + "; ".join(rec["errors"]))
+
+
+def _read_pass(session: Any, ids: list[list[int]], site: str, layers: list[int]):
+    """Clean and corrupt in one batch: their activations ``[layers, T,
+    width]`` and their first next-token top-``TOP_K`` log-probabilities."""
+    runner = session._runner
+    call = runner.next_call()
+    reads = [Read(site, tuple(layers), "full")]
+    requests = [runner.request(f"{call}-{name}", i, row, reads, [], [], 1, False, {},
+                               clone=False, score={"logprobs": TOP_K})
+                for i, (name, row) in enumerate(zip(("clean", "corrupt"), ids))]
+
+    def assemble(outputs, collected):
+        run = runner.build_run(["clean", "corrupt"], requests, outputs, collected, False)
+        acts = [t.activations(site) for t in run]
+        acts = [a.reshape(a.shape[0], a.shape[1], -1) for a in acts]  # z: [L, T, heads*hd]
+        return acts, [_top(o.outputs[0]) for o in outputs]
+
+    return runner.run(requests, assemble, budget=session.read_budget)
+
+
+@dataclass
+class _PatchCall:
+    """The cell batch of one patch call and how to read its outputs."""
+
+    session: Any
+    requests: list[Any]
+    cells: list[tuple[int, int]]  # (row, column) of the grid, in request order after 2
+    empty: Patching
+
+    def result(self, outputs: Sequence[Any]) -> Patching:
+        """The Patching of these vLLM outputs (None or unfinished: NaN)."""
+        p = self.empty
+        clean_id, corrupt_id = p.answer
+        names = self.session._runner.token_strings
+
+        def read(out) -> tuple[float, Dist] | None:
+            if out is None or not out.finished:
+                return None
+            lps = _top(out.outputs[0])
+            order = sorted(lps, key=lambda t: -lps[t])
+            return lps[clean_id] - lps[corrupt_id], (names(order), [lps[t] for t in order])
+
+        grid = torch.full_like(p.grid, math.nan)
+        diffs = torch.full_like(p.grid, math.nan)
+        cell_lp: list[list[Dist | None]] = [[None] * grid.shape[1] for _ in range(grid.shape[0])]
+        base = [read(o) for o in outputs[:2]]
+        for (i, j), out in zip(self.cells, outputs[2:]):
+            got = read(out)
+            if got is not None:
+                diffs[i, j] = got[0]
+                cell_lp[i][j] = got[1]
+        clean_diff = base[0][0] if base[0] else math.nan
+        corrupt_diff = base[1][0] if base[1] else math.nan
+        if base[0] and base[1]:
+            span = clean_diff - corrupt_diff
+            if abs(span) < 1e-6:
+                raise VlensError(
+                    f"the clean and corrupt runs give the same logit difference "
+                    f"({clean_diff:.4g}) for answers {p.answer_text!r}: there is nothing to "
+                    "restore; pick answers the two prompts disagree on (answer=(clean, corrupt))"
+                )
+            grid = (diffs - corrupt_diff) / span
+        return Patching(
+            p.site, p.layers, p.positions, p.heads, p.tokens, p.answer, p.answer_text,
+            grid.float(), diffs.float(), clean_diff, corrupt_diff, cell_lp,
+            base[0][1] if base[0] else None, base[1][1] if base[1] else None,
+        )
+
+    def assemble(self, outputs: list, collected: dict) -> Patching:
+        _check_records(self.requests, collected)
+        return self.result(outputs)
+
+
+def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
+               layers: Any = None, positions: Any = None, answer: Any = None,
+               heads: bool = False) -> _PatchCall:
+    """Check the arguments, read the clean and corrupt runs (one engine
+    call), and build every cell's request for the second call."""
+    ids, layers, positions = _check_args(session, clean, corrupt, site, layers, positions, heads)
+    acts, tops = _read_pass(session, ids, site, layers)
+    if answer is None:
+        answer = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
+        if answer[0] == answer[1]:
+            text = session.token_strings([answer[0]])[0]
+            raise VlensError(
+                f"the clean and corrupt prompts both predict {text!r} next, so there is no "
+                "difference to patch; pass answer=(clean_token, corrupt_token) with the two "
+                "tokens whose logit difference to measure"
+            )
+    elif not isinstance(answer, (list, tuple)) or len(answer) != 2:
+        raise VlensError(f"answer must be (clean_token, corrupt_token), got {answer!r}")
+    else:
+        answer = (_answer_id(session, answer[0], "clean"), _answer_id(session, answer[1], "corrupt"))
+        if answer[0] == answer[1]:
+            raise VlensError("answer names the same token twice: give two different tokens")
+    cands = list(dict.fromkeys([*answer, *(sorted(tops[0], key=lambda t: -tops[0][t])),
+                                *(sorted(tops[1], key=lambda t: -tops[1][t]))]))
+    score = {"logprob_token_ids": cands}
+    info = session.info
+    runner = session._runner
+    call = runner.next_call()
+    corrupt_ids = ids[1]
+    requests = [runner.request(f"{call}-{name}", i, row, [], [], [], 1, False, {}, clone=False,
+                               score=score)
+                for i, (name, row) in enumerate(zip(("clean", "corrupt"), ids))]
+    cells: list[tuple[int, int]] = []
+    vecs = {}  # (layer row, position) -> (vector id, clean row)
+    for i, layer in enumerate(layers):
+        for p in positions:
+            row = acts[0][i, p]
+            vecs[(i, p)] = (vector_id(row), row)
+    columns: list[Any] = positions if not heads else list(range(int(info["n_heads"])))
+    hd = int(info["head_dim"]) if heads else 0
+    for i, layer in enumerate(layers):
+        for j, col in enumerate(columns):
+            if heads:
+                sets = [Set(site, layer, vecs[(i, p)][0], col * hd, (col + 1) * hd, p, p + 1)
+                        for p in positions]
+                used = {vecs[(i, p)][0]: vecs[(i, p)][1] for p in positions}
+            else:
+                vid, row = vecs[(i, col)]
+                sets, used = [Set(site, layer, vid, 0, -1, col, col + 1)], {vid: row}
+            requests.append(runner.request(
+                f"{call}-{i}.{j}", len(requests), corrupt_ids, [], [], [], 1, False, {},
+                clone=False, sets=sets, vectors=used, score=score))
+            cells.append((i, j))
+    shape = (len(layers), len(columns))
+    toks = session.token_strings([ids[0][p] for p in positions])
+    empty = Patching(
+        site, layers, positions, columns if heads else None, toks, answer,
+        tuple(session.token_strings(list(answer))), torch.full(shape, math.nan),
+        torch.full(shape, math.nan),
+    )
+    return _PatchCall(session, requests, cells, empty)
+
+
+def run_patch(session: Any, *args: Any, **kwargs: Any) -> Patching:
+    pc = patch_call(session, *args, **kwargs)
+    return session._runner.run(pc.requests, pc.assemble, budget=session.read_budget)
+
+
+def stream_patch(session: Any, *args: Any, **kwargs: Any) -> Iterator[Patching]:
+    pc = patch_call(session, *args, **kwargs)
+    return session._runner.stream(pc.requests, pc.assemble, pc.result,
+                                  budget=session.read_budget)
