@@ -210,6 +210,35 @@ def test_eight_clients_equal_a_local_session_and_share_steps(server, toy_session
                                    atol=1e-5, rtol=0)
 
 
+def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_session):
+    """The methods that travel as data (head reads, Ablate, patch) work remotely."""
+    prompts = _prompts(3)
+    ablate = vlens.PerPrompt([vlens.Ablate("z", 1, heads=[0]), vlens.Ablate("mlp_out", 2, kind="mean")])
+    story = "one day, a {} bear lived in a blue cabin near the meadow. the sky was"
+    clean, corrupt = story.format("happy"), story.format("lonely")
+    with server.connect("c7") as s:
+        results = [
+            s.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
+                    max_new_tokens=4),
+            s.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
+        ]
+        grid = s.patch(clean, corrupt, layers=[0, 2], positions=[5, -1])
+    want = [
+        toy_session.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
+                          max_new_tokens=4),
+        toy_session.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
+    ]
+    for got_run, want_run in zip(results, want):
+        for g, w in zip(got_run, want_run, strict=True):
+            assert g.text == w.text
+            for site in [k for k in w.layers]:
+                torch.testing.assert_close(g.activations(site), w.activations(site),
+                                           atol=1e-5, rtol=0)
+    local = toy_session.patch(clean, corrupt, layers=[0, 2], positions=[5, -1])
+    assert grid.answer == local.answer
+    torch.testing.assert_close(grid.grid, local.grid, atol=1e-4, rtol=0)
+
+
 def _call_body(server, ids: list[int], *, tag: str = "t-0", reads=None, adds=(),
                vectors=None, **params) -> dict:
     """A /v1/generate body made by hand (as a hostile client would)."""
@@ -363,6 +392,15 @@ def _malformed(server, ids: list[int], vocab: int, hidden: int) -> list[tuple[st
                    {"scale": float("nan")}, {"scale": float("inf")}, {"start": -2},
                    {"stop": 0}, {"layer": "0"}, {"scale": "big"}):
         send(f"add {change}", plan_with(adds=[{**add, **change}]))
+    one_set = {"site": "z", "layer": 1, "vec": "", "lo": 0, "hi": 32, "start": 0, "stop": -1}
+    for change in ({"site": "attn_pattern"}, {"site": "nope"}, {"lo": -1}, {"hi": 0},
+                   {"hi": 10**6}, {"lo": 200}, {"vec": "unsent"}, {"stop": 0}, {"layer": -1},
+                   {"start": "0"}):
+        send(f"set {change}", plan_with(sets=[{**one_set, **change}]))
+    for heads in ([99], [-1], ["0"]):
+        send(f"heads {heads}", plan_with(reads=[{**read, "site": "attn_pattern",
+                                                  "heads": heads}]))
+    send("heads on resid_post", plan_with(reads=[{**read, "heads": [0]}]))
     for change in ({"v": 2}, {"v": None}, {"tag": ""}, {"tag": "a/b"}, {"tag": "x" * 300},
                    {"tag": 5}, {"prompt_len": 0}, {"prompt_len": 999}, {"index": -1},
                    {"edits": [{"site": "resid_post", "layer": 0, "fn": "f"}]}):
@@ -374,7 +412,8 @@ def _malformed(server, ids: list[int], vocab: int, hidden: int) -> list[tuple[st
                    {"stop_token_ids": [-1]}, {"stop_token_ids": list(range(200))},
                    {"logits_processors": ["evil"]}, {"logit_bias": {"1": 5}},
                    {"extra_args": {"other": 1}}, {"extra_args": "vlens"},
-                   {"seed": "x"}, {"top_k": "all"}):
+                   {"seed": "x"}, {"top_k": "all"}, {"logprob_token_ids": [10**6]},
+                   {"logprob_token_ids": list(range(300))}, {"logprob_token_ids": "1"}):
         send(f"params {change}", params_with(**change))
     for ids_bad in ([], [-1], [vocab], ["a"], [1.5], "the wind", None, [1] * 600):
         raw = json.loads(json.dumps(good))

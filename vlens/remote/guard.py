@@ -74,7 +74,8 @@ def _int(x: Any, what: str, lo: int, hi: int) -> int:
     return x
 
 
-def check_vector(vid: Any, payload: Any, hidden: int) -> dict[str, Any]:
+def check_vector(vid: Any, payload: Any, widths: set[int]) -> dict[str, Any]:
+    """One steering / ablation / patching vector: ``[width]`` of a writable site."""
     if not isinstance(vid, str) or not _ID.match(vid):
         raise _bad(f"vector id {vid!r:.60} is not a vlens id (1-128 of A-Z a-z 0-9 _ . : -)")
     if not isinstance(payload, dict) or set(payload) != {"data", "shape", "dtype"}:
@@ -82,12 +83,14 @@ def check_vector(vid: Any, payload: Any, hidden: int) -> dict[str, Any]:
     size = _DTYPES.get(payload["dtype"]) if isinstance(payload["dtype"], str) else None
     if size is None:
         raise _bad(f"vector {vid}: dtype must be one of {sorted(_DTYPES)}")
-    if payload["shape"] != [hidden]:
-        raise _bad(f"vector {vid}: shape must be [{hidden}] (the hidden size), "
-                   f"got {payload['shape']!r:.60}")
+    shape = payload["shape"]
+    if not (isinstance(shape, list) and len(shape) == 1 and shape[0] in widths
+            and not isinstance(shape[0], bool)):
+        raise _bad(f"vector {vid}: shape must be [width] of a writable site, one of "
+                   f"{sorted(widths)}; got {shape!r:.60}")
     data = payload["data"]
-    if not isinstance(data, bytes) or len(data) != hidden * size:
-        raise _bad(f"vector {vid}: data must be {hidden * size} bytes")
+    if not isinstance(data, bytes) or len(data) != shape[0] * size:
+        raise _bad(f"vector {vid}: data must be {shape[0] * size} bytes")
     import torch
 
     from vlens._wire import decode_tensor
@@ -97,7 +100,7 @@ def check_vector(vid: Any, payload: Any, hidden: int) -> dict[str, Any]:
     return payload
 
 
-def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: set[str],
+def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: dict[str, int],
                client: str) -> Plan:
     """Parse and check a client's plan; return it with the tag and vector
     ids prefixed by ``client``."""
@@ -126,6 +129,10 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: set[str],
             _int(layer, "read layer", 0, facts.n_layers - 1)
         hi = min(facts.vocab_size, 1000) if r.reduce == "logit_lens" else 0
         _int(r.k, f"read k for {r.reduce}", 1 if hi else 0, hi)
+        if r.heads and r.site != "attn_pattern":
+            raise _bad("read heads select heads of attn_pattern only")
+        for h in r.heads:
+            _int(h, "read head", 0, facts.n_heads - 1)
     adds = []
     for a in plan.adds:
         if a.site not in facts.writable:
@@ -136,10 +143,33 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: set[str],
         _int(a.start, "steering start", 0, 1 << 24)
         if a.stop != -1:
             _int(a.stop, "steering stop", a.start + 1, 1 << 24)
-        if a.vec not in vectors:
-            raise _bad(f"steering vector {a.vec!r:.60} was not sent with this call")
+        _vector_for(a.vec, a.site, vectors, facts)
         adds.append(replace(a, vec=f"{client}/{a.vec}"))
-    return replace(plan, tag=f"{client}/{plan.tag}", adds=tuple(adds))
+    sets = []
+    for w in plan.sets:
+        if w.site not in facts.writable:
+            raise _bad(f"ablation/patching site {w.site!r:.40} is not one of "
+                       f"{list(facts.writable)}")
+        _int(w.layer, "ablation/patching layer", 0, facts.n_layers - 1)
+        width = facts.width(w.site)
+        _int(w.lo, "ablation/patching lo", 0, width - 1)
+        if w.hi != -1:
+            _int(w.hi, "ablation/patching hi", w.lo + 1, width)
+        _int(w.start, "ablation/patching start", 0, 1 << 24)
+        if w.stop != -1:
+            _int(w.stop, "ablation/patching stop", w.start + 1, 1 << 24)
+        if w.vec:
+            _vector_for(w.vec, w.site, vectors, facts)
+        sets.append(replace(w, vec=f"{client}/{w.vec}" if w.vec else ""))
+    return replace(plan, tag=f"{client}/{plan.tag}", adds=tuple(adds), sets=tuple(sets))
+
+
+def _vector_for(vid: str, site: str, vectors: dict[str, int], facts: ModelFacts) -> None:
+    if vid not in vectors:
+        raise _bad(f"vector {vid!r:.60} was not sent with this call")
+    if vectors[vid] != facts.width(site):
+        raise _bad(f"vector {vid!r:.60} has {vectors[vid]} values; {site} takes "
+                   f"{facts.width(site)}")
 
 
 _NUM = (int, float)
@@ -151,13 +181,13 @@ _KINDS: dict[str, tuple] = {
     "stop": (list, type(None)), "stop_token_ids": (list, type(None)), "ignore_eos": (bool,),
     "skip_special_tokens": (bool,), "spaces_between_special_tokens": (bool,),
     "include_stop_str_in_output": (bool,), "skip_reading_prefix_cache": (bool, type(None)),
-    "extra_args": (dict, type(None)),
+    "extra_args": (dict, type(None)), "logprob_token_ids": (list, type(None)),
 }
 assert set(_KINDS) == set(PARAM_FIELDS)
 
 
 def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
-                 vectors: set[str], client: str) -> tuple[Any, Plan | None]:
+                 vectors: dict[str, int], client: str) -> tuple[Any, Plan | None]:
     """A whitelisted params dict -> (vLLM SamplingParams, checked plan)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -199,6 +229,11 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
         raise _bad("stop_token_ids must be a list of at most 64 token ids")
     for t in stop_ids or ():
         _int(t, "stop token id", 0, facts.vocab_size - 1)
+    scored = args.get("logprob_token_ids")
+    if scored is not None and not len(scored) <= 256:
+        raise _bad("logprob_token_ids must list at most 256 token ids")
+    for t in scored or ():
+        _int(t, "logprob token id", 0, facts.vocab_size - 1)
     extra = args.pop("extra_args", None)
     plan = None
     if extra is not None:
@@ -232,7 +267,9 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Che
     raw_vectors = body.get("vectors") or {}
     if not isinstance(raw_vectors, dict) or len(raw_vectors) > limits.vectors:
         raise Refused(413, f"vectors must be an object of at most {limits.vectors} vectors")
-    vectors = {vid: check_vector(vid, p, facts.hidden_size) for vid, p in raw_vectors.items()}
+    widths = {facts.width(site) for site in facts.writable}
+    vectors = {vid: check_vector(vid, p, widths) for vid, p in raw_vectors.items()}
+    sizes_of = {vid: p["shape"][0] for vid, p in vectors.items()}
     ids_all, params, tags, sizes = [], [], [], []
     for i, req in enumerate(reqs):
         if not isinstance(req, dict) or set(req) != {"ids", "params"}:
@@ -245,7 +282,7 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Che
                                f"most {limits.prompt_tokens} per prompt")
         for t in ids:
             _int(t, f"request {i} token id", 0, facts.vocab_size - 1)
-        sp, plan = check_params(req["params"], ids, facts, limits, set(vectors), client)
+        sp, plan = check_params(req["params"], ids, facts, limits, sizes_of, client)
         ids_all.append(ids)
         params.append(sp)
         tags.append(plan.tag if plan else None)

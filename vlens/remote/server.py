@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
 from vlens.remote.guard import Checked, Limits, Refused, check_call
-from vlens.remote.wire import FRAME_TYPE, WireError, _chosen, pack, unpack_one
+from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
 
 __all__ = ["main", "load_tokens", "make_app"]
 
@@ -170,13 +170,12 @@ class Server:
             if not samples[i]:
                 return None
             comps = [samples[i][k] for k in sorted(samples[i])]
-            ids = call.ids[i]
             return {
                 "finished": finished[i],
-                "prompt_logprobs": _chosen(prompt_lps[i], ids),
+                "prompt_logprobs": logprobs_to_wire(prompt_lps[i]),
                 "outputs": [{"index": int(c.index), "text": c.text,
                              "token_ids": [int(t) for t in c.token_ids],
-                             "logprobs": _chosen(c.logprobs, list(c.token_ids)),
+                             "logprobs": logprobs_to_wire(c.logprobs),
                              "finish_reason": c.finish_reason} for c in comps],
             }
 
@@ -375,7 +374,8 @@ async def _serve(args: Any, argv: list[str]) -> None:
         info["device"] = str(llm.vllm_config.device_config.device_type)
         info["kv_cache_blocks"] = llm.vllm_config.cache_config.num_gpu_blocks
         info["kv_block_size"] = llm.vllm_config.cache_config.block_size
-        info["absent_sites"] = arch.absent_sites(config) if arch is not None else {}
+        info["absent_sites"] = {**info.pop("worker_absent", {}),
+                                **(arch.absent_sites(config) if arch is not None else {})}
         limits = Limits(
             read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
             prompt_tokens=args.max_prompt_tokens or info["max_model_len"],

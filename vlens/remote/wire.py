@@ -37,7 +37,7 @@ PARAM_FIELDS = (
     "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output",
-    "skip_reading_prefix_cache", "extra_args",
+    "skip_reading_prefix_cache", "extra_args", "logprob_token_ids",
 )
 
 # fields vLLM fills in itself (or that only shape how outputs are handed out)
@@ -196,28 +196,27 @@ class RemoteOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-def _chosen(entries: Any, ids: list[int]) -> list[Any] | None:
-    """Per position, the logprob of the token actually there (None: none)."""
+def logprobs_to_wire(entries: Any) -> list[Any] | None:
+    """vLLM's per-position logprob dicts -> ``[[token, logprob], ...]`` per
+    position (None where vLLM has none)."""
     if entries is None:
         return None
-    out = []
-    for entry, tok in zip(entries, ids):
-        lp = entry.get(tok) if entry is not None else None
-        out.append(None if lp is None else [int(tok), float(lp.logprob)])
-    return out
+    return [None if e is None else [[int(t), float(lp.logprob)] for t, lp in e.items()]
+            for e in entries]
 
 
 def output_to_wire(out: Any, prompt_ids: list[int]) -> dict[str, Any] | None:
     """vLLM RequestOutput (or None) -> plain data; only the logprobs of the
-    tokens actually chosen cross (vlens asks for no alternatives)."""
+    returned tokens cross (the sampled one, and the top-k or the given ids
+    that patching asks for)."""
     if out is None:
         return None
     return {
         "finished": bool(out.finished),
-        "prompt_logprobs": _chosen(out.prompt_logprobs, prompt_ids),
+        "prompt_logprobs": logprobs_to_wire(out.prompt_logprobs),
         "outputs": [
             {"index": int(c.index), "text": c.text, "token_ids": [int(t) for t in c.token_ids],
-             "logprobs": _chosen(c.logprobs, list(c.token_ids)), "finish_reason": c.finish_reason}
+             "logprobs": logprobs_to_wire(c.logprobs), "finish_reason": c.finish_reason}
             for c in out.outputs
         ],
     }
@@ -226,7 +225,7 @@ def output_to_wire(out: Any, prompt_ids: list[int]) -> dict[str, Any] | None:
 def _entries(raw: Any) -> list[dict[int, Logprob] | None] | None:
     if raw is None:
         return None
-    return [None if e is None else {int(e[0]): Logprob(float(e[1]))} for e in raw]
+    return [None if e is None else {int(t): Logprob(float(lp)) for t, lp in e} for e in raw]
 
 
 def output_from_wire(raw: dict[str, Any] | None) -> RemoteOutput | None:
