@@ -244,10 +244,13 @@ def _call_body(server, ids: list[int], *, tag: str = "t-0", reads=None, adds=(),
     """A /v1/generate body made by hand (as a hostile client would)."""
     from vllm import SamplingParams
 
+    from vlens.plan import parse_plan
+
     plan = {"v": 3, "tag": tag, "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": reads if reads is not None else
             [{"site": "resid_post", "layers": [0], "reduce": "full", "k": 0}],
             "adds": list(adds), "edits": []}
+    plan = parse_plan(plan).to_wire()  # the canonical form, as a Session writes it
     sp = SamplingParams(max_tokens=params.pop("max_tokens", 3), temperature=0.0,
                         skip_reading_prefix_cache=True, extra_args={"vlens": plan}, **params)
     return {"requests": [{"ids": ids, "params": params_to_wire(sp)}],

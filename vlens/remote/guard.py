@@ -110,7 +110,8 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: dict[str, i
         raise _bad(f"malformed plan: {exc}") from None
     if plan.to_wire() != raw:  # only the canonical form: no coerced strings, no extra keys
         raise _bad("malformed plan: it is not in the form vlens writes plans "
-                   "(wrong types, missing or extra fields)")
+                   "(wrong types, missing or extra fields; are the client's and the "
+                   "server's vlens the same version?)")
     if plan.edits:
         raise _bad(REMOTE_EDIT)
     if not _ID.match(plan.tag):
