@@ -110,5 +110,8 @@ def is_toyworld(model: str | Path | None) -> bool:
 
 
 def steering_recipe(session: Any) -> SteeringRecipe | None:
-    """The recipe for ``session``'s model, or None when none is known."""
-    return toyworld_recipe() if is_toyworld(getattr(session, "model", "")) else None
+    """The recipe for ``session``'s model, or None when none is known (a
+    connected session's server says whether it serves the bundled model)."""
+    bundled = is_toyworld(getattr(session, "model", "")) or bool(
+        (getattr(session, "info", None) or {}).get("toyworld"))
+    return toyworld_recipe() if bundled else None

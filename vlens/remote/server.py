@@ -371,6 +371,9 @@ async def _serve(args: Any, argv: list[str]) -> None:
         info["max_model_len"] = int(cfg.max_model_len)
         info["vocab_size"] = int(cfg.get_vocab_size())
         info["compiled"] = False
+        from vlens.models.recipes import is_toyworld
+
+        info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
         info["device"] = str(llm.vllm_config.device_config.device_type)
         info["kv_cache_blocks"] = llm.vllm_config.cache_config.num_gpu_blocks
         info["kv_block_size"] = llm.vllm_config.cache_config.block_size
