@@ -505,8 +505,10 @@ def _serve_section(s: dict | None) -> list[str]:
             "| --- | --- | --- | --- |"]
     out += [f"| {r['clients']} | {r['remote_tok_s']} | {r['local_tok_s']} | {r['ratio']} |"
             for r in s["rows"]]
+    note = f" ({s['note']})" if s.get("note") else ""
     return out + ["", ("One client pays for HTTP and the server's checks; several clients' "
-                       "calls share the engine's steps, where in-process calls queue."), ""]
+                       f"calls share the engine's steps, where in-process calls queue{note}."),
+                  ""]
 
 
 def write(doc: Path, cpu_json: Path, gpu_json: Path) -> None:
