@@ -527,7 +527,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                             else "not part of the GPU check"}
     else:
         log("\n== connected clients (s)")
-        results["serve"] = serve_throughput(None, timeout=int(max(180, deadline - time.monotonic())))
+        results["serve"] = serve_throughput(models[0]["path"],
+                                            timeout=int(max(180, deadline - time.monotonic())))
         log(f"  {results['serve'].get('status')}")
 
     results["meta"]["load"] = watch.finish()

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
            "--kv-cache-memory-bytes", str(kv)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    out: dict = {"model": args.model or "bundled toy-world", "calls_per_client": args.calls,
+    out: dict = {"model": Path(args.model).name if args.model else "bundled toy-world", "calls_per_client": args.calls,
                  "call": f"trace of 2 prompts, one layer read, {args.tokens} new tokens",
                  "rows": []}
     try:
