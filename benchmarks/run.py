@@ -321,6 +321,22 @@ def widget_latency(model: str, timeout: int, repeats: int = 5) -> dict:
     return res
 
 
+def patching_grid(model: str, args: argparse.Namespace) -> dict:
+    """benchmarks/patching.py on the first model: a 4 x 40 patching grid as
+    one batch, one call per cell and a Hugging Face loop. It rewrites its
+    table in docs/methods.md only when this run rewrites docs/performance.md."""
+    import patching
+
+    log("\n== patching grid")
+    argv = ["--model", model, "--reps", str(max(2, min(args.reps, 5)))]
+    if args.doc != ROOT / "docs" / "performance.md":  # a partial or test run: figures aside
+        argv += ["--no-doc", "--json", str(args.json.with_name("results-patching-custom.json"))]
+    try:
+        return patching.main(argv)
+    except Exception as exc:  # the other figures stand; say why this one is missing
+        return {"status": "failed", "error": _short(exc)}
+
+
 def _short(exc: BaseException) -> str:
     first = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {first}"[:300]
@@ -378,6 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-widgets", action="store_true", help="skip (l), the widget latencies")
     ap.add_argument("--no-serve", action="store_true",
                     help="skip (s), connected clients of vlens serve against in-process")
+    ap.add_argument("--no-patching", action="store_true",
+                    help="skip the patching grid (benchmarks/patching.py)")
     ap.add_argument("--kv-cache-mb", type=int, default=512,
                     help="KV cache of each CPU engine (raised where the wide batch needs more)")
     ap.add_argument("--no-compiled", action="store_true",
@@ -497,6 +515,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     reserve = 60.0 if want_nns and nns_python else 0.0
     reserve += 60.0 if (HERE / "widget_latency.py").exists() and not args.no_widgets else 0.0
     reserve += 90.0 if not args.no_serve and not args.device_check else 0.0
+    reserve += 45.0 if not args.no_patching and not args.device_check else 0.0
     for i, spec in enumerate(models):
         left = deadline - time.monotonic() - reserve
         share = left * weights[i] / sum(weights[i:])
@@ -530,6 +549,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         results["serve"] = serve_throughput(models[0]["path"],
                                             timeout=int(max(180, deadline - time.monotonic())))
         log(f"  {results['serve'].get('status')}")
+    if args.no_patching or args.device_check:
+        results["patching"] = {"status": "skipped",
+                               "why": "--no-patching" if args.no_patching else "CPU only"}
+    else:
+        results["patching"] = patching_grid(models[0]["path"], args)
 
     results["meta"]["load"] = watch.finish()
     results["meta"]["wall_s"] = round(time.monotonic() - t_start, 1)

@@ -256,6 +256,14 @@ def test_a_steer_at_z_equals_hugging_face_adding_to_the_o_proj_input(arch_sessio
     # the steer changed layer 2's pattern (through the residual), not layer 1's
     assert float((clean["attn_pattern"][2] - ref["attn_pattern"][2]).abs().max()) > 1e-3
     assert torch.equal(clean["attn_pattern"][1], ref["attn_pattern"][1])
+    # a direction at z comes flat, ready for a Steer there
+    d = s.direction([_prompt(arch)], ["w1 w2 , ."], layer=1, site="z")
+    assert d.shape == (width,)
+    assert s.trace(_prompt(arch), steer=vlens.Steer(d, layer=1, site="z"),
+                   max_new_tokens=2)[0].steered_rows > 0
+    frame = s.trace(_prompt(arch), sites=["z", "attn_pattern"], layers=[0],
+                    max_new_tokens=2).to_frame()
+    assert set(frame["site"]) == {"z"} and len(frame) == len(t.token_ids) - NEW + 2
     with pytest.raises(VlensError, match="heads \\* head_dim"):
         vlens_steer = vlens.Steer(torch.ones(width + 1), layer=0, site="z")
         s.trace(_prompt(arch), steer=vlens_steer)

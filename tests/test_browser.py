@@ -8,6 +8,10 @@ and in the kernel (``ex.layer``, ``ex.span``) that both took effect. The
 tour's logit-lens view of a 60+ token story is checked for legibility (no
 two token labels overlap), and a snapshot of the explorer is opened from
 its file, with no kernel and no network, and compared with the live figure.
+A second test opens a small notebook of the attention and patching views:
+it clicks a head's thumbnail, hovers a token chip and clicks a cell of the
+patching grid, then checks the views' state in the kernel (``layer``,
+``head``, ``token``, ``cell``) and what the page drew from it.
 Screenshots go to ``test-artifacts/``.
 
 Needs ``scripts/setup_browser.sh`` (apt's chromium, pip's playwright);
@@ -54,9 +58,42 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The attention and patching views on one short story (the browser test of
+# issue 13): a trace that read every layer's pattern, and a patching grid.
+_VIEWS_CELLS = [
+    "MODEL = None",
+    "import vlens\n"
+    "from vlens.widgets import AttentionView, PatchingView\n"
+    "s = vlens.Session(MODEL)\n"
+    "CLEAN = ('once upon a time, a sad duck lived in a green house near the farm. '\n"
+    "         'the sky was grey and the wind was cold. the')\n"
+    "CORRUPT = CLEAN.replace('sad duck', 'sad cat')",
+    "run = s.trace(CLEAN, sites=['attn_pattern'], layers=None, max_new_tokens=1)\n"
+    "att = AttentionView(run, layer=0, head=0)\n"
+    "display(att)\n"
+    "print('attention view:', repr(att.error))",
+    "pv = PatchingView(s.patch(CLEAN, CORRUPT, layers=[0, 1]))\n"
+    "display(pv)\n"
+    "print('patching view:', repr(pv.error))",
+]
+
+
+def _views_notebook(model: str | None):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    book = new_notebook(cells=[new_code_cell(c) for c in _VIEWS_CELLS],
+                        metadata={"kernelspec": {"display_name": "Python 3",
+                                                 "language": "python", "name": "python3"}})
+    book.cells[0].metadata["tags"] = ["parameters"]
+    set_parameters(book, model)
+    return book
+
+
 def _prepare(tmp: Path) -> Path:
-    """A copy of the tour with its parameters set, and lab settings that
-    keep JupyterLab quiet (no news, no update checks: no network)."""
+    """A copy of the tour and the views notebook with their parameters set,
+    and lab settings that keep JupyterLab quiet (no news, no update checks:
+    no network)."""
     import nbformat
 
     model = notebook_model()  # skips when there is no model to run on
@@ -65,6 +102,7 @@ def _prepare(tmp: Path) -> Path:
     work = tmp / "work"
     work.mkdir()
     nbformat.write(book, work / "01_tour.ipynb")
+    nbformat.write(_views_notebook(model), work / "views.ipynb")
     settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
@@ -373,9 +411,140 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
     assert all(u.startswith(("file:", "data:", "blob:")) for u in fetched), fetched
 
 
+def _open_and_run_all(page, url: str, token: str, name: str) -> None:
+    """Open notebook ``name`` in the lab and run every cell."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.goto(f"{url}/lab/tree/{name}?token={token}")
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
+    accept = page.locator(".jp-Dialog .jp-mod-accept")  # which kernel: the notebook's own
+    try:
+        accept.wait_for(timeout=10_000)
+        accept.click()
+    except PlaywrightTimeout:
+        pass
+    page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=120_000)
+    page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+
+
+def _click_at(page, box: dict, fx: float, fy: float) -> None:
+    """A real mouse click at the fraction (fx, fy) of ``box`` (plotly listens
+    to the pointer on its drag layer, not to clicks on elements)."""
+    page.mouse.move(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
+    page.wait_for_timeout(300)  # plotly finds the point under the pointer on hover
+    page.mouse.down()
+    page.mouse.up()
+
+
+def test_attention_and_patching_views_in_a_real_browser(lab):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                    headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        console: list[str] = []
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        try:
+            _open_and_run_all(page, url, token, "views.ipynb")
+            # (stdout only: a traceback shows the cell's source, marker included)
+            page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
+                         has_text="patching view:").last.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            cell = page.locator(".jp-CodeCell", has_text="att = AttentionView").first
+            chips = cell.locator(".vlens-chip")
+            try:
+                chips.first.wait_for(timeout=60_000)
+            except PlaywrightTimeout:
+                # anywidget's 2 s to load a model can pass on a loaded machine
+                # (see the explorer test): a new view makes new models
+                console.append("test: attention chips missing after Run All; view made again")
+                _run_cell_and_read(page, "att = AttentionView(run, layer=0, head=0); "
+                                         "display(att); print('VLENS-AGAIN')", "VLENS-AGAIN")
+                cell = page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last
+                chips = cell.locator(".vlens-chip")
+                chips.first.wait_for(timeout=60_000)
+            cell.scroll_into_view_if_needed()
+            plots = cell.locator(".js-plotly-plot")
+            thumbs, heat = plots.nth(0), plots.nth(1)
+            heat.locator(".gtitle", has_text="layer 0, head 0").wait_for(timeout=60_000)
+            time.sleep(1)
+            cell.screenshot(path=str(ARTIFACTS / "08-attention-view.png"))
+
+            # -- pick a head: click the thumbnail of layer 1, head 2 (4 heads a row:
+            # subplot 1*4 + 2 + 1 = 7), low and left, where a causal pattern has cells
+            n_heads = int(_run_cell_and_read(
+                page, "print('VLENS-HEADS:', att.pattern().shape, len(att.thumbnails.data) "
+                      "// len(att.layers))", "VLENS-HEADS:").split()[-1])
+            sub = 1 * n_heads + 2 + 1
+            drag = thumbs.locator(f".nsewdrag[data-subplot='x{sub}y{sub}']")
+            drag.scroll_into_view_if_needed()
+            _click_at(page, drag.bounding_box(), 0.2, 0.8)
+            heat.locator(".gtitle", has_text="layer 1, head 2").wait_for(timeout=60_000)
+
+            # -- hover a token: chip 8 (the animal); its row and column are drawn
+            chips.nth(8).hover()
+            page.wait_for_function(
+                "el => el.classList.contains('hovered')", arg=chips.nth(8).element_handle(),
+                timeout=30_000)
+            token_fig = plots.nth(2)
+            token_fig.locator(".gtitle", has_text="8:").wait_for(timeout=60_000)
+            tinted = cell.locator(".vlens-chip.shaded").count()
+            time.sleep(1)
+            cell.screenshot(path=str(ARTIFACTS / "09-attention-head-and-token.png"))
+            att_state = _run_cell_and_read(
+                page, "print('VLENS-ATT:', att.layer, att.head, att.token, "
+                      "[s.name for s in att.heatmap.layout.shapes], repr(att.error))",
+                "VLENS-ATT:")
+
+            # -- the patching grid: click the cell of layer 1 (row 1 of 2), position 8
+            pcell = page.locator(".jp-CodeCell", has_text="pv = PatchingView").first
+            pcell.scroll_into_view_if_needed()
+            grid_fig = pcell.locator(".js-plotly-plot").nth(0)
+            n_cols = int(_run_cell_and_read(
+                page, "print('VLENS-COLS:', pv.patching.grid.shape[1])",
+                "VLENS-COLS:").split()[-1])
+            pcell.scroll_into_view_if_needed()
+            time.sleep(1)
+            pcell.screenshot(path=str(ARTIFACTS / "10-patching-view.png"))
+            drag = grid_fig.locator(".nsewdrag[data-subplot='xy']")
+            _click_at(page, drag.bounding_box(), (8 + 0.5) / n_cols, 0.75)
+            bars = pcell.locator(".js-plotly-plot").nth(1)
+            bars.locator(".gtitle", has_text="layer 1").wait_for(timeout=60_000)
+            n_bars = bars.locator(".legendtext").count()
+            time.sleep(1)
+            pcell.screenshot(path=str(ARTIFACTS / "11-patching-cell.png"))
+            pv_state = _run_cell_and_read(
+                page, "print('VLENS-PV:', pv.cell, list(pv.distributions()), "
+                      "[s.name for s in pv.heatmap.layout.shapes], repr(pv.error))",
+                "VLENS-PV:")
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "views-failure.png"))
+            raise
+        finally:
+            (ARTIFACTS / "views-console.log").write_text("\n".join(console))
+            browser.close()
+
+    # the kernel saw the clicked head and the hovered token, and drew them
+    fields = att_state.split("VLENS-ATT:", 1)[1].split(maxsplit=3)
+    assert fields[:3] == ["1", "2", "8"], att_state
+    assert "'query'" in fields[3] and "'key'" in fields[3], att_state
+    assert att_state.rstrip().endswith("''"), att_state  # no widget error
+    assert tinted >= 9, tinted  # the chips tinted by where token 8 attends
+    # the clicked cell: its run beside clean and corrupt, outlined in the grid
+    assert "(1, 8)" in pv_state and "'cell'" in pv_state, pv_state
+    assert "'clean', 'corrupt', 'layer 1, 8:" in pv_state, pv_state
+    assert n_bars == 3, n_bars
+    assert pv_state.rstrip().endswith("''"), pv_state
+
+
 def test_explorer_on_a_connected_session(lab, tmp_path):
     """The explorer on ``vlens.connect`` (a ``vlens serve`` on loopback):
-    the chips and heatmap render, the layer slider redraws, and a steering
+    the chips and heatmap render, the layer slider moves the layer, and a steering
     run streams back from the server."""
     import nbformat
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -399,18 +568,7 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
                                         headless=True)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{url}/lab/tree/connected.ipynb?token={token}")
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
-            accept = page.locator(".jp-Dialog .jp-mod-accept")
-            try:
-                accept.wait_for(timeout=10_000)
-                accept.click()
-            except PlaywrightTimeout:
-                pass
-            page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(
-                timeout=120_000)
-            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            _open_and_run_all(page, url, token, "connected.ipynb")
             chips = page.locator(".vlens-chip:visible")
             try:
                 chips.first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)

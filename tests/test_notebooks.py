@@ -54,7 +54,7 @@ def run_notebook(path: Path, model: str | None):
 def test_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
     assert names == ["01_tour.ipynb", "02_steering.ipynb", "03_token_axis.ipynb",
-                     "04_clone_reads.ipynb"]
+                     "04_clone_reads.ipynb", "05_patching.ipynb", "06_attention.ipynb"]
     for p in NOTEBOOKS:  # stored clean: outputs are made by running them
         book = nbformat.read(p, as_version=4)
         assert all(not c.get("outputs") for c in book.cells if c.cell_type == "code"), p.name
@@ -68,6 +68,12 @@ def test_notebook_runs(path):
 
         if not hasattr(vlens, "Steer"):
             pytest.skip("the steering API (vlens.Steer) has not landed")
+    if "patching" in path.name or "attention" in path.name:
+        import vlens
+
+        if not hasattr(vlens, "Ablate") or not hasattr(vlens.Session, "patch"):
+            pytest.skip("the ablation and patching API (vlens.Ablate, Session.patch) "
+                        "has not landed")
     assert sys.executable  # the kernel is this interpreter's ipykernel
     t0 = time.perf_counter()
     book = run_notebook(path, model)

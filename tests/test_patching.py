@@ -163,9 +163,12 @@ def test_a_loaded_engine_patches_the_same(grid, tiny_llama4, engine_options):
 ])
 def test_bad_patching_is_refused_and_the_engine_serves(patch_session, kwargs, match):
     args = {"clean": CLEAN, "corrupt": CORRUPT, **kwargs}
+    before = patch_session.engine.generate_calls
     with pytest.raises(VlensError, match=match):
         patch_session.patch(args.pop("clean"), args.pop("corrupt"), layers=args.pop("layers", [0]),
                             positions=args.pop("positions", [SWAPPED]), **args)
+    # refused before anything runs; equal top tokens are known after the read
+    assert patch_session.engine.generate_calls - before == (1 if "both predict" in match else 0)
     p = patch_session.patch(CLEAN, CORRUPT, layers=[0], positions=[SWAPPED])
     assert not math.isnan(float(p.grid[0, 0]))
     assert patch_session.status()["records"] == 0

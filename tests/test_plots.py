@@ -326,3 +326,104 @@ def test_token_set_metric_is_the_probability_of_the_set():
     expected = [float(lp[0, 1:].exp()[:, [1, 3]].sum(-1).mean()) for lp in tables]
     assert values == pytest.approx(expected)
     assert all(0 < v < 1 for v in values)
+
+
+# -- attention ----------------------------------------------------------------
+
+
+def _patterns(n_layers=2, heads=3, n=5, seed=0):
+    """Causal attention probabilities ``[layers, heads, n, n]``: rows sum to 1."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(n_layers, heads, n, n, generator=g)
+    scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    return scores.softmax(-1)
+
+
+def test_attention_heads_is_a_grid_of_thumbnails_with_the_pick_outlined():
+    p = _patterns()
+    fig = plots.attention_heads(p, [1, 3], selected=(3, 2))
+    assert len(fig.data) == 6  # 2 layers x 3 heads
+    assert [list(t.meta) for t in fig.data] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [3, 2]]
+    # trace 4 is layer 3, head 1: its pattern, causal cells empty
+    z = fig.data[4].z
+    assert z[0][1] is None and z[4][3] is not None
+    assert z[2][1] == pytest.approx(float(p[1, 1, 2, 1]))
+    (sel,) = _shape(fig, "selected")
+    assert sel.xref == "x6 domain" and sel.yref == "y6 domain"  # the 6th subplot
+    assert not _shape(plots.attention_heads(p, [1, 3], selected=(0, 0)), "selected")
+    with pytest.raises(ValueError, match="layers, heads, tokens, tokens"):
+        plots.attention_heads(p[0], [1])
+    with pytest.raises(ValueError, match="3 layer names for 2"):
+        plots.attention_heads(p, [0, 1, 2])
+
+
+def test_long_patterns_are_pooled_for_thumbnails():
+    p = _patterns(1, 1, 100)
+    small = plots.pool_pattern(p, 25)
+    assert small.shape == (1, 1, 25, 25)
+    assert float(small[0, 0, 0, 0]) == pytest.approx(float(p[0, 0, :4, :4].mean()))
+    assert plots.pool_pattern(p, 100) is p
+    fig = plots.attention_heads(p, [0], cells=25)
+    assert len(fig.data[0].z) == 25
+
+
+def test_attention_heatmap_labels_tokens_and_marks_a_token():
+    p = _patterns()[0, 0]
+    fig = plots.attention_heatmap(p, TOKENS, token=2, n_prompt=4)
+    hm = fig.data[0]
+    assert list(hm.x) == list(hm.y) == ["0:&lt;s&gt;", "1:the", "2:cat", "3:the", "4:dog"]
+    assert hm.z[3][1] == pytest.approx(float(p[3, 1])) and hm.z[1][3] is None
+    assert sum(v for v in hm.z[4] if v is not None) == pytest.approx(1, abs=1e-5)
+    (row,) = _shape(fig, "query")
+    (col,) = _shape(fig, "key")
+    assert (row.y0, row.y1, col.x0, col.x1) == (1.5, 2.5, 1.5, 2.5)
+    assert _shape(fig, "prompt|generated")
+    assert not _shape(plots.attention_heatmap(p, TOKENS), "query")
+    with pytest.raises(ValueError, match=r"expected \[4, 4\]"):
+        plots.attention_heatmap(p, TOKENS[:4])
+
+
+def test_attention_of_token_is_its_row_and_its_column():
+    p = _patterns()[1, 2]
+    fig = plots.attention_of_token(p, TOKENS, 2)
+    to, by = fig.data
+    assert (to.name, by.name) == ("attends to", "attended by")
+    assert list(to.y[:3]) == pytest.approx(p[2, :3].tolist()) and to.y[3] is None
+    assert by.y[1] is None and list(by.y[2:]) == pytest.approx(p[2:, 2].tolist())
+    assert "2:cat" in fig.layout.title.text
+    with pytest.raises(ValueError, match="0..4"):
+        plots.attention_of_token(p, TOKENS, 5)
+
+
+# -- patching -----------------------------------------------------------------
+
+
+def test_patching_heatmap_gaps_for_unfinished_cells_and_outlines_a_cell():
+    grid = torch.tensor([[1.0, 0.2, math.nan], [0.0, -0.5, 1.7]])
+    fig = plots.patching_heatmap(grid, [0, 2], ["0:<s>", "1:cat", "2:sat"], cell=(1, 2))
+    hm = fig.data[0]
+    assert hm.z[0][2] is None and hm.z[1][2] == pytest.approx(1.7)
+    assert list(hm.y) == ["layer 0", "layer 2"] and hm.x[0] == "0:&lt;s&gt;"
+    assert hm.zmid == 0 and hm.zmax == pytest.approx(1.7) and hm.zmin == pytest.approx(-1.7)
+    assert list(hm.customdata[1][2]) == [1, 2]
+    (cell,) = _shape(fig, "cell")
+    assert (cell.x0, cell.y0) == (1.5, 0.5)
+    assert "5 of 6 cells" in fig.layout.title.text
+    heads = plots.patching_heatmap(torch.zeros(2, 4), [0, 1], [f"head {h}" for h in range(4)],
+                                   column_title="head")
+    assert heads.layout.xaxis.title.text == "head" and heads.data[0].zmax == 1
+    with pytest.raises(ValueError, match=r"\[2 layers, 2 positions\]"):
+        plots.patching_heatmap(grid, [0, 2], ["a", "b"])
+
+
+def test_next_token_bars_side_by_side_on_the_union_of_tokens():
+    fig = plots.next_token_bars(
+        {"clean": (["fox", "cat"], [0.9, 0.05]), "corrupt": (["cat", "dog"], [0.8, 0.1]),
+         "layer 1, pos 3": (["fox", "cat", "<s>"], [0.5, 0.4, 0.01])},
+        top=3, marks=["fox", "cat"])
+    assert [t.name for t in fig.data] == ["clean", "corrupt", "layer 1, pos 3"]
+    assert list(fig.data[0].x) == ["<b>fox</b>", "<b>cat</b>", "dog"]  # by best probability
+    assert list(fig.data[1].y) == [None, 0.8, 0.1]
+    assert list(fig.data[2].y) == [0.5, 0.4, None]
+    with pytest.raises(ValueError, match="2 tokens for 1"):
+        plots.next_token_bars({"clean": (["a", "b"], [1.0])})

@@ -26,14 +26,16 @@ pytest.importorskip("anywidget")
 import vlens
 from vlens.lens import LogitLens
 from vlens.models.world import sentiment_prompts
-from vlens.plots import activation_values, token_set_metric
+from vlens.plots import activation_values, plain_text, token_set_metric
 from vlens.testing import make_run, make_trace
 from vlens.widgets import (
     ActivationView,
+    AttentionView,
     CloneReadsToggle,
     Controller,
     LayerPicker,
     LogitLensView,
+    PatchingView,
     Selection,
     SitePicker,
     SteeringPanel,
@@ -201,6 +203,74 @@ def test_clone_reads_toggle_switches_the_session_and_shows_bytes(toy_session, mo
     toggle.value = False
     assert toy_session.clone_reads is False
     assert "next run: clone reads off" in toggle._label.value
+
+
+# -- attention view -----------------------------------------------------------
+
+
+class Points:
+    """What plotly hands a click callback: the clicked points' indices."""
+
+    def __init__(self, point_inds):
+        self.point_inds = point_inds
+
+
+def causal_patterns(n_layers=2, heads=3, n=5, seed=0):
+    """Attention probabilities ``[layers, heads, n, n]``, causal, rows summing to 1."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(n_layers, heads, n, n, generator=g)
+    return scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")).softmax(-1)
+
+
+def test_attention_view_picks_a_head_from_its_thumbnail_and_a_token_by_hover():
+    p = causal_patterns()
+    view = AttentionView(n_layers=4)
+    view.show(p, ["<s>", "the", "cat", "the", "dog"], layers=[1, 3], n_prompt=4)
+    assert (view.layer, view.head, view.token) == (1, 0, -1)  # moved to a read layer
+    assert len(view.thumbnails.data) == 6 and view.heatmap.layout.title.text == "layer 1, head 0"
+    assert torch.equal(view.pattern(), p[0, 0])
+
+    # a click on the thumbnail of layer 3, head 2 (trace 5)
+    view._on_thumbnail(view.thumbnails.data[5], Points([[0, 0]]), None)
+    assert (view.layer, view.head) == (3, 2) and view.layer_picker.value == 3
+    assert view.heatmap.layout.title.text == "layer 3, head 2"
+    assert view.heatmap.data[0].z[4][2] == pytest.approx(float(p[1, 2, 4, 2]))
+    (sel,) = [s for s in view.thumbnails.layout.shapes if s.name == "selected"]
+    assert sel.xref == "x6 domain"
+
+    # the pointer over chip 2 picks token 2: its row and column, and the chips' tint
+    view.chips.hovered = 2
+    assert view.token == 2
+    assert {s.name for s in view.heatmap.layout.shapes} >= {"query", "key"}
+    to, by = view.token_figure.data
+    assert list(to.y[:3]) == pytest.approx(p[1, 2, 2, :3].tolist())
+    assert list(by.y[2:]) == pytest.approx(p[1, 2, 2:, 2].tolist())
+    assert view.chips.shade[:3] == pytest.approx(p[1, 2, 2, :3].tolist())
+    assert view.chips.shade[3:] == [0.0, 0.0]  # a causal head cannot look ahead
+
+    # a click on a heatmap cell picks its query row; the head box too
+    view._on_cell(view.heatmap.data[0], Points([[4, 1]]), None)
+    assert view.token == 4
+    view._head.value = 1
+    assert view.head == 1 and view.heatmap.layout.title.text == "layer 3, head 1"
+    assert view.error == ""
+
+
+def test_attention_view_says_what_is_wrong_and_keeps_working(run):
+    view = AttentionView(n_layers=4)
+    with pytest.raises(ValueError, match=r"\[layers, heads, 3, 3\]"):
+        view.show(torch.zeros(1, 2, 4, 4), ["a", "b", "c"])
+    view.show(causal_patterns(2, 2, 3), ["a", "b", "c"], layers=[0, 2])
+    view.layer = 1  # not read: shown in the widget, not raised
+    assert "layer 1 has no attention pattern" in view.error and "[0, 2]" in view.error
+    view.layer = 2
+    assert view.error == "" and view.heatmap.layout.title.text == "layer 2, head 0"
+    view.run = run  # a run that read no attention
+    assert "sites=['attn_pattern']" in view.error
+    with pytest.raises(TypeError):
+        AttentionView(n_layers=4, heads=2)
+    with pytest.raises(ValueError, match="n_layers="):
+        AttentionView()
 
 
 # -- activation view ----------------------------------------------------------
@@ -408,10 +478,13 @@ def test_controller_traces_every_site_and_layer_with_the_lens(toy_session, calls
     run = controller.trace(PROMPT, progress=lambda done, total: seen.append((done, total)))
     (call,) = calls
     assert call["name"] == "trace" and call["args"] == ([PROMPT],)
-    assert call["sites"] == toy_session.sites and call["layers"] is None
+    # every site but the per-head q, k, v, z (no view shows them; the pattern is read)
+    wanted = [x for x in toy_session.sites if x not in ("q", "k", "v", "z")]
+    assert "attn_pattern" in wanted and len(wanted) == len(toy_session.sites) - 4
+    assert call["sites"] == wanted and call["layers"] is None
     assert call["logit_lens"] == 5 and call["max_new_tokens"] == 5
     assert controller.run is run and seen[-1] == (1, 1)
-    assert set(run[0].read_keys) == set(toy_session.sites) | {"resid_post:logit_lens"}
+    assert set(run[0].read_keys) == set(wanted) | {"resid_post:logit_lens"}
     assert controller.prompt_tokens(PROMPT) == toy_session.token_strings(
         toy_session.tokenize(PROMPT))
     assert controller.prompt_tokens("  ") == []
@@ -668,11 +741,12 @@ def test_explorer_snapshot_has_every_tab_and_needs_no_engine(toy_session, calls,
     n_calls = len(calls)
     page = ex.snapshot(tmp_path / "ex.html").read_text()
     assert len(calls) == n_calls  # saving draws what is there, it runs nothing
-    for title in ("activations", "logit lens", "steering"):
+    for title in ("activations", "logit lens", "attention", "steering"):
         assert f"<h3>{title}" in page
     assert "(the tab on screen)" in page
-    # heatmap + strip, the tracked lens, the comparison (the sweep never ran)
-    assert _plots_in(page) == 4
+    # heatmap + strip, the tracked lens, the head grid + one head + one token's
+    # row and column, the comparison (the sweep never ran)
+    assert _plots_in(page) == 7
     baseline, steered = ex.steering_panel.live_texts
     assert "<b>baseline</b>" in page and "<b>steered</b>" in page
     assert html.escape(baseline) in page and html.escape(steered) in page
@@ -711,3 +785,124 @@ def test_import_vlens_does_not_load_widget_libraries():
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert vlens.explore is explore  # reached lazily, from the widgets package
+
+
+# -- attention, patching and ablation on the bundled model -----------------------
+
+ANIMAL = ("once upon a time, a sad duck lived in a green house near the farm. the sky was grey "
+          "and the wind was cold. its friend the fox came to say hello. the")
+
+
+@engine
+def test_attention_view_on_a_real_trace_shows_the_copy_head(toy_session):
+    from vlens.models import COPY_HEAD
+
+    run = toy_session.trace(ANIMAL, sites=["attn_pattern"], layers=None, max_new_tokens=1)
+    t = run[0]
+    view = AttentionView(run)
+    assert view.layers == list(range(toy_session.n_layers)) and view.tokens == t.tokens
+    n_heads = toy_session.info["n_heads"]
+    assert len(view.thumbnails.data) == toy_session.n_layers * n_heads
+    layer, head = COPY_HEAD
+    view._on_thumbnail(view.thumbnails.data[layer * n_heads + head], Points([[0, 0]]), None)
+    assert (view.layer, view.head) == COPY_HEAD
+    assert torch.equal(view.pattern(), t.attention(layer)[head])
+    view.chips.hovered = t.n_tokens - 1  # the token before the second mention
+    to = list(view.token_figure.data[0].y)
+    first = t.tokens.index("duck")
+    assert max(range(len(to)), key=lambda j: to[j] or 0) == first  # it looks back at the duck
+    assert to[first] > 0.5 and view.chips.shade[first] == pytest.approx(to[first])
+    assert view.error == ""
+
+
+@engine
+def test_explore_has_an_attention_tab_fed_by_its_one_trace(toy_session, calls):
+    ex = explore(toy_session, ANIMAL, max_new_tokens=2)
+    assert "attention" in ex.tabs.titles and ex.attention_view.run is ex.run
+    (call,) = calls_of(calls, "trace")
+    assert "attn_pattern" in call["sites"]
+    assert not {"q", "k", "v", "z"} & set(call["sites"])  # nothing no view shows
+    assert "attn_pattern" not in ex.activation_view.site_picker.options
+    ex.activation_view.layer_picker.value = 2  # the shared layer moves the attention view
+    assert ex.attention_view.layer == 2
+    assert ex.attention_view.heatmap.layout.title.text == "layer 2, head 0"
+    assert ex.error == "" and ex.attention_view.error == ""
+
+
+@engine
+def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
+    from vlens.models import COPY_HEAD
+
+    layer, head = COPY_HEAD
+    panel = SteeringPanel(toy_session, ANIMAL, layer=layer, max_new_tokens=6)
+    assert panel._mode.layout.display == ""  # the model has a z site: the toggle shows
+    panel._mode.value = "ablate"  # the toggle, as clicked
+    assert panel.mode == "ablate" and panel._ablate_row.layout.display == ""
+    assert panel._scale_row.layout.display == "none" and panel._lists.layout.display == "none"
+    panel._run_button.click()
+    assert "pick at least one head" in panel.error  # shown, not raised
+    panel.head_picker._buttons[head].value = True  # a click on the head's button
+    assert panel.ablate_heads == [head]
+    ab = panel.ablation()
+    assert (ab.site, ab.layer, list(ab.heads), ab.kind) == ("z", layer, [head], "zero")
+    panel._run_button.click()
+    assert panel.error == "" and panel.streamed_states >= 2
+    base, ablated = panel.comparison.texts[0]
+    # the plain run and the ablated one equal what trace gives for each
+    ref = toy_session.trace([ANIMAL, ANIMAL], max_new_tokens=6, layers=[0], reduce="norm",
+                            ablate=vlens.PerPrompt([None, ab]))
+    assert (base, ablated) == tuple(ref.texts)
+    assert base.split()[0] == "duck" and ablated.split()[0] != "duck"  # the copy fails
+    assert "ablated" in panel._texts.value and "knocked out" in \
+        panel.comparison_figure.layout.title.text
+    panel.mode = "steer"  # back: the steering controls again
+    assert panel._scale_row.layout.display == "" and panel._ablate_row.layout.display == "none"
+
+
+@engine
+def test_patching_view_streams_the_grid_and_shows_a_clicked_cell(toy_session):
+    corrupt = ANIMAL.replace("sad duck", "sad cat")
+    seen: list[int] = []
+    view = PatchingView(toy_session, auto_run=False, site="resid_pre", layers=[0, 1])
+    view.observe(lambda c: seen.append(c["new"]), names="cells_done")
+    view.run(ANIMAL, corrupt)
+    ref = toy_session.patch(ANIMAL, corrupt, site="resid_pre", layers=[0, 1])
+    total = ref.grid.numel()
+    assert view.error == "" and view.cells_done == total
+    assert seen == sorted(seen) and seen[-1] == total and view.streamed_states >= 2
+    assert torch.allclose(view.patching.grid, ref.grid, atol=1e-4)  # the stream ends at patch's
+    hm = view.heatmap.data[0]
+    assert torch.allclose(torch.tensor([list(r) for r in hm.z]), ref.grid, atol=1e-4)
+    assert list(hm.x) == [plain_text(c) for c in ref.columns]  # "<s>" shown as text
+    assert list(hm.y) == ["layer 0", "layer 1"]
+
+    first = ref.columns.index("8:duck")
+    view._on_click(hm, Points([[0, first]]), None)  # a click on (layer 0, the duck)
+    assert view.cell == (0, first)
+    assert [s.name for s in view.heatmap.layout.shapes] == ["cell"]
+    clean, cor, cell = view.bars.data
+    assert (clean.name, cor.name, cell.name) == ("clean", "corrupt", "layer 0, 8:duck")
+    dist = view.distributions()
+    assert dist["clean"][0][0] == "duck" and dist["corrupt"][0][0] == "cat"
+    assert dist["layer 0, 8:duck"][0][0] == "duck"  # patching the word restores it
+    assert "duck" in view._summary.value and "cat" in view._summary.value
+
+    view._corrupt.value = "a short corrupt prompt"  # typed; a different length
+    view._run_button.click()  # said in the widget, not raised
+    assert "same length" in view.error and view.patching is not None
+
+
+@engine
+def test_patching_view_of_a_result_and_its_argument_checks(toy_session):
+    corrupt = ANIMAL.replace("sad duck", "sad cat")
+    result = toy_session.patch(ANIMAL, corrupt, site="z", heads=True)
+    view = PatchingView(result)
+    assert view.session is None and view.cells_done == result.grid.numel()
+    assert list(view.heatmap.data[0].x) == [f"head {h}" for h in range(4)]
+    assert view.heatmap.layout.xaxis.title.text == "head"
+    view.cell = (0, 2)  # set from Python: the same as a click
+    assert view.cell_name() == "layer 0, head 2" and len(view.bars.data) == 3
+    view._run_button.click()
+    assert "given a result, not a session" in view.error
+    with pytest.raises(TypeError, match="site"):
+        PatchingView(result, site="z")

@@ -152,14 +152,7 @@ def ablates_per_prompt(ablate: Any, n_prompts: int) -> list[list[Ablate]]:
     return out
 
 
-def site_width(site: str, facts: Any, info: dict[str, Any]) -> int:
-    """How wide one row of ``site`` is in the worker: ``z`` is
-    ``heads * head_dim``, every other writable site the hidden size."""
-    return facts.width(site)
-
-
-def check_ablate(ab: Ablate, facts: Any, info: dict[str, Any], prompt_len: int,
-                 max_new_tokens: int) -> None:
+def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -> None:
     """An Ablate that fits this model and can land on the request."""
     n = facts.n_layers
     if not 0 <= ab.layer < n:
@@ -179,13 +172,13 @@ def check_ablate(ab: Ablate, facts: Any, info: dict[str, Any], prompt_len: int,
                 f"Ablate heads= is for site 'z' (each head's output before o_proj); site "
                 f"{ab.site!r} mixes the heads: use site='z', or drop heads= to ablate the row"
             )
-        n_heads = int(info["n_heads"])
+        n_heads = facts.n_heads
         if max(ab.heads) >= n_heads:
             raise VlensError(
                 f"Ablate heads {list(ab.heads)}: this model has {n_heads} heads, numbered "
                 f"0 to {n_heads - 1}"
             )
-    width = site_width(ab.site, facts, info)
+    width = facts.width(ab.site)  # z: heads * head_dim; the others: hidden
     if ab.mean is not None and ab.mean.numel() != width:
         raise VlensError(
             f"Ablate mean has {ab.mean.numel()} elements; site {ab.site!r} rows have {width}"
@@ -203,14 +196,14 @@ def check_ablate(ab: Ablate, facts: Any, info: dict[str, Any], prompt_len: int,
         )
 
 
-def check_ablates(per_prompt: list[list[Ablate]], facts: Any, info: dict[str, Any],
-                  prompt_lens: Sequence[int], max_new_tokens: int) -> None:
+def check_ablates(per_prompt: list[list[Ablate]], facts: Any, prompt_lens: Sequence[int],
+                  max_new_tokens: int) -> None:
     """Every prompt's Ablates; two on one prompt may not write the same dims
     of one (site, layer) (the second would undo the first's difference)."""
     for i, (ablates, n) in enumerate(zip(per_prompt, prompt_lens)):
         seen: dict[tuple[str, int], set] = {}
         for ab in ablates:
-            check_ablate(ab, facts, info, n, max_new_tokens)
+            check_ablate(ab, facts, n, max_new_tokens)
             heads = set(ab.heads) if ab.heads is not None else {"all"}
             taken = seen.setdefault((ab.site, ab.layer), set())
             if taken & heads or (taken and "all" in heads | taken):
@@ -245,7 +238,7 @@ def fill_means(session: Any, prompts: list[str], per_prompt: list[list[Ablate]]
             for abs_ in per_prompt]
 
 
-def to_sets(ablates: Sequence[Ablate], prompt_len: int, info: dict[str, Any]
+def to_sets(ablates: Sequence[Ablate], prompt_len: int, head_dim: int
             ) -> tuple[list[Set], dict[str, torch.Tensor]]:
     """A prompt's Ablates as plan entries and the vectors they name: one
     Set per Ablate, or per run of adjacent heads for ``z`` heads."""
@@ -257,17 +250,16 @@ def to_sets(ablates: Sequence[Ablate], prompt_len: int, info: dict[str, Any]
             vid = vector_id(ab.mean)
             vectors[vid] = ab.mean
         start, stop = ab.positions(prompt_len)
-        for lo, hi in _dim_ranges(ab.heads, info):
+        for lo, hi in _dim_ranges(ab.heads, head_dim):
             sets.append(Set(ab.site, ab.layer, vid, lo, hi, start, stop))
     return sets, vectors
 
 
-def _dim_ranges(heads: Sequence[int] | None, info: dict[str, Any]) -> list[tuple[int, int]]:
+def _dim_ranges(heads: Sequence[int] | None, hd: int) -> list[tuple[int, int]]:
     """Head indices -> ``[lo, hi)`` dim ranges of the flat z row (adjacent
     heads merged); None -> the whole row."""
     if heads is None:
         return [(0, -1)]
-    hd = int(info["head_dim"])
     ranges: list[list[int]] = []
     for h in heads:  # sorted
         if ranges and ranges[-1][1] == h * hd:
@@ -277,10 +269,9 @@ def _dim_ranges(heads: Sequence[int] | None, info: dict[str, Any]) -> list[tuple
     return [(lo, hi) for lo, hi in ranges]
 
 
-def plan_parts(ablates: Sequence[Ablate], prompt_len: int, info: dict[str, Any]
-               ) -> dict[str, Any]:
+def plan_parts(ablates: Sequence[Ablate], prompt_len: int, head_dim: int) -> dict[str, Any]:
     """``Runner.request`` keywords for a prompt's Ablates."""
     if not ablates:
         return {}
-    sets, vectors = to_sets(ablates, prompt_len, info)
+    sets, vectors = to_sets(ablates, prompt_len, head_dim)
     return {"sets": sets, "vectors": vectors}

@@ -292,6 +292,13 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
     """Check the arguments, read the clean and corrupt runs (one engine
     call), and build every cell's request for the second call."""
     ids, layers, positions = _check_args(session, clean, corrupt, site, layers, positions, heads)
+    if answer is not None:  # checked before anything runs
+        if not isinstance(answer, (list, tuple)) or len(answer) != 2:
+            raise VlensError(f"answer must be (clean_token, corrupt_token), got {answer!r}")
+        answer = (_answer_id(session, answer[0], "clean"),
+                  _answer_id(session, answer[1], "corrupt"))
+        if answer[0] == answer[1]:
+            raise VlensError("answer names the same token twice: give two different tokens")
     acts, tops = _read_pass(session, ids, site, layers)
     if answer is None:
         answer = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
@@ -302,16 +309,10 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                 "difference to patch; pass answer=(clean_token, corrupt_token) with the two "
                 "tokens whose logit difference to measure"
             )
-    elif not isinstance(answer, (list, tuple)) or len(answer) != 2:
-        raise VlensError(f"answer must be (clean_token, corrupt_token), got {answer!r}")
-    else:
-        answer = (_answer_id(session, answer[0], "clean"), _answer_id(session, answer[1], "corrupt"))
-        if answer[0] == answer[1]:
-            raise VlensError("answer names the same token twice: give two different tokens")
     cands = list(dict.fromkeys([*answer, *(sorted(tops[0], key=lambda t: -tops[0][t])),
                                 *(sorted(tops[1], key=lambda t: -tops[1][t]))]))
     score = {"logprob_token_ids": cands}
-    info = session.info
+    facts = session._facts
     runner = session._runner
     call = runner.next_call()
     corrupt_ids = ids[1]
@@ -324,8 +325,8 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
         for p in positions:
             row = acts[0][i, p]
             vecs[(i, p)] = (vector_id(row), row)
-    columns: list[Any] = positions if not heads else list(range(int(info["n_heads"])))
-    hd = int(info["head_dim"]) if heads else 0
+    columns: list[Any] = positions if not heads else list(range(facts.n_heads))
+    hd = facts.head_dim
     for i, layer in enumerate(layers):
         for j, col in enumerate(columns):
             if heads:

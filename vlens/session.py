@@ -236,8 +236,7 @@ class Session:
         lens = [len(ids) for ids in prompt_ids]
         per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
         ablates = ablation.ablates_per_prompt(ablate, len(prompts))
-        info = self.info
-        ablation.check_ablates(ablates, facts, info, lens, max_new_tokens)
+        ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(edit, edit_at, facts,
                                   can_ship=self._runner.can_ship_functions,
                                   remote=self._runner.remote)
@@ -251,7 +250,7 @@ class Session:
         requests = [
             self._runner.request(f"{call}-{i}", i, ids, reads, steers, edits, max_new_tokens,
                                  logprobs, sampling, clone=self.clone_reads,
-                                 **ablation.plan_parts(abl, len(ids), info))
+                                 **ablation.plan_parts(abl, len(ids), facts.head_dim))
             for i, (ids, steers, abl) in enumerate(zip(prompt_ids, per_prompt, ablates))
         ]
         requests += [self._runner.background(ids, max_new_tokens, sampling) for ids in bg_ids]
@@ -278,7 +277,8 @@ class Session:
                   site: str = "resid_post", position: str = "last",
                   progress: Any = None) -> torch.Tensor:
         """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
-        at ``layer``, ``[hidden]`` float32. ``position="last"`` takes each
+        at ``layer``, ``[hidden]`` float32 (at ``z``: ``[heads * head_dim]``,
+        flat, as a Steer there takes it). ``position="last"`` takes each
         prompt's last token, ``"mean"`` the mean over its tokens (the BOS row,
         the same for every prompt, left out)."""
         if position not in ("last", "mean"):
@@ -288,12 +288,16 @@ class Session:
                 raise VlensError(f"{name} must be a non-empty list of prompt strings")
         layer = checks.check_layers([layer], self._facts)[0]
         checks.check_sites([site], self._facts)
+        if site == "attn_pattern":
+            raise VlensError("a direction needs a site with a value per token; attn_pattern "
+                             "has one per token pair: use 'z' or a residual site")
         run = self.trace(list(positive) + list(negative), layers=[layer], sites=[site],
                          max_new_tokens=1, logprobs=False, progress=progress)
         bos = self.tokenizer.bos_token_id
         means = []
         for t in run:
             rows = t.activations(site)[0]  # [prompt tokens, hidden]
+            rows = rows.reshape(rows.shape[0], -1)  # head sites: heads * head_dim, flat
             if position == "last":
                 means.append(rows[-1])
             else:

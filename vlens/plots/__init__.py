@@ -20,6 +20,12 @@ from vlens.plots._activations import (
     layer_profile,
     token_strip,
 )
+from vlens.plots._attention import (
+    attention_heads,
+    attention_heatmap,
+    attention_of_token,
+    pool_pattern,
+)
 from vlens.plots._common import plain_text, token_labels
 from vlens.plots._lens import lens_token_values, logit_lens_grid, logit_lens_track
 from vlens.plots._reductions import (
@@ -29,6 +35,7 @@ from vlens.plots._reductions import (
     pca_2d,
     token_set_metric,
 )
+from vlens.plots._patching import next_token_bars, patching_heatmap
 from vlens.plots._steering import baseline_vs_steered, dose_response
 
 __all__ = [
@@ -36,6 +43,9 @@ __all__ = [
     "activation_heatmap",
     "activation_pca",
     "activation_values",
+    "attention_heads",
+    "attention_heatmap",
+    "attention_of_token",
     "baseline_vs_steered",
     "colour_values",
     "dose_response",
@@ -44,8 +54,11 @@ __all__ = [
     "lens_token_values",
     "logit_lens_grid",
     "logit_lens_track",
+    "next_token_bars",
+    "patching_heatmap",
     "pca_2d",
     "plain_text",
+    "pool_pattern",
     "token_labels",
     "token_set_metric",
     "token_strip",

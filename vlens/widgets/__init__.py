@@ -8,9 +8,12 @@ plotly's widget layer), or use ``vlens.explore``::
 
 How they fit: a :class:`Controller` is the one object that calls the
 Session (trace, direction, compare, sweep) and holds the traced Run. Views
-(:class:`ActivationView`, :class:`LogitLensView`) are handed a Run and only
-draw, following one :class:`Selection` (layer, token span, site); the
-:class:`SteeringPanel` asks the controller to steer. :func:`explore`
+(:class:`ActivationView`, :class:`LogitLensView`, :class:`AttentionView`)
+are handed a Run and only draw, following one :class:`Selection` (layer,
+token span, site); the
+:class:`SteeringPanel` asks the controller to steer (or, in its ablation
+mode, to knock out heads). :class:`PatchingView` streams
+``session.stream_patch`` and shows the grid filling in. :func:`explore`
 composes them around one selection and one controller. Figures come from
 the builders of :mod:`vlens.plots`. Every view and panel saves what it
 shows to one HTML file that needs no kernel (``view.snapshot(path)``,
@@ -20,9 +23,11 @@ shows to one HTML file that needs no kernel (``view.snapshot(path)``,
 from __future__ import annotations
 
 from vlens.widgets.activation import ActivationView
+from vlens.widgets.attention import AttentionView
 from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.explorer import Explorer, explore
 from vlens.widgets.logit_lens import LogitLensView
+from vlens.widgets.patching import PatchingView
 from vlens.widgets.pickers import LayerPicker, SitePicker
 from vlens.widgets.selection import Controller, Selection
 from vlens.widgets.snapshot import save_snapshot, snapshot_html
@@ -31,11 +36,13 @@ from vlens.widgets.token_span import TokenSpanPicker
 
 __all__ = [
     "ActivationView",
+    "AttentionView",
     "CloneReadsToggle",
     "Controller",
     "Explorer",
     "LayerPicker",
     "LogitLensView",
+    "PatchingView",
     "Selection",
     "SitePicker",
     "SteeringDefaults",

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 import traitlets
 
 from vlens.results import Run
-from vlens.widgets.selection import Selection
+from vlens.widgets.selection import Selection, token_sites
 
 __all__ = [
     "Panel", "View", "figure_widget", "full_sites", "layers_spanned", "show_figure",
@@ -139,8 +139,9 @@ class Panel(widgets.VBox):
 
 
 def full_sites(run: Run) -> list[str]:
-    """The sites ``run`` read in full (``"resid_post"``, not ``"resid_post:norm"``)."""
-    return [key for key in run[0].read_keys if ":" not in key]
+    """The sites ``run`` read in full (``"resid_post"``, not ``"resid_post:norm"``)
+    with one vector per token (not ``attn_pattern`` or the per-head sites)."""
+    return token_sites([key for key in run[0].read_keys if ":" not in key])
 
 
 def layers_spanned(run: Run) -> int:

@@ -2,11 +2,13 @@
 :class:`Selection` and one :class:`Controller`.
 
 The controller traces the prompt once (every site, every layer, the logit
-lens's top 5) and the explorer hands that Run to every view. The views
+lens's top 5, and the attention patterns where the model has them) and the
+explorer hands that Run to every view. The views
 share the selection: move any layer picker, or click tokens in the chip
 strip at the top, and every view redraws from it. The steering panel steers
 the same prompt at the selection's layer, site and span through the same
-controller. ``ex.snapshot("file.html")`` saves every tab as shown, for
+controller. The patching tab starts with the prompt as the clean run: type
+a corrupt one and patch. ``ex.snapshot("file.html")`` saves every tab as shown, for
 reading without a kernel.
 """
 
@@ -20,9 +22,11 @@ from vlens.lens import LogitLens
 from vlens.results import Run
 from vlens.widgets._base import View
 from vlens.widgets.activation import ActivationView
+from vlens.widgets.attention import PATTERN_SITE, AttentionView
 from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.logit_lens import LogitLensView
-from vlens.widgets.selection import Controller, Selection
+from vlens.widgets.patching import PatchingView
+from vlens.widgets.selection import Controller, Selection, token_sites
 from vlens.widgets.steering import SteeringPanel, steering_defaults
 from vlens.widgets.token_span import TokenSpanPicker
 
@@ -30,14 +34,17 @@ __all__ = ["Explorer", "explore"]
 
 
 class Explorer(View):
-    """Activation view, logit lens view and steering panel on one prompt.
+    """Activation, logit lens, attention and patching views and the
+    steering panel on one prompt.
 
     ``selection`` (layer, span, site) is shared by every view; ``layer``
     and ``span`` read and write it. ``controller`` runs the engine and
     holds ``run``, the traced prompt. ``span_picker`` is the chip strip of
     the prompt and its generation; ``activation_view``,
-    ``logit_lens_view``, ``steering_panel`` and ``clone_reads_toggle`` are
-    the composed widgets.
+    ``logit_lens_view``, ``attention_view`` (``None`` where the session
+    has no ``attn_pattern`` site), ``patching_view`` (``None`` without
+    ``Session.stream_patch``), ``steering_panel`` and
+    ``clone_reads_toggle`` are the composed widgets.
     """
 
     def __init__(
@@ -59,7 +66,7 @@ class Explorer(View):
         self.clone_reads_toggle = CloneReadsToggle(session)
         self.span_picker = TokenSpanPicker()
         shared = {"selection": self.selection, "n_layers": session.n_layers}
-        self.activation_view = ActivationView(sites=session.sites, **shared)
+        self.activation_view = ActivationView(sites=token_sites(session.sites), **shared)
         self.logit_lens_view = LogitLensView(
             token_strings=session.token_strings, tokenize=session.tokenize,
             # the trace reads resid_post in full: tracking a token is exact
@@ -69,10 +76,18 @@ class Explorer(View):
             self.controller, prompt, selection=self.selection, positive=positive,
             negative=negative, vector=vector, span_picker=False,
         )
-        self.tabs = widgets.Tab(
-            children=[self.activation_view, self.logit_lens_view, self.steering_panel],
-            titles=("activations", "logit lens", "steering"),
-        )
+        tabs = [(self.activation_view, "activations"), (self.logit_lens_view, "logit lens")]
+        self.attention_view = None
+        if PATTERN_SITE in session.sites:
+            self.attention_view = AttentionView(**shared)
+            tabs.append((self.attention_view, "attention"))
+        tabs.append((self.steering_panel, "steering"))
+        self.patching_view = None
+        if hasattr(session, "stream_patch"):
+            self.patching_view = PatchingView(session, clean=prompt, auto_run=False)
+            tabs.append((self.patching_view, "patching"))
+        self.tabs = widgets.Tab(children=[w for w, _ in tabs],
+                                titles=tuple(name for _, name in tabs))
         super().__init__([
             widgets.HBox([self._prompt, self._trace_button]),
             self.clone_reads_toggle,
@@ -105,6 +120,10 @@ class Explorer(View):
         self.span_picker.n_prompt = len(t.prompt_token_ids)
         self.activation_view.run = run
         self.logit_lens_view.run = run
+        if self.attention_view is not None:
+            self.attention_view.run = run
+        if self.patching_view is not None:
+            self.patching_view.set_clean(t.prompt)
         self.steering_panel.set_prompt(t.prompt)
         self.clone_reads_toggle.show_run(run)
 

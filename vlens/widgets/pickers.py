@@ -1,4 +1,4 @@
-"""Stock-control pickers: a layer (or a range of layers) and a site."""
+"""Stock-control pickers: a layer (or a range of layers), a site, a set of heads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import ipywidgets as widgets
 import traitlets
 
-__all__ = ["LayerPicker", "SitePicker"]
+__all__ = ["HeadPicker", "LayerPicker", "SitePicker"]
 
 
 class LayerPicker(widgets.VBox):
@@ -104,3 +104,45 @@ class SitePicker(widgets.Dropdown):
 
 def _default_site(sites: list[str]) -> str:
     return "resid_post" if "resid_post" in sites else sites[0]
+
+
+class HeadPicker(widgets.HBox):
+    """A toggle button per attention head; ``value`` is the sorted list of
+    the heads switched on (e.g. the heads to knock out)."""
+
+    value = traitlets.List(traitlets.Int(), help="the heads switched on, sorted")
+
+    def __init__(self, n_heads: int, *, value: Sequence[int] = (),
+                 description: str = "heads") -> None:
+        if not isinstance(n_heads, int) or n_heads < 1:
+            raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+        self.n_heads = n_heads
+        self._buttons = [
+            widgets.ToggleButton(description=str(h), tooltip=f"head {h}",
+                                 layout={"width": "42px"})
+            for h in range(n_heads)
+        ]
+        super().__init__(children=[widgets.Label(description), *self._buttons],
+                         layout={"flex_flow": "row wrap"})
+        self.value = list(value)
+        for button in self._buttons:
+            button.observe(self._from_buttons, names="value")
+        self.observe(self._to_buttons, names="value")
+        self._to_buttons(None)
+
+    @traitlets.validate("value")
+    def _check(self, proposal):
+        heads = sorted({int(h) for h in proposal["value"]})
+        bad = [h for h in heads if not 0 <= h < self.n_heads]
+        if bad:
+            raise traitlets.TraitError(f"head {bad[0]} outside 0..{self.n_heads - 1}")
+        return heads
+
+    def _from_buttons(self, change) -> None:
+        self.value = [h for h, b in enumerate(self._buttons) if b.value]
+
+    def _to_buttons(self, change) -> None:
+        on = set(self.value)
+        for h, button in enumerate(self._buttons):
+            button.value = h in on
+            button.button_style = "danger" if h in on else ""

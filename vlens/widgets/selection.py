@@ -25,6 +25,17 @@ Progress = Callable[[int, int], None]
 #: how many logit-lens predictions a trace keeps per layer and token (the hover's list)
 TOP_K = 5
 
+#: sites read per head (``[layers, T, heads, head_dim]``) or as a pattern
+#: (``[layers, heads, T, T]``): not one vector per token, so the activation
+#: view does not offer them, and the explorer's trace reads only the pattern
+HEAD_SITES = ("q", "k", "v", "z")
+PATTERN_SITES = ("attn_pattern",)
+
+
+def token_sites(sites: Sequence[str]) -> list[str]:
+    """The sites of ``sites`` that hold one ``[hidden]`` vector per token."""
+    return [x for x in sites if x not in HEAD_SITES + PATTERN_SITES]
+
 
 class Selection(traitlets.HasTraits):
     """``layer`` (int), ``span`` ``(start, stop)`` of token positions (stop
@@ -53,8 +64,9 @@ class Selection(traitlets.HasTraits):
 class Controller(traitlets.HasTraits):
     """Calls the Session for the widgets; ``run`` is the traced prompt's Run.
 
-    ``trace(prompt)`` reads every site at every layer and the logit lens's
-    top 5 tokens (one engine batch) and sets ``run``. ``direction`` is computed
+    ``trace(prompt)`` reads every site at every layer (the attention
+    pattern too, not the per-head ``q``/``k``/``v``/``z``) and the logit
+    lens's top 5 tokens (one engine batch) and sets ``run``. ``direction`` is computed
     once per (prompt lists, layer, site) and reused. ``compare`` and
     ``sweep`` return the Session's Comparison and Sweep. Every call
     generates ``max_new_tokens`` tokens and passes ``progress`` on.
@@ -71,7 +83,9 @@ class Controller(traitlets.HasTraits):
     def trace(self, prompt: str, *, progress: Progress | None = None) -> Run:
         """Trace ``prompt`` for every view and set ``run``."""
         s = self.session
-        run = s.trace([prompt], layers=None, sites=s.sites, logit_lens=TOP_K,
+        # per-head sites would double the read for nothing the views show
+        sites = [x for x in s.sites if x not in HEAD_SITES]
+        run = s.trace([prompt], layers=None, sites=sites, logit_lens=TOP_K,
                       max_new_tokens=self.max_new_tokens, progress=progress)
         self.run = run
         return run
@@ -105,6 +119,26 @@ class Controller(traitlets.HasTraits):
         after every engine step, the finished Comparison last."""
         return self.session.stream_compare([prompt], steer=steer,
                                            max_new_tokens=self.max_new_tokens)
+
+    def stream_ablation(self, prompt: str, ablate: Any) -> Any:
+        """Like :meth:`stream_compare`, with ``ablate`` (a
+        :class:`vlens.Ablate` or a list) in place of a steer: the prompt
+        runs twice in ONE engine batch, plain and ablated
+        (``session.stream(..., ablate=PerPrompt([None, ablate]))``); partial
+        ``(baseline, ablated)`` Runs after every step, then a Comparison of
+        the two (its ``steered`` is the ablated run; no KL is computed)."""
+        from vlens.steering import Comparison, PerPrompt
+
+        s = self.session
+        last = None
+        # the smallest read a run can make: one layer's norms
+        for state in s.stream([prompt, prompt], ablate=PerPrompt([None, ablate]),
+                              layers=[s.n_layers - 1], reduce="norm",
+                              max_new_tokens=self.max_new_tokens):
+            last = state
+            yield Run([state[0]], prompts=[prompt]), Run([state[1]], prompts=[prompt])
+        yield Comparison(baseline=Run([last[0]], prompts=[prompt]),
+                         steered=Run([last[1]], prompts=[prompt]))
 
     def sweep(self, prompt: str, steer: Any, scales: Sequence[float], *,
               progress: Progress | None = None) -> Any:

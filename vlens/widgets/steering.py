@@ -1,5 +1,7 @@
 """Steer one prompt from a notebook: pick a direction, a layer, a span and a
-scale; see baseline vs steered and how a metric responds to the scale.
+scale; see baseline vs steered and how a metric responds to the scale. In
+its ablation mode, pick attention heads of the layer to knock out instead
+(``vlens.Ablate("z", layer, heads=[...])``) and see the continuation change.
 
 The panel asks its :class:`~vlens.widgets.Controller` for everything that
 runs: the direction (difference of means of two prompt lists, computed once
@@ -22,20 +24,21 @@ from vlens.plots import baseline_vs_steered, dose_response, token_set_metric
 from vlens.steering import Steer
 from vlens.widgets._base import View, figure_widget, show_figure
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
-from vlens.widgets.pickers import LayerPicker, SitePicker
+from vlens.widgets.pickers import HeadPicker, LayerPicker, SitePicker
 from vlens.widgets.selection import Controller, Selection
 from vlens.widgets.token_span import TokenSpanPicker
 
 __all__ = ["SteeringDefaults", "SteeringPanel", "steering_defaults"]
 
 SPAN_MODES = ("all", "prompt", "generated", "selection")
+MODES = ("steer", "ablate")
 
 
-def _texts_html(baseline: str, steered: str) -> str:
+def _texts_html(baseline: str, steered: str, name: str = "steered") -> str:
     cell = '<div style="flex:1;white-space:pre-wrap"><b>{}</b><br>{}</div>'
     return ('<div class="vlens-stream" style="display:flex;gap:1.5em">'
             + cell.format("baseline", html.escape(baseline))
-            + cell.format("steered", html.escape(steered)) + "</div>")
+            + cell.format(name, html.escape(steered)) + "</div>")
 
 
 def _text_of(run: Any) -> str:
@@ -69,6 +72,12 @@ class SteeringPanel(View):
     Where it starts is :func:`steering_defaults`: on the bundled model, a
     panel given no prompt lists, vector or prompt starts from the model's
     sentiment recipe and a sad example, so the first run shows the flip.
+
+    ``mode="ablate"`` (a toggle at the top; on models with a ``z`` site)
+    knocks out the heads ``ablate_heads`` of the selection's layer instead,
+    ``ablation_kind`` ``"zero"`` or ``"mean"``: the run button compares
+    the prompt's continuation with and without them (:meth:`ablation`
+    gives the :class:`vlens.Ablate`).
     """
 
     source = traitlets.Enum(("prompts", "vector"), default_value="prompts")
@@ -83,6 +92,9 @@ class SteeringPanel(View):
     streamed_states = traitlets.Int(0)
     #: (baseline, steered) text as shown now: it grows while a run streams
     live_texts = traitlets.Tuple(("", ""))
+    mode = traitlets.Enum(MODES, default_value="steer")
+    ablate_heads = traitlets.List(traitlets.Int())
+    ablation_kind = traitlets.Enum(("zero", "mean"), default_value="zero")
 
     def __init__(
         self,
@@ -171,24 +183,37 @@ class SteeringPanel(View):
         self._sweep_button = widgets.Button(description=f"sweep {len(self.scales)} scales",
                                             icon="line-chart")
         # baseline and steered side by side, growing as the run streams
+        n_heads = int(s.info.get("n_heads", 0) or 0)
+        self._mode = widgets.ToggleButtons(
+            options=[("steer", "steer"), ("ablate heads", "ablate")], description="mode")
+        self.head_picker = HeadPicker(max(n_heads, 1), description="knock out heads")
+        self._kind = widgets.Dropdown(options=["zero", "mean"], description="replace with",
+                                      layout={"width": "200px"})
+        self._ablate_row = widgets.HBox([self.head_picker, self._kind],
+                                        layout={"flex_flow": "row wrap"})
+        self._mode.layout.display = "" if "z" in s.sites and n_heads else "none"
         self._texts = widgets.HTML(layout={"width": "95%"})
         self._texts.add_class("vlens-texts")
         self._metric = widgets.Dropdown(options=[metric], value=metric, description="metric")
         self.comparison_figure = figure_widget()
         self.dose_figure = figure_widget()
+        self._scale_row = widgets.HBox([self._scale, self._relative, self._sweep_button])
+        # a box around the dose figure: a FigureWidget's layout is plotly's
+        self._sweep_box = widgets.VBox(
+            [widgets.HBox([self._metric, self._token_set]), self.dose_figure])
         super().__init__([
-            self._note, self._source, self._lists, self._vector_row,
+            self._mode, self._note, self._source, self._lists, self._vector_row,
             widgets.HBox([self._prompt]), *([self.span_picker] if span_picker else []),
             widgets.HBox([self.layer_picker, self.site_picker, self._span_mode],
                          layout={"flex_flow": "row wrap"}),
-            widgets.HBox([self._scale, self._relative, self._run_button, self._sweep_button]),
-            self._texts, self.comparison_figure,
-            widgets.HBox([self._metric, self._token_set]), self.dose_figure,
+            self._ablate_row, self._scale_row, self._run_button,
+            self._texts, self.comparison_figure, self._sweep_box,
         ])
 
         self.source = self._source.value
-        self.observe(lambda change: setattr(self._texts, "value", _texts_html(*change["new"])),
-                     names="live_texts")
+        self.observe(lambda change: setattr(self._texts, "value", _texts_html(
+            *change["new"], "steered" if self.mode == "steer" else "ablated")),
+            names="live_texts")
         self.scale = scale
         self.relative = self._relative.value
         self.metric = metric
@@ -196,7 +221,8 @@ class SteeringPanel(View):
         self.span_mode = span if isinstance(span, str) else "selection"
         for a, b in ((self._source, "source"), (self._span_mode, "span_mode"),
                      (self._scale, "scale"), (self._relative, "relative"),
-                     (self._metric, "metric")):
+                     (self._metric, "metric"), (self._mode, "mode"),
+                     (self.head_picker, "ablate_heads"), (self._kind, "ablation_kind")):
             widgets.link((a, "value"), (self, b))
         widgets.link((self.layer_picker, "value"), (self.selection, "layer"))
         widgets.link((self.site_picker, "value"), (self.selection, "site"))
@@ -207,6 +233,7 @@ class SteeringPanel(View):
             self.span = tuple(span)
         self._show_source()
         self._describe_vector()
+        self.observe(self._guard(lambda _c: self._show_source()), names=["mode"])
 
         self.observe(self._guard(self._on_scale), names=["scale"])
         self.selection.observe(self._guard(self._on_span), names=["span"])
@@ -283,6 +310,16 @@ class SteeringPanel(View):
                      scale=self.scale if scale is None else float(scale),
                      site=self.site, span=self.steer_span(), relative=self.relative)
 
+    def ablation(self) -> Any:
+        """The :class:`vlens.Ablate` of the ablation mode: the picked heads
+        of ``z`` at the selection's layer."""
+        import vlens
+
+        if not self.ablate_heads:
+            raise ValueError("pick at least one head to knock out")
+        return vlens.Ablate("z", layer=self.layer, kind=self.ablation_kind,
+                            heads=list(self.ablate_heads))
+
     def _need_prompt(self) -> str:
         if not self.prompt.strip():
             raise ValueError("type a prompt to steer first")
@@ -294,12 +331,17 @@ class SteeringPanel(View):
         both texts grow side by side as the engine steps, the progress bar
         counts tokens, and the figures follow when the run is done."""
         prompt = self._need_prompt()
-        st = self.steer()
+        if self.mode == "ablate":
+            states = self.controller.stream_ablation(prompt, self.ablation())
+            what = f"knocking out heads {self.ablate_heads} of layer {self.layer}…"
+        else:
+            states = self.controller.stream_compare(prompt, self.steer())
+            what = f"steering at scale {self.scale:g}…"
         total = 2 * self.controller.max_new_tokens
         self.streamed_states = 0
         cmp = None
-        with self._working(f"steering at scale {self.scale:g}…") as report:
-            for state in self.controller.stream_compare(prompt, st):
+        with self._working(what) as report:
+            for state in states:
                 if not isinstance(state, tuple):
                     cmp = state
                     break
@@ -349,9 +391,15 @@ class SteeringPanel(View):
             self._show_sweep()
 
     def _show_source(self) -> None:
-        prompts = self.source == "prompts"
-        self._lists.layout.display = "" if prompts else "none"
-        self._vector_row.layout.display = "none" if prompts else ""
+        steering, prompts = self.mode == "steer", self.source == "prompts"
+        shown = [(self._note, steering), (self._source, steering),
+                 (self._lists, steering and prompts),
+                 (self._vector_row, steering and not prompts), (self._scale_row, steering),
+                 (self._sweep_box, steering),
+                 (self._ablate_row, not steering)]
+        for part, show in shown:
+            part.layout.display = "" if show else "none"
+        self._run_button.description = "run" if steering else "compare"
 
     def _describe_vector(self) -> None:
         v = self.vector
@@ -377,11 +425,17 @@ class SteeringPanel(View):
                 positions=positions,
                 divergence=None if i is None else positions[i],
                 n_prompt=len(base.prompt_token_ids),
-                title=(f"scale {self.scale:g} at layer {self.layer}: "
+                title=(self._what_ran() + ": "
                        + ("no divergence" if i is None
                           else f"first divergence at position {positions[i]}")),
             ),
         )
+
+    def _what_ran(self) -> str:
+        if self.mode == "ablate":
+            return (f"heads {', '.join(map(str, self.ablate_heads))} of layer {self.layer} "
+                    f"knocked out ({self.ablation_kind})")
+        return f"scale {self.scale:g} at layer {self.layer}"
 
     def _show_sweep(self) -> None:
         show_figure(

@@ -1,8 +1,9 @@
 // Front end of vlens.widgets.TokenSpanPicker: tokens as chips.
 // click = select one token; shift-click = extend from the last clicked
 // token (the anchor) to this one. The selection is written back as
-// [start, stop) to the synced trait "selection". Text goes in through
-// textContent only, so a token can never be read as markup.
+// [start, stop) to the synced trait "selection"; the chip under the pointer
+// to "hovered". "shade" (0..1 per chip) tints the chips. Text goes in
+// through textContent only, so a token can never be read as markup.
 
 function chipText(token) {
   if (token === "") return "\u2205"; // empty set: an empty token
@@ -40,11 +41,33 @@ function render({ model, el }) {
     }
   }
 
+  function onHover(event) {
+    const chip = event.target.closest(".vlens-chip");
+    if (!chip) return;
+    const i = Number(chip.dataset.index);
+    if (model.get("hovered") === i) return;
+    model.set("hovered", i);
+    model.save_changes();
+  }
+
+  function drawShade() {
+    const shade = model.get("shade") || [];
+    for (const chip of chips.children) {
+      const w = shade[Number(chip.dataset.index)];
+      // a tint, under the selected/hovered styles of the stylesheet
+      chip.style.backgroundColor = shade.length && w !== undefined
+        ? `rgba(214, 39, 40, ${Math.max(0, Math.min(1, w)).toFixed(3)})` : "";
+      chip.classList.toggle("shaded", shade.length > 0);
+    }
+  }
+
   function drawSelection() {
     const [start, stop] = model.get("selection");
+    const hovered = model.get("hovered");
     for (const chip of chips.children) {
       const i = Number(chip.dataset.index);
       chip.classList.toggle("selected", i >= start && i < stop);
+      chip.classList.toggle("hovered", i === hovered);
     }
     const tokens = model.get("tokens");
     status.textContent = stop > start
@@ -69,20 +92,26 @@ function render({ model, el }) {
       }),
     );
     drawSelection();
+    drawShade();
   }
 
   chips.addEventListener("click", onClick);
+  chips.addEventListener("mouseover", onHover);
   // shift-click would otherwise select page text
   chips.addEventListener("mousedown", (e) => { if (e.shiftKey) e.preventDefault(); });
   model.on("change:tokens", draw);
   model.on("change:n_prompt", draw);
   model.on("change:selection", drawSelection);
+  model.on("change:hovered", drawSelection);
+  model.on("change:shade", drawShade);
   draw();
 
   return () => {
     model.off("change:tokens", draw);
     model.off("change:n_prompt", draw);
     model.off("change:selection", drawSelection);
+    model.off("change:hovered", drawSelection);
+    model.off("change:shade", drawShade);
   };
 }
 

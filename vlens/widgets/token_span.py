@@ -3,8 +3,11 @@
 Click a chip to select that token; shift-click another to extend the
 selection to the span between them. The selection is the synced trait
 ``selection = (start, stop)`` (stop exclusive; ``(0, 0)`` is "nothing"),
-so Python sees every click and can set the selection too. The front end is
-``token_span.js`` beside this file; Python never builds HTML.
+so Python sees every click and can set the selection too. ``hovered`` is
+the last chip the pointer went over (views that follow the pointer, such
+as the attention view, observe it), and ``shade`` (one value in 0..1 per
+token, or empty) tints the chips, e.g. by where a token attends. The front
+end is ``token_span.js`` beside this file; Python never builds HTML.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class TokenSpanPicker(anywidget.AnyWidget):
         traitlets.Int(), traitlets.Int(), default_value=(0, 0)
     ).tag(sync=True)
     n_prompt = traitlets.Int(-1).tag(sync=True)
+    #: the last chip the pointer went over (-1: none yet)
+    hovered = traitlets.Int(-1).tag(sync=True)
+    #: a tint per chip, 0..1 (empty: no tint)
+    shade = traitlets.List(traitlets.Float()).tag(sync=True)
 
     def __init__(
         self,
@@ -62,6 +69,10 @@ class TokenSpanPicker(anywidget.AnyWidget):
         # A new token list invalidates a selection that no longer fits.
         if self.selection[1] > len(change["new"]):
             self.selection = (0, 0)
+        if self.hovered >= len(change["new"]):
+            self.hovered = -1
+        if self.shade and len(self.shade) != len(change["new"]):
+            self.shade = []
 
     def select(self, start: int, stop: int | None = None) -> None:
         """Select token ``start`` (or ``[start, stop)``) from Python."""

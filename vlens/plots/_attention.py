@@ -1,0 +1,191 @@
+"""Attention figures: every head of every layer as a thumbnail, one head's
+token x token pattern, and one token's row and column of it.
+
+Patterns are attention probabilities ``[.., queries, keys]``: row ``i``
+is where query token ``i`` looks (it sums to 1 over keys ``0..i``), column
+``j`` is who looks at key ``j``. Cells above the diagonal are never
+attended (causal) and are drawn empty, not as zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from vlens.plots._common import as_float, prompt_boundary, token_labels
+
+__all__ = ["attention_heads", "attention_heatmap", "attention_of_token", "pool_pattern"]
+
+#: the colours of attention: white at 0, dark blue at 1 (one scale for every head)
+ATTENTION_COLOURS = "Blues"
+OUTLINE = {"color": "#d62728", "width": 3}
+
+
+def _causal(pattern: torch.Tensor) -> list[list[float | None]]:
+    """``pattern`` ``[T, T]`` as rows, ``None`` above the diagonal (a gap)."""
+    n = pattern.shape[-1]
+    rows = pattern.tolist()
+    for i in range(min(len(rows), n)):
+        for j in range(i + 1, n):
+            rows[i][j] = None
+    return rows
+
+
+def pool_pattern(pattern: torch.Tensor, cells: int) -> torch.Tensor:
+    """``pattern`` ``[.., T, T]`` shrunk to at most ``[.., cells, cells]`` by
+    averaging blocks (a thumbnail of a 2,000-token prompt is still small).
+    Patterns with ``T <= cells`` come back unchanged."""
+    t = pattern.shape[-1]
+    if t <= cells:
+        return pattern
+    lead = pattern.shape[:-2]
+    flat = pattern.reshape(-1, 1, t, t)
+    pooled = torch.nn.functional.adaptive_avg_pool2d(flat, cells)
+    return pooled.reshape(*lead, cells, cells)
+
+
+def attention_heads(
+    patterns: torch.Tensor,
+    layers: Sequence[int],
+    *,
+    selected: tuple[int, int] | None = None,
+    title: str | None = None,
+    cells: int = 48,
+    thumb_px: int = 90,
+) -> go.Figure:
+    """A grid of thumbnails: one row per layer, one column per head.
+
+    ``patterns`` ``[n_layers, heads, T, T]`` (``layers`` names its rows).
+    Each thumbnail is one head's pattern on one colour scale (0 to 1),
+    pooled to at most ``cells`` x ``cells``. Trace ``n`` is layer row
+    ``n // heads``, head ``n % heads``; each trace's ``meta`` is
+    ``[layer, head]`` (what a click on it picks). ``selected``
+    ``(layer, head)`` is outlined (a shape named ``"selected"``).
+    """
+    p = as_float(patterns)
+    if p.dim() != 4 or p.shape[-1] != p.shape[-2]:
+        raise ValueError(f"patterns has shape {list(p.shape)}; expected "
+                         "[layers, heads, tokens, tokens]")
+    n_layers, n_heads = p.shape[0], p.shape[1]
+    if len(layers) != n_layers:
+        raise ValueError(f"{len(layers)} layer names for {n_layers} layers of patterns")
+    small = pool_pattern(p, cells)
+    fig = make_subplots(
+        rows=n_layers, cols=n_heads, horizontal_spacing=0.02, vertical_spacing=0.03,
+        row_titles=[f"layer {x}" for x in layers],
+        column_titles=[f"head {h}" for h in range(n_heads)],
+    )
+    for r, layer in enumerate(layers):
+        for h in range(n_heads):
+            fig.add_trace(
+                go.Heatmap(
+                    z=_causal(small[r, h]), zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
+                    showscale=False, meta=[int(layer), h], name=f"layer {layer} head {h}",
+                    hovertemplate=f"layer {layer} head {h}<extra></extra>",
+                ),
+                row=r + 1, col=h + 1,
+            )
+    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
+    fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
+    shapes = []
+    if selected is not None and int(selected[0]) in [int(x) for x in layers] \
+            and 0 <= int(selected[1]) < n_heads:
+        n = [int(x) for x in layers].index(int(selected[0])) * n_heads + int(selected[1]) + 1
+        axis = "" if n == 1 else str(n)
+        shapes.append({"type": "rect", "xref": f"x{axis} domain", "yref": f"y{axis} domain",
+                       "x0": -0.02, "x1": 1.02, "y0": -0.02, "y1": 1.02, "line": OUTLINE,
+                       "name": "selected"})
+    fig.update_layout(
+        title={"text": title or "attention of every head (click one)"},
+        shapes=shapes,
+        height=60 + thumb_px * n_layers, width=80 + thumb_px * n_heads,
+        margin={"t": 60, "b": 10, "l": 10, "r": 40},
+    )
+    return fig
+
+
+def attention_heatmap(
+    pattern: torch.Tensor,
+    tokens: Sequence[str],
+    *,
+    token: int | None = None,
+    n_prompt: int | None = None,
+    title: str | None = None,
+) -> go.Figure:
+    """One head's pattern ``[T, T]``: queries down (rows), keys across.
+
+    Labels are ``"position:token"``. ``token`` outlines that query's row
+    (where it attends, shape ``"query"``) and that key's column (what
+    attends to it, shape ``"key"``); ``n_prompt`` draws where generation
+    starts. Cells above the diagonal are ``None``.
+    """
+    p = as_float(pattern)
+    n = len(tokens)
+    if p.shape != (n, n):
+        raise ValueError(f"pattern has shape {list(p.shape)}; expected [{n}, {n}] "
+                         f"for {n} tokens")
+    labels = token_labels(tokens)
+    fig = go.Figure(go.Heatmap(
+        z=_causal(p), x=labels, y=labels, zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
+        colorbar={"title": {"text": "attention"}},
+        hovertemplate="query %{y}<br>key %{x}<br>attention %{z:.3f}<extra></extra>",
+    ))
+    shapes = prompt_boundary(n_prompt, n)
+    if token is not None and 0 <= token < n:
+        shapes += [
+            {"type": "rect", "xref": "paper", "yref": "y", "x0": 0, "x1": 1,
+             "y0": token - 0.5, "y1": token + 0.5, "line": OUTLINE, "name": "query"},
+            {"type": "rect", "xref": "x", "yref": "paper", "x0": token - 0.5,
+             "x1": token + 0.5, "y0": 0, "y1": 1,
+             "line": {**OUTLINE, "dash": "dot"}, "name": "key"},
+        ]
+    side = max(320, min(900, 60 + 14 * n))
+    fig.update_layout(
+        title={"text": title or "attention: queries down, keys across"},
+        xaxis={"title": "key (attended to)", "tickangle": -60, "tickfont": {"size": 10}},
+        yaxis={"title": "query (attending)", "autorange": "reversed",
+               "tickfont": {"size": 10}},
+        shapes=shapes, height=side + 80, width=side + 160,
+        margin={"t": 50, "b": 60},
+    )
+    return fig
+
+
+def attention_of_token(
+    pattern: torch.Tensor,
+    tokens: Sequence[str],
+    token: int,
+    *,
+    title: str | None = None,
+) -> go.Figure:
+    """Where token ``token`` attends, and what attends to it, as bars over
+    the tokens: trace 0 ``"attends to"`` is row ``token`` of ``pattern``
+    ``[T, T]`` (keys ``0..token``), trace 1 ``"attended by"`` is column
+    ``token`` (queries ``token..T-1``); cells a causal model cannot have
+    are ``None``."""
+    p = as_float(pattern)
+    n = len(tokens)
+    if p.shape != (n, n):
+        raise ValueError(f"pattern has shape {list(p.shape)}; expected [{n}, {n}]")
+    if not 0 <= token < n:
+        raise ValueError(f"token {token} is not a position of this prompt (0..{n - 1})")
+    row = [float(v) if j <= token else None for j, v in enumerate(p[token].tolist())]
+    col = [float(v) if i >= token else None for i, v in enumerate(p[:, token].tolist())]
+    labels = token_labels(tokens)
+    word = labels[token]
+    fig = go.Figure([
+        go.Bar(x=labels, y=row, name="attends to",
+               hovertemplate=f"{word} → %{{x}}: %{{y:.3f}}<extra></extra>"),
+        go.Bar(x=labels, y=col, name="attended by",
+               hovertemplate=f"%{{x}} → {word}: %{{y:.3f}}<extra></extra>"),
+    ])
+    fig.update_layout(
+        title={"text": title or f"token {word}: where it attends, what attends to it"},
+        barmode="group", yaxis={"title": "attention", "range": [0, 1.02]},
+        xaxis={"tickangle": -60, "tickfont": {"size": 10}},
+        height=300, margin={"t": 50, "b": 60},
+    )
+    return fig
