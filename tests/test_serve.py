@@ -239,6 +239,34 @@ def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_sess
     torch.testing.assert_close(grid.grid, local.grid, atol=1e-4, rtol=0)
 
 
+def test_limits_are_clear_errors_and_closing_a_stream_aborts_it(server):
+    # read bytes per call (the server runs with --max-read-mb 64)
+    with server.connect("c10") as s:
+        long = " ".join(["the wind was cold and the sky was grey."] * 40)
+        with pytest.raises(vlens.VlensError, match="read limit per call"):
+            s.trace([long] * 16, layers=None, sites=s.sites, max_new_tokens=4)
+        with pytest.raises(vlens.VlensError, match="prompt tokens|max_model_len"):
+            s.trace(" ".join([long] * 3), max_new_tokens=2)
+    # calls at once per client (--max-concurrent 2): a third is refused, not queued
+    sessions = [server.connect("c9") for _ in range(3)]
+    streams = [s.stream("the wind was", max_new_tokens=400, ignore_eos=True)
+               for s in sessions[:2]]
+    for it in streams:
+        next(it)  # the call is running on the server
+    assert server.status()["calls"] == 2
+    with pytest.raises(vlens.VlensError, match="429.*at most 2 at once"):
+        sessions[2].trace("the wind was", max_new_tokens=2)
+    for it in streams:
+        it.close()  # a closed stream closes its connection: the server aborts the call
+    deadline = time.monotonic() + 60
+    while (st := server.status())["calls"] or st["unfinished"] or st["records"]:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert sessions[2].trace("the wind was", max_new_tokens=2)[0].text
+    for s in sessions:
+        s.close()
+
+
 def _call_body(server, ids: list[int], *, tag: str = "t-0", reads=None, adds=(),
                vectors=None, **params) -> dict:
     """A /v1/generate body made by hand (as a hostile client would)."""
