@@ -47,7 +47,11 @@ def load_tokens(path: str | Path) -> dict[str, str]:
     from vlens.errors import VlensError
 
     tokens: dict[str, str] = {}
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise VlensError(f"cannot read the token file {path}: {exc.strerror}") from None
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
