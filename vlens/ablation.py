@@ -22,29 +22,14 @@ from typing import Any
 
 import torch
 
+from vlens.checks import check_span_fits
 from vlens.errors import VlensError
 from vlens.plan import Set
-from vlens.steering import SPANS, PerPrompt, vector_id
+from vlens.steering import PerPrompt, parse_span, span_positions, vector_id
 
 __all__ = ["Ablate", "ablates_per_prompt", "check_ablates", "fill_means", "plan_parts", "to_sets"]
 
 KINDS = ("zero", "mean")
-
-
-def _span(span: Any) -> str | tuple[int, int]:
-    if isinstance(span, str):
-        if span not in SPANS:
-            raise VlensError(f"Ablate span {span!r} is unknown: use one of {SPANS} or (start, stop)")
-        return span
-    if (isinstance(span, (tuple, list)) and len(span) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
-        if not 0 <= span[0] < span[1]:
-            raise VlensError(
-                f"Ablate span {tuple(span)} is empty or negative: give (start, stop) token "
-                "positions with 0 <= start < stop"
-            )
-        return int(span[0]), int(span[1])
-    raise VlensError(f"Ablate span must be one of {SPANS} or (start, stop), got {span!r}")
 
 
 @dataclass(frozen=True)
@@ -87,7 +72,7 @@ class Ablate:
             if len(set(heads)) != len(heads):
                 raise VlensError(f"Ablate heads {list(heads)} names a head twice")
             object.__setattr__(self, "heads", tuple(sorted(int(h) for h in heads)))
-        object.__setattr__(self, "span", _span(self.span))
+        object.__setattr__(self, "span", parse_span(self.span, "Ablate"))
         mean = self.mean
         if mean is not None:
             if self.kind != "mean":
@@ -104,13 +89,7 @@ class Ablate:
 
     def positions(self, prompt_len: int) -> tuple[int, int]:
         """The span as token positions ``[start, stop)``; stop -1 = the end."""
-        if self.span == "all":
-            return 0, -1
-        if self.span == "prompt":
-            return 0, prompt_len
-        if self.span == "generated":
-            return prompt_len, -1
-        return self.span  # type: ignore[return-value]
+        return span_positions(self.span, prompt_len)
 
     def with_mean(self, mean: torch.Tensor) -> Ablate:
         return Ablate(self.site, self.layer, "mean", self.heads, self.span, mean)
@@ -183,17 +162,7 @@ def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -
         raise VlensError(
             f"Ablate mean has {ab.mean.numel()} elements; site {ab.site!r} rows have {width}"
         )
-    total = prompt_len + max_new_tokens - 1
-    if ab.span == "generated" and max_new_tokens == 1:
-        raise VlensError(
-            "Ablate span 'generated' can never land with max_new_tokens=1 (the one "
-            "generated token is never fed back): ask for max_new_tokens >= 2"
-        )
-    if isinstance(ab.span, tuple) and ab.span[1] > total:
-        raise VlensError(
-            f"Ablate span {ab.span} reaches past the sequence: this request runs {total} "
-            f"tokens, positions 0 to {total - 1}"
-        )
+    check_span_fits("Ablate", ab.span, prompt_len, max_new_tokens)
 
 
 def check_ablates(per_prompt: list[list[Ablate]], facts: Any, prompt_lens: Sequence[int],

@@ -257,22 +257,27 @@ def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int
             f"Steer vector has {st.vector.shape[0]} elements but this model's hidden size "
             f"is {facts.hidden_size}: compute it on this model (s.direction)"
         )
-    # the last generated token is sampled, never fed back: the request runs
-    # prompt_len + max_new_tokens - 1 rows at most
+    check_span_fits("Steer", st.span, prompt_len, max_new_tokens)
+    return st
+
+
+def check_span_fits(what: str, span: Any, prompt_len: int, max_new_tokens: int) -> None:
+    """A Steer's or an Ablate's span lands on rows the request runs: the last
+    generated token is sampled, never fed back, so a request runs
+    ``prompt_len + max_new_tokens - 1`` rows at most."""
     total = prompt_len + max_new_tokens - 1
-    if st.span == "generated" and max_new_tokens == 1:
+    if span == "generated" and max_new_tokens == 1:
         raise VlensError(
-            "Steer span 'generated' can never land with max_new_tokens=1: the one "
+            f"{what} span 'generated' can never land with max_new_tokens=1: the one "
             "generated token is sampled, never fed back. Ask for max_new_tokens >= 2, "
-            "or steer span='all'/'prompt'"
+            "or span='all'/'prompt'"
         )
-    if isinstance(st.span, tuple) and st.span[1] > total:
+    if isinstance(span, tuple) and span[1] > total:
         raise VlensError(
-            f"Steer span {st.span} reaches past the sequence: this request runs {total} "
+            f"{what} span {span} reaches past the sequence: this request runs {total} "
             f"tokens ({prompt_len} prompt + {max_new_tokens - 1} fed back), positions 0 "
             f"to {total - 1}"
         )
-    return st
 
 
 def check_steers(steer: Any, prompt_lens: Sequence[int], max_new_tokens: int,

@@ -38,6 +38,35 @@ __all__ = [
 SPANS = ("all", "prompt", "generated")
 
 
+def parse_span(span: Any, what: str) -> str | tuple[int, int]:
+    """A Steer's or an Ablate's span, checked: one of :data:`SPANS` or
+    ``(start, stop)`` token positions with ``0 <= start < stop``."""
+    if isinstance(span, str):
+        if span not in SPANS:
+            raise VlensError(f"{what} span {span!r} is unknown: use one of {SPANS} or (start, stop)")
+        return span
+    if (isinstance(span, (tuple, list)) and len(span) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+        if not 0 <= span[0] < span[1]:
+            raise VlensError(
+                f"{what} span {tuple(span)} is empty or negative: give (start, stop) "
+                "token positions with 0 <= start < stop"
+            )
+        return int(span[0]), int(span[1])
+    raise VlensError(f"{what} span must be one of {SPANS} or (start, stop), got {span!r}")
+
+
+def span_positions(span: str | tuple[int, int], prompt_len: int) -> tuple[int, int]:
+    """A parsed span as token positions ``[start, stop)``; stop -1 = the end."""
+    if span == "all":
+        return 0, -1
+    if span == "prompt":
+        return 0, prompt_len
+    if span == "generated":
+        return prompt_len, -1
+    return span  # type: ignore[return-value]
+
+
 def vector_id(vector: torch.Tensor) -> str:
     """A stable id for a vector: the hash of its float32 bytes."""
     data = vector.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
@@ -85,23 +114,7 @@ class Steer:
             raise VlensError(f"Steer scale must be a number, got {self.scale!r}")
         if not torch.isfinite(torch.tensor(float(self.scale))):
             raise VlensError(f"Steer scale must be finite, got {self.scale!r}")
-        span = self.span
-        if isinstance(span, str):
-            if span not in SPANS:
-                raise VlensError(f"Steer span {span!r} is unknown: use one of {SPANS} or (start, stop)")
-        elif (
-            isinstance(span, (tuple, list))
-            and len(span) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in span)
-        ):
-            if not 0 <= span[0] < span[1]:
-                raise VlensError(
-                    f"Steer span {tuple(span)} is empty or negative: give (start, stop) "
-                    "token positions with 0 <= start < stop"
-                )
-            object.__setattr__(self, "span", (int(span[0]), int(span[1])))
-        else:
-            raise VlensError(f"Steer span must be one of {SPANS} or (start, stop), got {span!r}")
+        object.__setattr__(self, "span", parse_span(self.span, "Steer"))
         if not isinstance(self.relative, bool):
             raise VlensError(f"Steer relative must be True or False, got {self.relative!r}")
         v = v.detach().to("cpu", torch.float32).contiguous()
@@ -121,13 +134,7 @@ class Steer:
 
     def positions(self, prompt_len: int) -> tuple[int, int]:
         """The span as token positions ``[start, stop)``; stop -1 = the end."""
-        if self.span == "all":
-            return 0, -1
-        if self.span == "prompt":
-            return 0, prompt_len
-        if self.span == "generated":
-            return prompt_len, -1
-        return self.span  # type: ignore[return-value]
+        return span_positions(self.span, prompt_len)
 
 
 class PerPrompt(Sequence):
