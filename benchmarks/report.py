@@ -473,6 +473,7 @@ def _extras(r: dict) -> list[str]:
         stage = f" at {p['stage']}" if p.get("stage") else ""
         out += [f"Did not run on this machine: it failed{stage} with `{p.get('error')}` "
                 f"(after {p.get('seconds', '?')} s). " + NNSIGHT_VLLM, ""]
+    out += _serve_section(r.get("serve"))
     out += ["### Widget latencies (l)", ""]
     w = r.get("widgets") or {}
     if w.get("status") == "pending":
@@ -487,6 +488,27 @@ def _extras(r: dict) -> list[str]:
     else:
         out += [f"`benchmarks/widget_latency.py` {w.get('status')}: `{w.get('error') or w.get('why')}`.", ""]
     return out
+
+
+def _serve_section(s: dict | None) -> list[str]:
+    """(s): throughput of 1, 4 and 16 clients of `vlens serve` (benchmarks/serve.py)."""
+    out = ["### Connected clients (s)", ""]
+    if not s or s.get("status") != "ran":
+        why = (s or {}).get("why") or (s or {}).get("error") or "not measured in this run"
+        return out + [f"`benchmarks/serve.py`: {why}.", ""]
+    out += [(f"`benchmarks/serve.py` ({s.get('seconds')} s): {s['model']}, each client making "
+             f"{s['calls_per_client']} calls ({s['call']}) in its own thread, through its own "
+             "`vlens.connect` to one `vlens serve` on loopback, then the same calls on one "
+             "in-process Session (which runs one batch at a time). Tokens generated per "
+             "second, all clients together:"), "",
+            "| clients | connected (tok/s) | in-process (tok/s) | connected / in-process |",
+            "| --- | --- | --- | --- |"]
+    out += [f"| {r['clients']} | {r['remote_tok_s']} | {r['local_tok_s']} | {r['ratio']} |"
+            for r in s["rows"]]
+    note = f" ({s['note']})" if s.get("note") else ""
+    return out + ["", ("One client pays for HTTP and the server's checks; several clients' "
+                       f"calls share the engine's steps, where in-process calls queue{note}."),
+                  ""]
 
 
 def write(doc: Path, cpu_json: Path, gpu_json: Path) -> None:

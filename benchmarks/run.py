@@ -270,6 +270,27 @@ def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
     return result
 
 
+# -- (s) connected clients -----------------------------------------------------------
+def serve_throughput(model: str | None, timeout: int) -> dict:
+    """(s): run benchmarks/serve.py (1, 4 and 16 clients of ``vlens serve``
+    against the same calls on an in-process Session) in its own process."""
+    import subprocess
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="vlens-bench-")) / "serve.json"
+    cmd = [sys.executable, str(HERE / "serve.py"), "--json", str(out),
+           *(["--model", model] if model else [])]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "why": f"no result within {timeout} s"}
+    if r.returncode != 0 or not out.exists():
+        return {"status": "failed", "error": _last_line(r.stderr or r.stdout)}
+    return {"status": "ran", "seconds": round(time.perf_counter() - t0, 1),
+            **json.loads(out.read_text())}
+
+
 # -- (l) widget latency --------------------------------------------------------------
 def widget_latency(model: str, timeout: int, repeats: int = 5) -> dict:
     """(l): run benchmarks/widget_latency.py (the widgets' own benchmark,
@@ -371,6 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated conditions (default all: {','.join(ALL_KEYS)})")
     ap.add_argument("--no-nnsight", action="store_true", help="skip (m) and the vLLM probe")
     ap.add_argument("--no-widgets", action="store_true", help="skip (l), the widget latencies")
+    ap.add_argument("--no-serve", action="store_true",
+                    help="skip (s), connected clients of vlens serve against in-process")
     ap.add_argument("--no-patching", action="store_true",
                     help="skip the patching grid (benchmarks/patching.py)")
     ap.add_argument("--kv-cache-mb", type=int, default=512,
@@ -491,6 +514,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     weights = [1.0] + [2.0] * (len(models) - 1)
     reserve = 60.0 if want_nns and nns_python else 0.0
     reserve += 60.0 if (HERE / "widget_latency.py").exists() and not args.no_widgets else 0.0
+    reserve += 90.0 if not args.no_serve and not args.device_check else 0.0
     reserve += 45.0 if not args.no_patching and not args.device_check else 0.0
     for i, spec in enumerate(models):
         left = deadline - time.monotonic() - reserve
@@ -517,6 +541,14 @@ def main(argv: list[str] | None = None) -> dict | None:
                                             timeout=int(max(90, deadline - time.monotonic())))
         log(f"  {results['widgets'].get('status')}")
 
+    if args.no_serve or args.device_check:
+        results["serve"] = {"status": "skipped", "why": "--no-serve" if args.no_serve
+                            else "not part of the GPU check"}
+    else:
+        log("\n== connected clients (s)")
+        results["serve"] = serve_throughput(models[0]["path"],
+                                            timeout=int(max(180, deadline - time.monotonic())))
+        log(f"  {results['serve'].get('status')}")
     if args.no_patching or args.device_check:
         results["patching"] = {"status": "skipped",
                                "why": "--no-patching" if args.no_patching else "CPU only"}

@@ -68,7 +68,7 @@ def test_small_run_produces_every_figure(bench, tiny_llama, tmp_path):
     out, doc = tmp_path / "results.json", tmp_path / "performance.md"
     results = run.main([
         "--model", str(tiny_llama), "--prompts", "4", "--tokens", "4", "--reps", "1",
-        "--slow-reps", "1", "--no-nnsight", "--no-widgets", "--kv-cache-mb", "64",
+        "--slow-reps", "1", "--no-nnsight", "--no-widgets", "--no-serve", "--kv-cache-mb", "64",
         "--max-model-len", "256", "--no-compiled", "--wide", "12", "--k-tokens", "3",
         "--long-tokens", "3", "--json", str(out), "--doc", str(doc),
     ])
@@ -79,6 +79,7 @@ def test_small_run_produces_every_figure(bench, tiny_llama, tmp_path):
     assert all(e.startswith("EngineError") for e in errors.values()), errors
     assert set(conds) | set(errors) == SMOKE_KEYS, model.get("errors")
     assert results["complete"], "a run produced fewer tokens than asked"
+    assert results["serve"] == {"status": "skipped", "why": "--no-serve"}
     for key, entry in conds.items():
         assert entry["reps"] == 1, key
         if key == "h_floor":

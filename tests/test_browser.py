@@ -541,3 +541,65 @@ def test_attention_and_patching_views_in_a_real_browser(lab):
     assert "'clean', 'corrupt', 'layer 1, 8:" in pv_state, pv_state
     assert n_bars == 3, n_bars
     assert pv_state.rstrip().endswith("''"), pv_state
+
+
+def test_explorer_on_a_connected_session(lab, tmp_path):
+    """The explorer on ``vlens.connect`` (a ``vlens serve`` on loopback):
+    the chips and heatmap render, the layer slider moves the layer, and a steering
+    run streams back from the server."""
+    import nbformat
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+    from test_serve import _Server
+
+    url, token = lab
+    (tmp_path / "serve").mkdir(exist_ok=True)
+    server = _Server(tmp_path / "serve")
+    server.start()
+    explore = ("ex = vlens.explore(s, 'one day, a happy bear lived in a blue cabin near the "
+               "meadow.', positive=['a happy day', 'a merry cat'], negative=['a sad day', "
+               "'a gloomy cat'], max_new_tokens=6)")
+    book = nbformat.v4.new_notebook()
+    book.cells = [nbformat.v4.new_code_cell(
+        f"import vlens\ns = vlens.connect({server.url!r}, token={server.tokens['c0']!r})\n"
+        f"{explore}\nex")]
+    nbformat.write(book, tmp_path / "work" / "connected.ipynb")
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                        headless=True)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            _open_and_run_all(page, url, token, "connected.ipynb")
+            chips = page.locator(".vlens-chip:visible")
+            try:
+                chips.first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
+                _run_cell_and_read(page, f"{explore}; display(ex); print('VLENS-AGAIN')",
+                                   "VLENS-AGAIN")
+                chips.first.wait_for(timeout=60_000)
+            assert chips.count() >= 4
+            explorer = page.locator(".jp-OutputArea-output", has=chips.first).last
+            heatmap = explorer.locator(".js-plotly-plot").first
+            heatmap.wait_for(timeout=60_000)
+            slider = explorer.locator(".widget-slider:visible").first
+            readout = slider.locator(".widget-readout")
+            before = readout.inner_text()
+            slider.locator(".noUi-handle").focus()
+            page.keyboard.press("ArrowLeft")
+            page.wait_for_function("([el, v]) => el.innerText !== v",
+                                   arg=[readout.element_handle(), before], timeout=30_000)
+            explorer.screenshot(path=str(ARTIFACTS / "10-connected-explorer.png"))
+            explorer.locator(".lm-TabBar-tab", has_text="steering").click()
+            explorer.locator(".widget-button:visible", has_text="run").first.click()
+            explorer.locator(".js-plotly-plot:visible .gtitle", has_text="scale").first.wait_for(
+                timeout=120_000)
+            explorer.screenshot(path=str(ARTIFACTS / "11-connected-steering.png"))
+            text = _run_cell_and_read(
+                page, "print('VLENS-REMOTE:', s.engine.remote, ex.layer, repr(ex.error), "
+                      "s.status()['calls_done'])", "VLENS-REMOTE:")
+            browser.close()
+    finally:
+        server.stop()
+    _, remote, layer, error, calls = text.split()[:5]
+    assert remote == "True" and error == "''" and int(layer) == int(before) - 1
+    assert int(calls) >= 2  # the first trace and the steering run, at least

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from vlens.architectures import supported_architectures
     from vlens.steering import PerPrompt, Steer
     from vlens.widgets import explore
+    from vlens.remote.client import connect
 
 __all__ = [
     "Ablate",
@@ -38,6 +39,7 @@ __all__ = [
     "Steer",
     "TokenAxisError",
     "Trace",
+    "connect",
     "VlensError",
     "__version__",
     "explore",
@@ -56,6 +58,7 @@ _LAZY = {
     "Run": "vlens.results",
     "Trace": "vlens.results",
     "explore": "vlens.widgets",
+    "connect": "vlens.remote.client",
     "supported_architectures": "vlens.architectures",
 }
 

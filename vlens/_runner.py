@@ -70,17 +70,24 @@ class Runner:
 
     _ids = itertools.count()
 
-    def __init__(self, model: str, llm_kwargs: dict[str, Any], *, reuse: bool) -> None:
-        from vlens.engine import Engine
-
+    def __init__(self, model: str, llm_kwargs: dict[str, Any], *, reuse: bool,
+                 engine: Any = None) -> None:
         key = (model, tuple(sorted((k, repr(v)) for k, v in llm_kwargs.items())))
         with _LIVE_LOCK:
+            if engine is not None:  # made elsewhere (a server connection): not shared
+                self._init(_Shared(engine, users=1))
+                return
+            from vlens.engine import Engine
+
             shared = _LIVE.get(key) if reuse else None
             if shared is None or shared.engine.closed:
                 shared = _Shared(Engine(model, **llm_kwargs))
                 if reuse:
                     _LIVE[key] = shared
             shared.users += 1
+        self._init(shared)
+
+    def _init(self, shared: _Shared) -> None:
         self._shared = shared
         self.reused = shared.users > 1
         self.closed = False
@@ -105,8 +112,15 @@ class Runner:
         return self._facts
 
     @property
+    def remote(self) -> bool:
+        """Whether the engine is a ``vlens serve`` server (vlens.connect)."""
+        return bool(getattr(self.engine, "remote", False))
+
+    @property
     def can_ship_functions(self) -> bool:
         """Whether an ``edit=`` function can reach this engine's workers."""
+        if self.remote:
+            return False
         return self.engine.in_process or env_flag("VLLM_ALLOW_INSECURE_SERIALIZATION")
 
     def release(self) -> None:

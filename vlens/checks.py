@@ -354,15 +354,24 @@ def steers_per_prompt(steer: Any, n_prompts: int) -> list[list[Steer]]:
     )
 
 
+REMOTE_EDIT = (
+    "edit= functions cannot run on a connected session (vlens.connect): they are Python "
+    "code, and code does not cross the wire to a shared server. Use a vlens.Steer "
+    "(steer=), vlens.Ablate or activation patching instead, which travel as data"
+)
+
+
 def check_edit(edit: Any, edit_at: Any, facts: ModelFacts, *,
-               can_ship: bool) -> list[tuple[str, int]]:
+               can_ship: bool, remote: bool = False) -> list[tuple[str, int]]:
     """``edit=`` / ``edit_at=`` -> the (site, layer) pairs to call it at
     (empty when there is no edit). ``can_ship``: whether a Python function
-    can reach this engine's workers."""
+    can reach this engine's workers; ``remote``: the engine is a server."""
     if edit is None:
         if edit_at is not None:
             raise VlensError("edit_at= given without edit=: pass the function too")
         return []
+    if remote:
+        raise VlensError(REMOTE_EDIT)
     if not callable(edit):
         raise VlensError(f"edit must be a function fn(rows, ctx), got {type(edit).__name__}")
     if not can_ship:

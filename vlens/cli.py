@@ -1,7 +1,8 @@
 """``vlens`` on the command line. ``vlens demo`` is the main job: start a
 Session on the bundled model, trace a few prompts, print a per-layer table
 and write a standalone HTML report of plotly figures. ``vlens doctor``
-checks that vLLM can start in this environment and names each fix."""
+checks that vLLM can start in this environment and names each fix.
+``vlens serve`` shares one engine with many notebooks (``vlens.connect``)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,12 @@ def demo(model: str | None = None, out: str | Path = "vlens-demo.html",
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # vLLM's engine flags join vlens's own: that parser is vLLM's
+        from vlens.remote.server import main as serve_main
+
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="vlens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="trace the bundled model and write an HTML report")
@@ -93,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-new-tokens", type=int, default=12)
     d.add_argument("prompts", nargs="*", help="prompts (default: a few toy-world stories)")
     doc = sub.add_parser("doctor", help="check that vLLM can start here; name each fix")
+    sub.add_parser("serve", help="serve one model to many notebooks (vlens.connect); "
+                   "`vlens serve --help` lists its flags", add_help=False)
     doc.add_argument("--fix", action="store_true",
                      help="uninstall the packages the report says to remove, then check again")
     args = parser.parse_args(argv)

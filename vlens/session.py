@@ -59,6 +59,19 @@ class Session:
                  **llm_kwargs: Any) -> None:
         self.model = _resolve_model(model)
         self._runner = Runner(self.model, llm_kwargs, reuse=reuse)
+        self._setup()
+
+    @classmethod
+    def _attach(cls, engine: Any) -> Session:
+        """A Session on an engine made elsewhere (``vlens.connect``'s remote
+        engine); the same API as one that starts its own."""
+        self = cls.__new__(cls)
+        self.model = engine.model
+        self._runner = Runner(self.model, {}, reuse=False, engine=engine)
+        self._setup()
+        return self
+
+    def _setup(self) -> None:
         self.reused = self._runner.reused
         self.clone_reads = env_flag("VLENS_CLONE_READS")
         #: the most bytes of activations one call may read (refused above it)
@@ -225,7 +238,8 @@ class Session:
         ablates = ablation.ablates_per_prompt(ablate, len(prompts))
         ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(edit, edit_at, facts,
-                                  can_ship=self._runner.can_ship_functions)
+                                  can_ship=self._runner.can_ship_functions,
+                                  remote=self._runner.remote)
         bg_ids = []
         if background:
             bg_ids = checks.check_prompts(list(background), facts, self.tokenize)[1]

@@ -110,5 +110,12 @@ def is_toyworld(model: str | Path | None) -> bool:
 
 
 def steering_recipe(session: Any) -> SteeringRecipe | None:
-    """The recipe for ``session``'s model, or None when none is known."""
-    return toyworld_recipe() if is_toyworld(getattr(session, "model", "")) else None
+    """The recipe for ``session``'s model, or None when none is known (a
+    connected session's server says whether it serves the bundled model)."""
+    bundled = is_toyworld(getattr(session, "model", ""))
+    if not bundled:
+        try:
+            bundled = bool((session.info or {}).get("toyworld"))
+        except Exception:  # noqa: BLE001 - no info (a closed session, a stand-in): no recipe
+            bundled = False
+    return toyworld_recipe() if bundled else None

@@ -1,0 +1,540 @@
+"""``vlens serve`` with many connected Sessions (the bundled model).
+
+One server subprocess on loopback serves every test here; a local
+in-process Session of the same model is the reference each connected
+client's results must equal. The tests also show that clients' requests
+share engine steps, that tokens, other clients' ids and hand-made plans get
+nowhere, that a client killed mid-call leaves nothing behind, and that a
+server restart is a clear error followed by a working reconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import vlens
+from vlens.remote.wire import FRAME_TYPE, FrameReader, pack, params_to_wire
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[1]
+N_CLIENTS = 8
+KV = str(64 * 2**20)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Server:
+    """A ``vlens serve`` subprocess and the tokens of its clients."""
+
+    def __init__(self, folder: Path) -> None:
+        self.tokens = {f"c{i}": f"token-{i}-" + os.urandom(12).hex() for i in range(12)}
+        self.token_file = folder / "tokens"
+        self.token_file.write_text("".join(f"{n} {t}\n" for n, t in self.tokens.items()))
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = folder / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vlens.cli", "serve", "--port", str(self.port),
+             "--token-file", str(self.token_file), "--kv-cache-memory-bytes", KV,
+             "--max-body-mb", "1", "--max-concurrent", "2", "--max-read-mb", "64"],
+            env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vlens serve exited: {self.log.read_text()[-3000:]}")
+            try:
+                if self.get("/v1/info", "c0").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vlens serve did not start: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def headers(self, client: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[client]}"} if client else {}
+
+    def get(self, path: str, client: str | None) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers(client), timeout=60)
+
+    def post(self, body: bytes, client: str | None, *, content_type: str = FRAME_TYPE,
+             path: str = "/v1/generate") -> httpx.Response:
+        return httpx.post(self.url + path, content=body, timeout=60,
+                          headers={**self.headers(client), "Content-Type": content_type})
+
+    def status(self) -> dict:
+        return self.get("/v1/status", "c11").json()
+
+    def connect(self, client: str):
+        return vlens.connect(self.url, token=self.tokens[client])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = _Server(tmp_path_factory.mktemp("serve"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def direction(toy_session):
+    return toy_session.direction(["the wind was happy", "a happy fox"],
+                                 ["the wind was sad", "a sad fox"], layer=1)
+
+
+def _prompts(i: int) -> list[str]:
+    from vlens.models.world import example_prompts
+
+    return example_prompts(2, seed=100 + i)
+
+
+def _workload(s, i: int, direction: torch.Tensor) -> dict:
+    """Reads, steering and a sweep, as one participant would run them."""
+    prompts = _prompts(i)
+    run = s.trace(prompts, layers=[0, 2], sites=["resid_post", "attn_out"], max_new_tokens=6)
+    steer = vlens.Steer(direction, layer=1, scale=3.0 + i)
+    steered = s.trace(prompts[0], layers=[3], steer=steer, max_new_tokens=6)
+    sweep = s.sweep(prompts[1], steer=vlens.Steer(direction, layer=2, scale=1.0),
+                    scales=[0.0, 2.0, 5.0], max_new_tokens=5)
+    return {
+        "texts": [t.text for t in run] + [steered[0].text] + [t.text for t in sweep.runs],
+        "acts": [t.activations(site) for t in run for site in ("resid_post", "attn_out")]
+        + [steered[0].activations()],
+        "logprobs": [t.logprobs for t in run] + [steered[0].logprobs],
+        "kl": [k for k in sweep.kl],
+        "steered_rows": steered[0].steered_rows,
+    }
+
+
+def _same(got: dict, want: dict) -> None:
+    assert got["texts"] == want["texts"]
+    assert got["steered_rows"] == want["steered_rows"] > 0
+    for a, b in zip(got["acts"], want["acts"], strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(got["kl"], want["kl"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
+        assert [x is None for x in a] == [x is None for x in b]
+        assert max(abs(x - y) for x, y in zip(a, b) if x is not None) < 1e-5
+
+
+def _in_threads(fn, n: int) -> list:
+    out: list = [None] * n
+    errors: list = []
+    barrier = threading.Barrier(n)
+
+    def work(i: int) -> None:
+        try:
+            out[i] = fn(i, barrier)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_eight_clients_equal_a_local_session_and_share_steps(server, toy_session, direction):
+    want = [_workload(toy_session, i, direction) for i in range(N_CLIENTS)]
+
+    def client(i, barrier):
+        with server.connect(f"c{i}") as s:
+            assert s.n_layers == toy_session.n_layers and s.sites == toy_session.sites
+            barrier.wait()
+            return _workload(s, i, direction)
+
+    got = _in_threads(client, N_CLIENTS)
+    for g, w in zip(got, want):
+        _same(g, w)
+
+    # engine steps: one client's call alone, then every client's at once
+    prompt = _prompts(0)[0]
+    with server.connect("c0") as s:
+        before = s.status()["steps_planned"]
+        alone = s.trace(prompt, max_new_tokens=24, layers=[1])
+        one_call = s.status()["steps_planned"] - before
+    assert one_call >= 24
+
+    def same_call(i, barrier):
+        with server.connect(f"c{i}") as s:
+            barrier.wait()
+            return s.trace(prompt, max_new_tokens=24, layers=[1])
+
+    before = server.status()["steps_planned"]
+    runs = _in_threads(same_call, N_CLIENTS)
+    together = server.status()["steps_planned"] - before
+    # eight calls alone would take 8 * one_call steps; shared steps run several
+    # clients' requests at once
+    assert together < N_CLIENTS * one_call / 2, (together, one_call)
+    for run in runs:
+        assert run[0].text == alone[0].text
+        torch.testing.assert_close(run[0].activations(), alone[0].activations(),
+                                   atol=1e-5, rtol=0)
+
+
+def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_session):
+    """The methods that travel as data (head reads, Ablate, patch) work remotely."""
+    prompts = _prompts(3)
+    ablate = vlens.PerPrompt([vlens.Ablate("z", 1, heads=[0]), vlens.Ablate("mlp_out", 2, kind="mean")])
+    story = "one day, a {} bear lived in a blue cabin near the meadow. the sky was"
+    clean, corrupt = story.format("happy"), story.format("lonely")
+    with server.connect("c7") as s:
+        results = [
+            s.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
+                    max_new_tokens=4),
+            s.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
+        ]
+        grid = s.patch(clean, corrupt, layers=[0, 2], positions=[5, -1])
+    want = [
+        toy_session.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
+                          max_new_tokens=4),
+        toy_session.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
+    ]
+    for got_run, want_run in zip(results, want):
+        for g, w in zip(got_run, want_run, strict=True):
+            assert g.text == w.text
+            for site in [k for k in w.layers]:
+                torch.testing.assert_close(g.activations(site), w.activations(site),
+                                           atol=1e-5, rtol=0)
+    local = toy_session.patch(clean, corrupt, layers=[0, 2], positions=[5, -1])
+    assert grid.answer == local.answer
+    torch.testing.assert_close(grid.grid, local.grid, atol=1e-4, rtol=0)
+
+
+def test_limits_are_clear_errors_and_closing_a_stream_aborts_it(server):
+    # read bytes per call (the server runs with --max-read-mb 64)
+    with server.connect("c10") as s:
+        long = " ".join(["the wind was cold and the sky was grey."] * 40)
+        with pytest.raises(vlens.VlensError, match="read limit per call"):
+            s.trace([long] * 16, layers=None, sites=s.sites, max_new_tokens=4)
+        with pytest.raises(vlens.VlensError, match="prompt tokens|max_model_len"):
+            s.trace(" ".join([long] * 3), max_new_tokens=2)
+    # calls at once per client (--max-concurrent 2): a third is refused, not queued
+    sessions = [server.connect("c9") for _ in range(3)]
+    streams = [s.stream("the wind was", max_new_tokens=400, ignore_eos=True)
+               for s in sessions[:2]]
+    for it in streams:
+        next(it)  # the call is running on the server
+    assert server.status()["calls"] == 2
+    with pytest.raises(vlens.VlensError, match="429.*at most 2 at once"):
+        sessions[2].trace("the wind was", max_new_tokens=2)
+    for it in streams:
+        it.close()  # a closed stream closes its connection: the server aborts the call
+    deadline = time.monotonic() + 60
+    while (st := server.status())["calls"] or st["unfinished"] or st["records"]:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert sessions[2].trace("the wind was", max_new_tokens=2)[0].text
+    for s in sessions:
+        s.close()
+
+
+def _call_body(server, ids: list[int], *, tag: str = "t-0", reads=None, adds=(),
+               vectors=None, **params) -> dict:
+    """A /v1/generate body made by hand (as a hostile client would)."""
+    from vllm import SamplingParams
+
+    from vlens.plan import parse_plan
+
+    plan = {"v": 3, "tag": tag, "index": 0, "clone": False, "prompt_len": len(ids),
+            "reads": reads if reads is not None else
+            [{"site": "resid_post", "layers": [0], "reduce": "full", "k": 0}],
+            "adds": list(adds), "edits": []}
+    plan = parse_plan(plan).to_wire()  # the canonical form, as a Session writes it
+    sp = SamplingParams(max_tokens=params.pop("max_tokens", 3), temperature=0.0,
+                        skip_reading_prefix_cache=True, extra_args={"vlens": plan}, **params)
+    return {"requests": [{"ids": ids, "params": params_to_wire(sp)}],
+            "vectors": vectors or {}, "stream": False}
+
+
+def _frames(resp: httpx.Response) -> list[dict]:
+    return FrameReader().feed(resp.content)
+
+
+def test_tokens_ids_and_edit_functions_are_refused(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    body = pack(_call_body(server, ids))
+    steps = server.status()["steps_seen"]
+    for client, headers in ((None, {}), ("c0", {"Authorization": "Bearer not-a-token-at-all"}),
+                            ("c0", {"Authorization": "Basic " + server.tokens["c0"]})):
+        resp = httpx.post(server.url + "/v1/generate", content=body,
+                          headers={**headers, "Content-Type": FRAME_TYPE}, timeout=60)
+        assert resp.status_code == 401, resp.text
+    assert server.get("/v1/info", None).status_code == 401
+    assert server.status()["steps_seen"] == steps  # nothing ran
+    with pytest.raises(vlens.VlensError, match="refused the token"):
+        vlens.connect(server.url, token="wrong-token-wrong-token")
+    with pytest.raises(vlens.VlensError, match="token"):
+        vlens.connect(server.url, token="")
+
+    # client c1 runs a call; c2 reuses c1's tag and asks for its records
+    with server.connect("c1") as s:
+        s.trace("the wind was", max_new_tokens=3, layers=[0])
+        tag = f"{s._runner._name}-0-0"
+    resp = server.post(pack(_call_body(server, ids, tag=tag)), "c2")
+    done = _frames(resp)[-1]
+    assert done["kind"] == "done"
+    assert list(done["records"]) == [tag] and len(done["records"][tag]) == 1  # its own only
+    for path in ("/v1/collect", "/v1/records", "/v1/drop"):
+        assert server.post(pack({"tags": [tag]}), "c2", path=path).status_code == 404
+    assert server.status()["records"] == 0
+
+    # a vector another client holds cannot be named without sending it
+    vec = toy_session.direction(["happy"], ["sad"], layer=0)
+    with server.connect("c1") as s:
+        st = vlens.Steer(vec, layer=0, scale=2.0)
+        s.trace("the wind was", steer=st, max_new_tokens=2)
+    add = {"site": "resid_post", "layer": 0, "vec": st.id, "scale": 1.0, "start": 0,
+           "stop": -1, "relative": False}
+    resp = server.post(pack(_call_body(server, ids, adds=[add])), "c2")
+    assert resp.status_code == 400 and "not sent with this call" in resp.json()["error"]
+
+    # edit= functions: refused on the client, and a hand-made plan with edits too
+    with server.connect("c3") as s:
+        with pytest.raises(vlens.VlensError, match="code does not cross the wire"):
+            s.trace("the wind was", edit=lambda rows, ctx: None, edit_at=[("resid_post", 0)])
+        s.trace("the wind was", max_new_tokens=2)  # still usable
+    raw = _call_body(server, ids)
+    raw["requests"][0]["params"]["extra_args"]["vlens"]["edits"] = [
+        {"site": "resid_post", "layer": 0, "fn": "fn-1"}]
+    resp = server.post(pack(raw), "c3")
+    assert resp.status_code == 400 and "code does not cross the wire" in resp.json()["error"]
+
+
+_VICTIM = """
+import sys, vlens
+s = vlens.connect(sys.argv[1], token=sys.argv[2])
+print("connected", flush=True)
+s.trace("the wind was", layers=[0, 1, 2, 3], sites=["resid_post", "attn_out"],
+        max_new_tokens=400, ignore_eos=True)
+print("finished", flush=True)
+"""
+
+
+def test_a_client_killed_mid_call_leaves_nothing(server, toy_session, tmp_path):
+    script = tmp_path / "victim.py"
+    script.write_text(_VICTIM)
+    want = _workload(toy_session, 5, toy_session.direction(["happy"], ["sad"], layer=1))
+    direction = toy_session.direction(["happy"], ["sad"], layer=1)
+    victim = subprocess.Popen([sys.executable, str(script), server.url, server.tokens["c8"]],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while server.status()["unfinished"] == 0:
+            assert victim.poll() is None, victim.stdout.read()
+            assert time.monotonic() < deadline, "the victim's call never started"
+            time.sleep(0.05)
+        # another client works while the victim runs and when it dies
+        got: dict = {}
+        worker = threading.Thread(target=lambda: got.update(
+            result=_workload(server.connect("c5"), 5, direction)))
+        worker.start()
+        time.sleep(0.3)
+        assert server.status()["unfinished"] >= 1  # the victim is mid-call
+        victim.kill()
+        victim.wait()
+        worker.join(300)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    _same(got["result"], want)
+    deadline = time.monotonic() + 60
+    while True:
+        st = server.status()
+        if st["unfinished"] == 0 and st["records"] == 0 and st["plans"] == 0 and st["calls"] == 0:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert "finished" not in victim.stdout.read()
+
+
+def _malformed(server, ids: list[int], vocab: int, hidden: int) -> list[tuple[str, dict]]:
+    """Over 200 bad requests: (what, httpx.request kwargs)."""
+    rng = random.Random(0)
+    good = _call_body(server, ids)
+    bad: list[tuple[str, dict]] = []
+
+    def send(what, body, **kw):
+        kw.setdefault("headers", {"Content-Type": FRAME_TYPE})
+        bad.append((what, {"content": body if isinstance(body, bytes) else pack(body), **kw}))
+
+    def plan_with(**changes):
+        raw = json.loads(json.dumps(good))
+        raw["requests"][0]["params"]["extra_args"]["vlens"].update(changes)
+        return raw
+
+    def params_with(**changes):
+        raw = json.loads(json.dumps(good))
+        raw["requests"][0]["params"].update(changes)
+        return raw
+
+    read = {"site": "resid_post", "layers": [0], "reduce": "full", "k": 0}
+    for value in (-1, 4, 99, "0", None, 1.5, [0]):
+        send(f"read layer {value!r}", plan_with(reads=[{**read, "layers": [value]}]))
+    for site in ("nope", "", None, 3, "resid_post\x00"):
+        send(f"read site {site!r}", plan_with(reads=[{**read, "site": site}]))
+    for reduce, k in (("max", 0), ("logit_lens", 0), ("logit_lens", -3), ("full", 5),
+                      ("logit_lens", 10**9), (None, 0)):
+        send(f"reduce {reduce} k {k}", plan_with(reads=[{**read, "reduce": reduce, "k": k}]))
+    send("no layers", plan_with(reads=[{**read, "layers": []}]))
+    send("read not a dict", plan_with(reads=["resid_post"]))
+    add = {"site": "resid_post", "layer": 0, "vec": "v1", "scale": 1.0, "start": 0,
+           "stop": -1, "relative": False}
+    for change in ({"vec": "v1"}, {"vec": "../x"}, {"site": "positions"}, {"layer": 9},
+                   {"scale": float("nan")}, {"scale": float("inf")}, {"start": -2},
+                   {"stop": 0}, {"layer": "0"}, {"scale": "big"}):
+        send(f"add {change}", plan_with(adds=[{**add, **change}]))
+    one_set = {"site": "z", "layer": 1, "vec": "", "lo": 0, "hi": 32, "start": 0, "stop": -1}
+    for change in ({"site": "attn_pattern"}, {"site": "nope"}, {"lo": -1}, {"hi": 0},
+                   {"hi": 10**6}, {"lo": 200}, {"vec": "unsent"}, {"stop": 0}, {"layer": -1},
+                   {"start": "0"}):
+        send(f"set {change}", plan_with(sets=[{**one_set, **change}]))
+    for heads in ([99], [-1], ["0"]):
+        send(f"heads {heads}", plan_with(reads=[{**read, "site": "attn_pattern",
+                                                  "heads": heads}]))
+    send("heads on resid_post", plan_with(reads=[{**read, "heads": [0]}]))
+    for change in ({"v": 2}, {"v": None}, {"tag": ""}, {"tag": "a/b"}, {"tag": "x" * 300},
+                   {"tag": 5}, {"prompt_len": 0}, {"prompt_len": 999}, {"index": -1},
+                   {"edits": [{"site": "resid_post", "layer": 0, "fn": "f"}]}):
+        send(f"plan {change}", plan_with(**change))
+    for change in ({"n": 0}, {"n": 1000}, {"n": "2"}, {"max_tokens": 0},
+                   {"max_tokens": 10**9}, {"logprobs": 100}, {"prompt_logprobs": -1},
+                   {"temperature": "hot"}, {"temperature": -1.0}, {"top_p": 7.0},
+                   {"stop": "x"}, {"stop": [1, 2]}, {"stop": ["x"] * 100},
+                   {"stop_token_ids": [-1]}, {"stop_token_ids": list(range(200))},
+                   {"logits_processors": ["evil"]}, {"logit_bias": {"1": 5}},
+                   {"extra_args": {"other": 1}}, {"extra_args": "vlens"},
+                   {"seed": "x"}, {"top_k": "all"}, {"logprob_token_ids": [10**6]},
+                   {"logprob_token_ids": list(range(300))}, {"logprob_token_ids": "1"}):
+        send(f"params {change}", params_with(**change))
+    for ids_bad in ([], [-1], [vocab], ["a"], [1.5], "the wind", None, [1] * 600):
+        raw = json.loads(json.dumps(good))
+        raw["requests"][0]["ids"] = ids_bad
+        send(f"ids {str(ids_bad)[:20]}", raw)
+    vec_ok = {"data": b"\0" * 4 * hidden, "shape": [hidden], "dtype": "float32"}
+    nan = torch.full((hidden,), float("nan")).numpy().tobytes()
+    for vid, payload in (("v", {**vec_ok, "shape": [hidden + 1]}), ("v", {**vec_ok, "dtype": "int64"}),
+                         ("v", {**vec_ok, "dtype": "object"}), ("v", {**vec_ok, "data": b"\0"}),
+                         ("v", {**vec_ok, "data": nan}), ("v", {**vec_ok, "data": "text"}),
+                         ("bad id!", vec_ok), ("", vec_ok), ("v", {"data": b""}), ("v", [1, 2])):
+        raw = json.loads(json.dumps(good))
+        send(f"vector {vid!r}", {**raw, "vectors": {vid: payload}})
+    for body in ([], {}, {"requests": []}, {"requests": "x"}, {"requests": [{}]},
+                 {"requests": [{"ids": ids}]}, {**good, "extra": 1},
+                 {"requests": [good["requests"][0]] * 300}):
+        send(f"body {str(body)[:30]}", body)
+    send("not a frame: json", json.dumps(good).encode())
+    send("wrong content type", pack(good), headers={"Content-Type": "application/json"})
+    send("no content type", pack(good), headers={})
+    send("huge body", pack({**good, "pad": b"\0" * (2 * 2**20)}))
+    send("huge content-length", b"x", headers={"Content-Type": FRAME_TYPE,
+                                              "Content-Length": str(2**40)})
+    frame = pack(good)
+    for cut in range(60):  # truncated, grown, corrupted frames
+        k = rng.randrange(len(frame))
+        choice = cut % 3
+        if choice == 0:
+            body = frame[:k]
+        elif choice == 1:
+            body = frame + os.urandom(rng.randrange(1, 50))
+        else:
+            body = bytearray(frame)
+            for _ in range(8):
+                body[rng.randrange(0, min(len(body), 24))] = rng.randrange(256)
+            body = bytes(body)
+        send(f"mangled frame {cut}", body)
+    for n in range(50):
+        send(f"random bytes {n}", os.urandom(rng.randrange(0, 400)))
+    return bad
+
+
+def test_malformed_requests_get_4xx_and_the_server_serves_on(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    with server.connect("c4") as s:
+        before = s.trace("the wind was", layers=[0, 3], max_new_tokens=4)
+        steps = s.status()["steps_seen"]
+        bad = _malformed(server, ids, toy_session.info["vocab_size"], toy_session.hidden_size)
+        assert len(bad) >= 200
+        for what, kw in bad:
+            headers = {**server.headers("c4"), **kw.pop("headers")}
+            if "Content-Length" in headers:  # a lying length: the raw socket says it
+                resp = _raw_post(server, headers, kw["content"])
+            else:
+                resp = httpx.post(server.url + "/v1/generate", headers=headers, timeout=60, **kw)
+            assert 400 <= resp.status_code < 500, (what, resp.status_code, resp.text[:300])
+        for method, path in (("GET", "/v1/generate"), ("POST", "/v1/info"),
+                             ("GET", "/v1/nope"), ("DELETE", "/v1/status")):
+            resp = httpx.request(method, server.url + path, headers=server.headers("c4"))
+            assert 400 <= resp.status_code < 500, (method, path)
+        st = s.status()
+        assert st["steps_seen"] == steps  # none of it reached the engine
+        assert st["records"] == 0 and st["unfinished"] == 0 and st["calls"] == 0
+        after = s.trace("the wind was", layers=[0, 3], max_new_tokens=4)
+    assert after[0].text == before[0].text
+    assert torch.equal(after[0].activations(), before[0].activations())
+
+
+def _raw_post(server, headers: dict, body: bytes) -> httpx.Response:
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/generate HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + body)
+        reply = sock.recv(65536).decode(errors="replace")
+    code = int(reply.split(" ", 2)[1])
+    return httpx.Response(code, text=reply)
+
+
+def test_a_server_restart_is_a_clear_error_then_reconnect_works(server, toy_session):
+    want = toy_session.trace("the wind was", layers=[2], max_new_tokens=4)
+    s = server.connect("c6")
+    server.stop()
+    with pytest.raises(vlens.VlensError, match="not answering"):
+        s.trace("the wind was", layers=[2], max_new_tokens=4)
+    server.start()
+    with server.connect("c6") as again:
+        got = again.trace("the wind was", layers=[2], max_new_tokens=4)
+    # the server keeps nothing between calls: the old session works again too
+    old = s.trace("the wind was", layers=[2], max_new_tokens=4)
+    s.close()
+    for run in (got, old):
+        assert run[0].text == want[0].text
+        torch.testing.assert_close(run[0].activations(), want[0].activations(),
+                                   atol=1e-5, rtol=0)

@@ -1,0 +1,414 @@
+"""``vlens serve``: one vLLM engine with vlens's hooks, shared over HTTP by
+many notebooks (``vlens.connect``).
+
+One process holds one vLLM ``AsyncLLM`` (vLLM's own engine arguments pass
+through as its command-line flags) and a small FastAPI app served by
+uvicorn. Every call carries a bearer token; each token is one client, whose
+plans are re-checked (``guard.py``) and whose tags and vector ids are
+prefixed with its name before anything reaches the engine. A call runs its
+requests in the shared engine (continuous batching mixes them with other
+clients' requests step by step), collects its records at the end and sends
+everything back as frames (``wire.py``); when the call ends, however it
+ends (finished, failed, client gone), its requests are aborted and its
+records dropped, so the server holds nothing of a client between calls but
+a bounded cache of its steering vectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import sys
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request  # module level: FastAPI reads the routes' annotations here
+
+from vlens.remote.guard import Checked, Limits, Refused, check_call
+from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
+
+__all__ = ["main", "load_tokens", "make_app"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+# files a client needs to rebuild the tokenizer locally
+_TOKENIZER_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
+    r"config\.json|generation_config\.json|chat_template.*|.*\.tiktoken)$")
+
+
+def load_tokens(path: str | Path) -> dict[str, str]:
+    """A token file -> ``{token: client name}``. One client a line:
+    ``NAME TOKEN`` or just ``TOKEN`` (named ``client<line>``); blank lines
+    and ``#`` comments are skipped. Tokens must be at least 16 characters."""
+    from vlens.errors import VlensError
+
+    tokens: dict[str, str] = {}
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise VlensError(f"cannot read the token file {path}: {exc.strerror}") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        name, token = (parts[0], parts[1]) if len(parts) == 2 else (f"client{n}", parts[0])
+        if len(parts) > 2 or not _NAME.match(name):
+            raise VlensError(f"{path}:{n}: expected 'NAME TOKEN' or 'TOKEN' "
+                             "(NAME: 1-32 of A-Z a-z 0-9 _ . -)")
+        if len(token) < 16:
+            raise VlensError(f"{path}:{n}: tokens must be at least 16 characters "
+                             "(python -c 'import secrets; print(secrets.token_urlsafe())')")
+        if token in tokens or name in tokens.values():
+            raise VlensError(f"{path}:{n}: a name or token appears twice")
+        tokens[token] = name
+    if not tokens:
+        raise VlensError(f"{path} holds no tokens")
+    return tokens
+
+
+@dataclass
+class _Client:
+    name: str
+    active: int = 0  # calls in flight
+    vectors: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> pins
+
+
+class Server:
+    """The engine, the clients and the limits behind the HTTP routes."""
+
+    def __init__(self, llm: Any, info: dict[str, Any], tokens: dict[str, str], limits: Limits,
+                 model_dir: str, max_calls: int) -> None:
+        from vlens.checks import ModelFacts
+
+        self.llm = llm
+        self.info = info
+        self.facts = ModelFacts.from_info(info)
+        self.limits = limits
+        self.model_dir = model_dir
+        self.max_calls = max_calls
+        self.instance = uuid.uuid4().hex[:12]
+        self._tokens = [(t.encode(), name) for t, name in tokens.items()]
+        self.clients = {name: _Client(name) for name in tokens.values()}
+        self.calls = 0
+        self.calls_done = 0
+        self._vector_lock = asyncio.Lock()
+
+    def authenticate(self, header: str | None) -> _Client:
+        if not header or not header.startswith("Bearer "):
+            raise Refused(401, "no token: pass vlens.connect(url, token=...) "
+                               "(or set VLENS_TOKEN)")
+        given = header[len("Bearer "):].encode()
+        found = None
+        for token, name in self._tokens:  # every token compared, in constant time
+            if hmac.compare_digest(given, token):
+                found = name
+        if found is None:
+            raise Refused(401, "this token is not accepted by the server: check it "
+                               "with whoever runs the workshop")
+        return self.clients[found]
+
+    # -- steering vectors, cached per client -------------------------------------
+    async def _hold(self, client: _Client, vectors: dict[str, Any]) -> None:
+        async with self._vector_lock:
+            missing = {k: v for k, v in vectors.items() if k not in client.vectors}
+            if missing:
+                await self.llm.collective_rpc("vlens_put_vectors", args=(missing,))
+            for k in vectors:
+                client.vectors[k] = client.vectors.get(k, 0) + 1
+                client.vectors.move_to_end(k)
+
+    async def _release(self, client: _Client, vectors: dict[str, Any]) -> None:
+        async with self._vector_lock:
+            for k in vectors:
+                if k in client.vectors:
+                    client.vectors[k] -= 1
+            excess = len(client.vectors) - self.limits.vectors
+            gone = [k for k, pins in client.vectors.items() if pins <= 0][:max(excess, 0)]
+            if gone:
+                await self.llm.collective_rpc("vlens_drop_vectors", args=(gone,))
+                for k in gone:
+                    del client.vectors[k]
+
+    # -- one call ---------------------------------------------------------------
+    def admit(self, client: _Client) -> None:
+        if client.active >= self.limits.concurrent:
+            raise Refused(429, f"{client.active} calls of this client are running; this "
+                               f"server takes at most {self.limits.concurrent} at once")
+        if self.calls >= self.max_calls:
+            raise Refused(503, f"the server is running its limit of {self.max_calls} calls; "
+                               "try again in a moment")
+        client.active += 1
+        self.calls += 1
+
+    async def run(self, client: _Client, call: Checked, stream: bool):
+        """The frames of one admitted call (an async iterator of bytes)."""
+        from vlens._runner import Request, _engine_prompt
+        from vlens.plan import PLAN_KEY, parse_plan
+
+        n = len(call.ids)
+        rids = [f"{client.name}-{uuid.uuid4().hex[:12]}-{i}" for i in range(n)]
+        tags = sorted({t for t in call.tags if t is not None})
+        queue: asyncio.Queue = asyncio.Queue()
+        samples: list[dict[int, Any]] = [{} for _ in range(n)]
+        prompt_lps: list[Any] = [None] * n
+        finished = [False] * n
+        tasks: list[asyncio.Task] = []
+
+        async def pump(i: int) -> None:
+            sp = call.params[i]
+            plan = parse_plan(sp.extra_args[PLAN_KEY]) if sp.extra_args else None
+            prompt = _engine_prompt(Request(call.ids[i], plan, sp))
+            try:
+                async for out in self.llm.generate(prompt, sp, rids[i]):
+                    queue.put_nowait((i, out))
+            except Exception as exc:  # noqa: BLE001 - reported to the client
+                queue.put_nowait((i, exc))
+            queue.put_nowait((i, None))
+
+        def wire(i: int) -> dict[str, Any] | None:
+            if not samples[i]:
+                return None
+            comps = [samples[i][k] for k in sorted(samples[i])]
+            return {
+                "finished": finished[i],
+                "prompt_logprobs": logprobs_to_wire(prompt_lps[i]),
+                "outputs": [{"index": int(c.index), "text": c.text,
+                             "token_ids": [int(t) for t in c.token_ids],
+                             "logprobs": logprobs_to_wire(c.logprobs),
+                             "finish_reason": c.finish_reason} for c in comps],
+            }
+
+        try:
+            await self._hold(client, call.vectors)
+            tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+            live = n
+            while live:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for i, out in batch:
+                    if out is None:
+                        live -= 1
+                    elif isinstance(out, Exception):
+                        raise out
+                    else:
+                        for c in out.outputs:
+                            samples[i][c.index] = c
+                        if out.prompt_logprobs is not None:
+                            prompt_lps[i] = out.prompt_logprobs
+                        want = call.params[i].n or 1
+                        finished[i] = len(samples[i]) == want and all(
+                            c.finish_reason is not None for c in samples[i].values())
+                if stream and live:
+                    yield pack({"kind": "step", "outputs": [wire(i) for i in range(n)]})
+            records = {}
+            if tags:
+                got = (await self.llm.collective_rpc("vlens_collect", args=(tags,)))[0]
+                records = {t.split("/", 1)[1]: recs for t, recs in got.items()}
+            self.calls_done += 1
+            yield pack({"kind": "done", "outputs": [wire(i) for i in range(n)],
+                        "records": records})
+        except Exception as exc:  # noqa: BLE001 - the engine failed this call
+            yield pack({"kind": "error", "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            import anyio
+
+            # runs when the client went away too: shielded, or the
+            # cancellation that ended the call would also end the clean-up
+            with anyio.CancelScope(shield=True):
+                for t in tasks:
+                    t.cancel()
+                try:
+                    await self.llm.abort(rids)
+                    if tags:
+                        await self.llm.collective_rpc("vlens_drop", args=(tags,))
+                    await self._release(client, call.vectors)
+                finally:
+                    client.active -= 1
+                    self.calls -= 1
+
+    async def status(self, client: _Client) -> dict[str, Any]:
+        worker = (await self.llm.collective_rpc("vlens_status"))[0]
+        return {
+            **{k: worker[k] for k in ("records", "plans", "vectors", "vector_bytes",
+                                      "hook_errors", "steps_seen", "steps_planned", "hooks",
+                                      "edit_fns")},
+            "unfinished": int(self.llm.output_processor.get_num_unfinished_requests()),
+            "calls": self.calls,
+            "calls_done": self.calls_done,
+            "your_calls": client.active,
+            "your_vectors": len(client.vectors),
+            "server": self.instance,
+        }
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise Refused(413, f"request body over this server's limit of {limit} bytes")
+    if request.headers.get("content-type") != FRAME_TYPE:
+        raise Refused(415, f"send a vlens frame ({FRAME_TYPE})")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise Refused(413, f"request body over this server's limit of {limit} bytes")
+    return bytes(buf)
+
+
+def make_app(server: Server):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    app = FastAPI(title="vlens serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused):
+        return JSONResponse({"error": exc.message}, status_code=exc.status)
+
+    def who(request: Request) -> _Client:
+        return server.authenticate(request.headers.get("authorization"))
+
+    @app.get("/v1/info")
+    async def info(request: Request):
+        who(request)
+        import vlens
+
+        return {"model": server.info, "model_name": Path(server.model_dir).name,
+                "limits": server.limits.public(), "server": server.instance,
+                "vlens": getattr(vlens, "__version__", "0")}
+
+    @app.get("/v1/tokenizer")
+    async def tokenizer(request: Request):
+        who(request)
+        folder = Path(server.model_dir)
+        files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+                 if p.is_file() and _TOKENIZER_FILES.match(p.name)
+                 and p.stat().st_size < 64 * 2**20} if folder.is_dir() else {}
+        return Response(pack({"files": files}), media_type=FRAME_TYPE)
+
+    @app.get("/v1/status")
+    async def status(request: Request):
+        return await server.status(who(request))
+
+    @app.post("/v1/generate")
+    async def generate(request: Request):
+        client = who(request)
+        raw = await _read_body(request, server.limits.body_bytes)
+        try:
+            body = unpack_one(raw)
+            call = check_call(body, server.facts, server.limits, client.name)
+        except Refused:
+            raise
+        except WireError as exc:
+            raise Refused(400, f"unreadable frame: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - anything odd a client sends is its error
+            raise Refused(400, f"malformed call: {type(exc).__name__}: {exc}") from None
+        server.admit(client)
+        return StreamingResponse(server.run(client, call, bool(body.get("stream"))),
+                                 media_type=FRAME_TYPE)
+
+    return app
+
+
+def _parser():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(prog="vlens serve", description=(
+        "Serve one model to many notebooks (vlens.connect). Every vLLM engine flag "
+        "(--max-model-len, --tensor-parallel-size, ...) is accepted as well."))
+    p.add_argument("model_tag", nargs="?", default=None,
+                   help="a local model folder (default: the bundled toy-world model)")
+    g = p.add_argument_group("vlens serve")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8765)
+    g.add_argument("--token-file", required=True,
+                   help="one client a line: 'NAME TOKEN' or 'TOKEN'")
+    g.add_argument("--max-read-mb", type=float, default=256,
+                   help="activations one call of a client may read (MiB)")
+    g.add_argument("--max-concurrent", type=int, default=4, help="calls in flight per client")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="tokens per prompt (default: the model's max length)")
+    g.add_argument("--max-requests", type=int, default=256, help="engine requests per call")
+    g.add_argument("--max-body-mb", type=float, default=64, help="request body size (MiB)")
+    g.add_argument("--max-calls", type=int, default=256, help="calls in flight, all clients")
+    return AsyncEngineArgs.add_cli_args(p)
+
+
+async def _serve(args: Any, argv: list[str]) -> None:
+    import uvicorn
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vlens.architectures import check_model_config
+    from vlens.engine.engine import EXTENSION, _saved_config, _saved_dtype
+    from vlens.engine.env import apply_env_defaults
+    from vlens.errors import VlensError
+    from vlens.session import _resolve_model
+
+    if any(a.startswith("--worker-extension-cls") or a.startswith("--worker-cls")
+           for a in argv):
+        raise VlensError("--worker-extension-cls / --worker-cls cannot be passed: "
+                         "vlens sets its own")
+    tokens = load_tokens(args.token_file)
+    explicit = args.model_tag or (args.model if any(a.startswith("--model") for a in argv)
+                                  else None)
+    args.model = _resolve_model(explicit)
+    config = _saved_config(args.model)
+    arch = check_model_config(config, args.model_impl) if config is not None else None
+    if not any(a.startswith("--dtype") for a in argv) and _saved_dtype(args.model) == "float32":
+        args.dtype = "float32"  # the saved precision is the faithful one
+    args.worker_extension_cls = EXTENSION
+    args.enforce_eager = True  # hooks must run every step (compiled mode is not served)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    apply_env_defaults({"kv_cache_memory_bytes": engine_args.kv_cache_memory_bytes})
+    llm = AsyncLLM.from_engine_args(engine_args)
+    try:
+        info = (await llm.collective_rpc("vlens_setup"))[0]
+        cfg = llm.model_config
+        info["max_model_len"] = int(cfg.max_model_len)
+        info["vocab_size"] = int(cfg.get_vocab_size())
+        info["compiled"] = False
+        from vlens.models.recipes import is_toyworld
+
+        info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
+        info["device"] = str(llm.vllm_config.device_config.device_type)
+        info["kv_cache_blocks"] = llm.vllm_config.cache_config.num_gpu_blocks
+        info["kv_block_size"] = llm.vllm_config.cache_config.block_size
+        info["absent_sites"] = {**info.pop("worker_absent", {}),
+                                **(arch.absent_sites(config) if arch is not None else {})}
+        limits = Limits(
+            read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
+            prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
+            requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20))
+        server = Server(llm, info, tokens, limits, args.model, args.max_calls)
+        config = uvicorn.Config(make_app(server), host=args.host, port=args.port,
+                                log_level="warning", timeout_graceful_shutdown=5)
+        print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
+              f"for {len(tokens)} client(s)", flush=True)
+        await uvicorn.Server(config).serve()
+    finally:
+        llm.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vlens.errors import VlensError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        asyncio.run(_serve(args, argv))
+    except VlensError as exc:
+        print(f"vlens serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

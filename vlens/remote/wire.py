@@ -1,0 +1,240 @@
+"""What crosses between ``vlens serve`` and ``vlens.connect``: frames of JSON
+plus raw bytes, never pickle.
+
+A frame is ``u64 length`` then ``u32 header length, u32 blob count``, the
+JSON header, and each blob as ``u64 length`` + bytes. Every ``bytes`` value
+in the data (a tensor's ``data``, a tokenizer file) travels as a blob and
+the header holds ``{"$blob": i}`` in its place, so a tensor costs its raw
+size and nothing is ever executed when a frame is read.
+
+vLLM's ``RequestOutput`` crosses as a small dict (:func:`output_to_wire`)
+and comes back as :class:`RemoteOutput`, which has the attributes the
+Session's runner reads (``outputs[i].token_ids``, ``.text``, ``.logprobs``,
+``prompt_logprobs``...). ``SamplingParams`` crosses as a dict of the fields
+in :data:`PARAM_FIELDS` only.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FRAME_TYPE", "WireError", "pack", "unpack", "FrameReader", "PARAM_FIELDS",
+           "params_to_wire", "output_to_wire", "output_from_wire", "RemoteOutput",
+           "RemoteCompletion", "Logprob"]
+
+FRAME_TYPE = "application/x-vlens-frame"
+_HEAD = struct.Struct("<II")
+_LEN = struct.Struct("<Q")
+_MAX_BLOBS = 1 << 20
+
+# SamplingParams fields a remote call may set; anything else (logits
+# processors, structured outputs, bad-words lists...) is refused
+PARAM_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+    "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output",
+    "skip_reading_prefix_cache", "extra_args", "logprob_token_ids",
+)
+
+# fields vLLM fills in itself (or that only shape how outputs are handed out)
+_DERIVED = {"output_kind", "output_text_buffer_length", "skip_clone", "stream_interval",
+            "flat_logprobs", "routed_experts_prompt_start", "trace_decode_token_ids",
+            "prompt_logprob_start"}
+
+
+class WireError(ValueError):
+    """A frame that cannot be read (truncated, bad JSON, bad blob index)."""
+
+
+def pack(obj: Any) -> bytes:
+    """``obj`` (JSON data with ``bytes`` anywhere) -> one frame."""
+    blobs: list[bytes] = []
+
+    def enc(x: Any) -> Any:
+        if isinstance(x, (bytes, bytearray, memoryview)):
+            blobs.append(bytes(x))
+            return {"$blob": len(blobs) - 1}
+        if isinstance(x, dict):
+            return {str(k): enc(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [enc(v) for v in x]
+        return x
+
+    head = json.dumps(enc(obj), separators=(",", ":")).encode()
+    parts = [_HEAD.pack(len(head), len(blobs)), head]
+    for b in blobs:
+        parts += [_LEN.pack(len(b)), b]
+    body = b"".join(parts)
+    return _LEN.pack(len(body)) + body
+
+
+def unpack(frame: bytes | memoryview) -> Any:
+    """One frame's body (without its leading length) -> the data."""
+    view = memoryview(frame)
+    if len(view) < _HEAD.size:
+        raise WireError("frame shorter than its header")
+    head_len, n_blobs = _HEAD.unpack_from(view, 0)
+    pos = _HEAD.size + head_len
+    if pos > len(view) or n_blobs > _MAX_BLOBS:
+        raise WireError("frame header names more bytes than the frame holds")
+    try:
+        head = json.loads(bytes(view[_HEAD.size:pos]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"frame header is not JSON ({exc})") from None
+    blobs = []
+    for _ in range(n_blobs):
+        if pos + _LEN.size > len(view):
+            raise WireError("frame truncated inside its blobs")
+        (n,) = _LEN.unpack_from(view, pos)
+        pos += _LEN.size
+        if pos + n > len(view):
+            raise WireError("frame truncated inside a blob")
+        blobs.append(bytes(view[pos:pos + n]))
+        pos += n
+    if pos != len(view):
+        raise WireError("frame has bytes after its last blob")
+
+    def dec(x: Any, depth: int = 0) -> Any:
+        if depth > 32:
+            raise WireError("frame nests deeper than 32 levels")
+        if isinstance(x, dict):
+            if len(x) == 1 and "$blob" in x:
+                i = x["$blob"]
+                if not isinstance(i, int) or not 0 <= i < len(blobs):
+                    raise WireError(f"frame names blob {i!r}, which it does not hold")
+                return blobs[i]
+            return {k: dec(v, depth + 1) for k, v in x.items()}
+        if isinstance(x, list):
+            return [dec(v, depth + 1) for v in x]
+        return x
+
+    return dec(head)
+
+
+def unpack_one(data: bytes) -> Any:
+    """A whole request body (exactly one frame, its length included)."""
+    if len(data) < _LEN.size:
+        raise WireError("body shorter than a frame")
+    (n,) = _LEN.unpack_from(data, 0)
+    if n != len(data) - _LEN.size:
+        raise WireError(f"frame says {n} bytes, body holds {len(data) - _LEN.size}")
+    return unpack(memoryview(data)[_LEN.size:])
+
+
+class FrameReader:
+    """Cuts a byte stream into frames: ``feed(chunk)`` returns the frames
+    completed by it."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        self._buf += chunk
+        out = []
+        while len(self._buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._buf, 0)
+            if len(self._buf) < _LEN.size + n:
+                break
+            out.append(unpack(bytes(self._buf[_LEN.size:_LEN.size + n])))
+            del self._buf[:_LEN.size + n]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def params_to_wire(sp: Any) -> dict[str, Any]:
+    """A vLLM ``SamplingParams`` -> its whitelisted fields. A setting outside
+    the list that differs from vLLM's default is refused (it would be lost)."""
+    from vllm import SamplingParams
+
+    from vlens.errors import VlensError
+
+    default = SamplingParams()
+    for name in getattr(type(sp), "__struct_fields__", ()):
+        if name in PARAM_FIELDS or name in _DERIVED or name.startswith("_"):
+            continue
+        if getattr(sp, name) != getattr(default, name):
+            raise VlensError(f"sampling setting {name}= cannot be used on a connected session "
+                             f"(it does not cross the wire); allowed: {', '.join(PARAM_FIELDS)}")
+    out = {name: getattr(sp, name) for name in PARAM_FIELDS}
+    if out["stop"] is not None:
+        out["stop"] = list(out["stop"])
+    if out["stop_token_ids"] is not None:
+        out["stop_token_ids"] = [int(t) for t in out["stop_token_ids"]]
+    return out
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class RemoteCompletion:
+    """One sample of a request, as the runner reads vLLM's CompletionOutput."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None] | None
+    finish_reason: str | None
+
+
+@dataclass
+class RemoteOutput:
+    """One request's output, as the runner reads vLLM's RequestOutput."""
+
+    outputs: list[RemoteCompletion]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    finished: bool = False
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+def logprobs_to_wire(entries: Any) -> list[Any] | None:
+    """vLLM's per-position logprob dicts -> ``[[token, logprob], ...]`` per
+    position (None where vLLM has none)."""
+    if entries is None:
+        return None
+    return [None if e is None else [[int(t), float(lp.logprob)] for t, lp in e.items()]
+            for e in entries]
+
+
+def output_to_wire(out: Any, prompt_ids: list[int]) -> dict[str, Any] | None:
+    """vLLM RequestOutput (or None) -> plain data; only the logprobs of the
+    returned tokens cross (the sampled one, and the top-k or the given ids
+    that patching asks for)."""
+    if out is None:
+        return None
+    return {
+        "finished": bool(out.finished),
+        "prompt_logprobs": logprobs_to_wire(out.prompt_logprobs),
+        "outputs": [
+            {"index": int(c.index), "text": c.text, "token_ids": [int(t) for t in c.token_ids],
+             "logprobs": logprobs_to_wire(c.logprobs), "finish_reason": c.finish_reason}
+            for c in out.outputs
+        ],
+    }
+
+
+def _entries(raw: Any) -> list[dict[int, Logprob] | None] | None:
+    if raw is None:
+        return None
+    return [None if e is None else {int(t): Logprob(float(lp)) for t, lp in e} for e in raw]
+
+
+def output_from_wire(raw: dict[str, Any] | None) -> RemoteOutput | None:
+    if raw is None:
+        return None
+    return RemoteOutput(
+        outputs=[RemoteCompletion(int(c["index"]), c["text"], list(c["token_ids"]),
+                                  _entries(c["logprobs"]), c["finish_reason"])
+                 for c in raw["outputs"]],
+        prompt_logprobs=_entries(raw["prompt_logprobs"]),
+        finished=bool(raw["finished"]),
+    )
