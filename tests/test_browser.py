@@ -511,14 +511,14 @@ def test_attention_and_patching_views_in_a_real_browser(lab):
                 "VLENS-COLS:").split()[-1])
             pcell.scroll_into_view_if_needed()
             time.sleep(1)
-            pcell.screenshot(path=str(ARTIFACTS / "10-patching-view.png"))
+            pcell.screenshot(path=str(ARTIFACTS / "12-patching-view.png"))
             drag = grid_fig.locator(".nsewdrag[data-subplot='xy']")
             _click_at(page, drag.bounding_box(), (8 + 0.5) / n_cols, 0.75)
             bars = pcell.locator(".js-plotly-plot").nth(1)
             bars.locator(".gtitle", has_text="layer 1").wait_for(timeout=60_000)
             n_bars = bars.locator(".legendtext").count()
             time.sleep(1)
-            pcell.screenshot(path=str(ARTIFACTS / "11-patching-cell.png"))
+            pcell.screenshot(path=str(ARTIFACTS / "13-patching-cell.png"))
             pv_state = _run_cell_and_read(
                 page, "print('VLENS-PV:', pv.cell, list(pv.distributions()), "
                       "[s.name for s in pv.heatmap.layout.shapes], repr(pv.error))",

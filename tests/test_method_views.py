@@ -152,7 +152,9 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
     panel.head_picker._buttons[head].value = True  # a click on the head's button
     assert panel.ablate_heads == [head]
     ab = panel.ablation()
-    assert (ab.site, ab.layer, list(ab.heads), ab.kind) == ("z", layer, [head], "zero")
+    assert (ab.site, ab.layer, list(ab.heads), ab.kind, ab.span) == (
+        "z", layer, [head], "zero", "all")
+    assert panel.site_picker.layout.display == "none"  # always z in this mode
     panel._run_button.click()
     assert panel.error == "" and panel.streamed_states >= 2
     base, ablated = panel.comparison.texts[0]

@@ -75,9 +75,9 @@ class SteeringPanel(View):
 
     ``mode="ablate"`` (a toggle at the top; on models with a ``z`` site)
     knocks out the heads ``ablate_heads`` of the selection's layer instead,
-    ``ablation_kind`` ``"zero"`` or ``"mean"``: the run button compares
-    the prompt's continuation with and without them (:meth:`ablation`
-    gives the :class:`vlens.Ablate`).
+    ``ablation_kind`` ``"zero"`` or ``"mean"``, over the same span as a
+    steer: the run button compares the prompt's continuation with and
+    without them (:meth:`ablation` gives the :class:`vlens.Ablate`).
     """
 
     source = traitlets.Enum(("prompts", "vector"), default_value="prompts")
@@ -183,7 +183,6 @@ class SteeringPanel(View):
                                           button_style="primary")
         self._sweep_button = widgets.Button(description=f"sweep {len(self.scales)} scales",
                                             icon="line-chart")
-        # baseline and steered side by side, growing as the run streams
         n_heads = int(s.info.get("n_heads", 0) or 0)
         self._mode = widgets.ToggleButtons(
             options=[("steer", "steer"), ("ablate heads", "ablate")], description="mode")
@@ -193,6 +192,7 @@ class SteeringPanel(View):
         self._ablate_row = widgets.HBox([self.head_picker, self._kind],
                                         layout={"flex_flow": "row wrap"})
         self._mode.layout.display = "" if "z" in s.sites and n_heads else "none"
+        # baseline and steered side by side, growing as the run streams
         self._texts = widgets.HTML(layout={"width": "95%"})
         self._texts.add_class("vlens-texts")
         self._metric = widgets.Dropdown(options=[metric], value=metric, description="metric")
@@ -313,13 +313,13 @@ class SteeringPanel(View):
 
     def ablation(self) -> Any:
         """The :class:`vlens.Ablate` of the ablation mode: the picked heads
-        of ``z`` at the selection's layer."""
+        of ``z`` at the selection's layer, over :meth:`steer_span`."""
         import vlens
 
         if not self.ablate_heads:
             raise ValueError("pick at least one head to knock out")
         return vlens.Ablate("z", layer=self.layer, kind=self.ablation_kind,
-                            heads=list(self.ablate_heads))
+                            heads=list(self.ablate_heads), span=self.steer_span())
 
     def _need_prompt(self) -> str:
         if not self.prompt.strip():
@@ -396,7 +396,7 @@ class SteeringPanel(View):
         shown = [(self._note, steering), (self._source, steering),
                  (self._lists, steering and prompts),
                  (self._vector_row, steering and not prompts), (self._scale_row, steering),
-                 (self._sweep_box, steering),
+                 (self._sweep_box, steering), (self.site_picker, steering),
                  (self._ablate_row, not steering)]
         for part, show in shown:
             part.layout.display = "" if show else "none"
