@@ -20,6 +20,10 @@ counts this); when the record is empty, ``first`` is where it starts
 (``start``: rows before it came from the prefix cache). What ``pack``
 hands the client therefore always describes one pass over positions
 ``[start, end)``. Pure torch: no vLLM import.
+
+A :class:`StepLog` holds one step's reads for all its requests at once (one
+tensor per read, site and layer); a record's step points into it and takes
+its own rows only when packed, after the run.
 """
 
 from __future__ import annotations

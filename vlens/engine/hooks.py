@@ -1,10 +1,12 @@
 """The hook state of one vLLM worker: what vlens keeps between steps.
 
 :class:`WorkerHooks` installs the hooks (once), plans every step with
-:func:`vlens.planner.plan_step`, keeps one
-:class:`~vlens.records.RequestRecord` per traced request, runs each (site,
-layer)'s part of the plan (``site_ops``), and hands records back. The RPC
-surface the client calls is ``worker.py``.
+:func:`vlens.planner.plan_step` (from the runner's arrays, with the
+batch's grouping reused while the batch holds), runs each (site, layer)'s
+part of the plan (``site_ops``), keeps each step's reads once for all its
+requests in a :class:`~vlens.records.StepLog` (journaled, ``journal.py``),
+and builds one :class:`~vlens.records.RequestRecord` per traced request
+when the client collects. The RPC surface the client calls is ``worker.py``.
 """
 
 from __future__ import annotations
