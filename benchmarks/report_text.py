@@ -18,14 +18,19 @@ DEV = {
 
 
 LAYOUT_FIX = (
-    "Done: `_Hooks._begin_step` (vlens/engine/worker.py) builds each (site, layer)'s "
-    "batched write index (`rows`, `vec_index`, `scale`) as Python lists and makes one "
-    "tensor of each, where it first made three small tensors per request and "
-    "concatenated them (about 100 tensor operations per written site per decode step "
-    "of 32 requests); in a prototype that cut the layout time of (d) from "
-    f"{DEV['d_layout_s'][0]:.3f} s to {DEV['d_layout_s'][1]:.3f} s per run. Left: share "
-    "one index between layers whose writes are the same (all of (d)), and keep it "
-    "across decode steps (a decode step's rows only move when the batch changes)."
+    "Done (issue 15): the worker plans a step from the runner's arrays "
+    "(`query_start_loc`, `num_computed_tokens`, the request ids) with numpy, not per "
+    "request. Requests are grouped by plan once per batch (`BatchGroups`, "
+    "vlens/step_groups.py), kept while decode steps run the same requests in the same "
+    "order; each group's rows come from array arithmetic (`np.repeat`/`np.arange`); a "
+    "step's spans (`RowSpan`, a named tuple) are made only when something asks for "
+    "them; and the per-request records are not touched inside the forward: each step "
+    "leaves one `StepLog` (its arrays and its reads) in the worker's journal "
+    "(vlens/engine/journal.py), replayed into per-request records when the client "
+    "collects (requests reading `attn_pattern` keep their records in the forward: "
+    "they need their keys every step). Each (site, layer)'s write index is one tensor "
+    "built from those arrays. Left: the write index is rebuilt every step (it depends "
+    "on positions), and is not shared between layers whose writes are the same."
 )
 
 
@@ -38,13 +43,13 @@ CLIENT_FIX = (
 
 
 READS_FIX = (
-    "Done: `_Hooks._visit` (vlens/engine/worker.py) gathers the rows of every request "
-    "reading a (site, layer) in a step with one `index_select` (`vlens.batcher.gather`), "
-    "reduces them once (a copy, a norm, or one logit-lens matrix product) and splits the "
-    "result by span (`Tensor.split`: views of the one new tensor, safe to keep). It "
-    "used to narrow, reduce and copy request by request. Left: keep one tensor per "
-    "(site, layer, step) and cut it per request in `collect`, after the run, instead "
-    "of inside the forward pass."
+    "Done: the requests reading a (site, layer) the same way in a step are gathered "
+    "with one index the planner builds once per group of plans (shared by every site "
+    "they read; a slice instead of a gather when a norm reads the whole decode batch "
+    "in order), reduced once (a norm with `torch.linalg.vector_norm`, a copy, or one "
+    "logit-lens matrix product), and kept as one tensor per (site, layer, step) in the "
+    "step's log; `collect` cuts them per request after the run, not inside the "
+    "forward pass. Left: reductions are not yet batched across layers."
 )
 
 

@@ -19,8 +19,9 @@ through. ``token_axis`` finds the axis or raises :class:`TokenAxisError`.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from vlens.errors import TokenAxisError
@@ -37,13 +38,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class RowSpan:
+class RowSpan(NamedTuple):
     """Rows ``[start, stop)`` of one step that belong to request ``key``.
 
     ``first_position`` is the position in the request's own sequence of the
     first of those rows (0 for the first prefill chunk, the number of tokens
-    already computed for a later chunk or a decode row).
+    already computed for a later chunk or a decode row). A named tuple:
+    a step makes one per request, so it must be cheap to build.
     """
 
     key: Hashable
@@ -56,7 +57,6 @@ class RowSpan:
         return self.stop - self.start
 
 
-@dataclass(frozen=True)
 class StepLayout:
     """The row layout of one forward step.
 
@@ -65,27 +65,53 @@ class StepLayout:
     shift everyone after them. ``num_actual`` is the number of real rows;
     ``num_padded`` (>= ``num_actual``) is the row count the model actually
     ran, which is larger when the engine pads a step (CUDA graphs).
+
+    A layout made by :meth:`from_query_start_loc` keeps the runner's arrays
+    and makes its spans only when they are first asked for: a step whose
+    hooks only need row indices never builds one object per request.
     """
 
-    spans: tuple[RowSpan, ...]
-    num_actual: int
-    num_padded: int
+    __slots__ = ("_spans", "_arrays", "num_actual", "num_padded")
 
-    def __post_init__(self) -> None:
+    def __init__(self, spans: tuple[RowSpan, ...], num_actual: int, num_padded: int) -> None:
         at = 0
-        for s in self.spans:
+        for s in spans:
             if s.start != at or s.stop < s.start:
                 raise ValueError(
                     f"spans must be contiguous and in order: {s} starts at "
                     f"{s.start}, expected {at}"
                 )
             at = s.stop
-        if at != self.num_actual:
-            raise ValueError(f"spans cover {at} rows but num_actual is {self.num_actual}")
-        if self.num_padded < self.num_actual:
+        if at != num_actual:
+            raise ValueError(f"spans cover {at} rows but num_actual is {num_actual}")
+        if num_padded < num_actual:
             raise ValueError(
-                f"num_padded ({self.num_padded}) < num_actual ({self.num_actual})"
+                f"num_padded ({num_padded}) < num_actual ({num_actual})"
             )
+        self._spans: tuple[RowSpan, ...] | None = tuple(spans)
+        self._arrays = None
+        self.num_actual = num_actual
+        self.num_padded = num_padded
+
+    @property
+    def spans(self) -> tuple[RowSpan, ...]:
+        if self._spans is None:
+            keys, edges, first = self._arrays
+            self._spans = tuple(map(RowSpan, keys, edges[:-1], edges[1:], first))
+            self._arrays = None
+        return self._spans
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepLayout):
+            return NotImplemented
+        return (self.spans, self.num_actual, self.num_padded) == (
+            other.spans, other.num_actual, other.num_padded)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"StepLayout(spans={self.spans!r}, num_actual={self.num_actual}, "
+                f"num_padded={self.num_padded})")
 
     @classmethod
     def from_counts(
@@ -122,10 +148,27 @@ class StepLayout:
                 f"query_start_loc has {len(query_start_loc)} entries for "
                 f"{len(keys)} requests; expected {len(keys) + 1}"
             )
-        counts = [int(b) - int(a) for a, b in zip(query_start_loc, query_start_loc[1:])]
-        return cls.from_counts(
-            keys, counts, first_positions=first_positions, num_padded=num_padded
-        )
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        if len(keys) and (qsl[0] != 0 or bool((qsl[1:] < qsl[:-1]).any())):
+            counts = [int(b) - int(a) for a, b in zip(qsl.tolist(), qsl[1:].tolist())]
+            return cls.from_counts(  # raises, naming the bad span
+                keys, counts, first_positions=first_positions, num_padded=num_padded
+            )
+        # built with array arithmetic and checked above: no per-span check
+        first = [0] * len(keys) if first_positions is None else first_positions
+        if len(first) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(first)} first positions")
+        n = int(qsl[-1]) if len(qsl) else 0
+        padded = n if num_padded is None else int(num_padded)
+        if padded < n:
+            raise ValueError(f"num_padded ({padded}) < num_actual ({n})")
+        layout = object.__new__(cls)
+        layout._spans = None  # made from the arrays when first asked for
+        layout._arrays = (keys, qsl.tolist(),
+                          first.tolist() if isinstance(first, np.ndarray) else list(first))
+        layout.num_actual = n
+        layout.num_padded = padded
+        return layout
 
     def span(self, key: Hashable) -> RowSpan:
         for s in self.spans:

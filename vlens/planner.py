@@ -36,8 +36,9 @@ import torch
 
 from vlens.batcher import RowSpan, StepLayout
 from vlens.plan import Add, Edit, Plan, Read, Set
+from vlens.step_groups import BatchGroups, _Requests
 
-__all__ = ["AddBatch", "EditCall", "ReadGroup", "SetBatch", "StepPlan", "plan_step", "COLLECTIVE",
+__all__ = ["AddBatch", "BatchGroups", "EditCall", "ReadGroup", "SetBatch", "StepPlan", "plan_step", "COLLECTIVE",
            "GATHERED"]
 
 #: reductions that every tensor-parallel rank must join (the unembedding
@@ -51,12 +52,57 @@ GATHERED = ("q", "k", "v", "z", "attn_pattern")
 Key = tuple[str, int]  # (site, layer)
 
 
-@dataclass(frozen=True)
 class ReadGroup:
-    """Requests reading one (site, layer) the same way in one step."""
+    """Requests reading one (site, layer) the same way in one step.
 
-    read: Read  # a representative (same key and k for the whole group)
-    spans: tuple[RowSpan, ...]
+    ``spans`` are the requests' spans in the group's row order; a group the
+    planner makes keeps only batch indices and makes them when first asked
+    for (after the run, when the reads are cut per request)."""
+
+    __slots__ = ("read", "_spans", "_pick", "index", "rows_t", "bounds")
+
+    def __init__(self, read: Read, spans: Sequence[RowSpan] | None = None,
+                 index: np.ndarray | None = None, rows_t: torch.Tensor | None = None,
+                 bounds: tuple[int, int] | None = None, *,
+                 pick: tuple[StepLayout, list[np.ndarray]] | None = None) -> None:
+        self.read = read  # a representative (same key and k for the whole group)
+        self._spans = None if spans is None else tuple(spans)
+        self._pick = pick  # (layout, batch indices of each plan group)
+        #: [sum of span lengths] int64 step rows of the spans, one after
+        #: another (built once per step with array arithmetic)
+        self.index = index
+        #: ``index`` as a tensor on the step's device
+        self.rows_t = rows_t
+        #: ``(lo, hi)`` when the rows are exactly ``lo, lo + 1, …, hi - 1``
+        #: (a decode step of a whole batch): a slice instead of a gather
+        self.bounds = bounds
+
+    @property
+    def spans(self) -> tuple[RowSpan, ...]:
+        if self._spans is None:
+            layout, picks = self._pick or (None, [])
+            every = layout.spans if layout is not None else ()
+            self._spans = tuple(every[i] for idx in picks for i in idx.tolist())
+            self._pick = None
+        return self._spans
+
+    def __repr__(self) -> str:
+        return f"ReadGroup({self.read!r}, {len(self.spans)} spans)"
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        """:meth:`rows` as an int64 tensor on ``device`` (the planner makes
+        it once per group of plans: every site they read shares it)."""
+        t = self.rows_t
+        if t is None or t.device != device:
+            t = torch.from_numpy(self.rows()).to(device)
+        return t
+
+    def rows(self) -> np.ndarray:
+        """The group's step rows, the spans' rows one after another."""
+        if self.index is not None:
+            return self.index
+        return np.concatenate([np.arange(s.start, s.stop) for s in self.spans]
+                              ) if self.spans else np.zeros(0, np.int64)
 
     @property
     def lengths(self) -> list[int]:
@@ -140,67 +186,70 @@ def plan_step(
     vector_rows: Mapping[str, int] | None = None,
     reader: bool = True,
     device: torch.device | str = "cpu",
+    groups: BatchGroups | None = None,
 ) -> StepPlan | None:
     """Plan one forward step; None when no request in it carries a plan.
 
     ``vector_rows`` maps steering-vector ids to rows of the worker's matrix
     (an id it lacks becomes a problem of the request, not an exception).
     ``reader`` is False on tensor-parallel ranks that keep nothing: they plan
-    only the writes, edits and the reads every rank must join."""
-    if plans.count(None) == len(plans):
+    only the writes, edits and the reads every rank must join. ``groups``:
+    ``BatchGroups.of(plans)``, when the caller keeps it between steps.
+    Apart from the layout's spans, the work per step is array arithmetic
+    per group of requests, not Python work per request."""
+    if groups is None:
+        if plans.count(None) == len(plans):
+            return None
+        groups = BatchGroups.of(plans)
+    elif not groups.planned.size:
         return None
+    req_ids = list(req_ids)
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    first = np.asarray(num_computed, dtype=np.int64)
     layout = StepLayout.from_query_start_loc(
-        list(req_ids), list(query_start_loc), first_positions=list(num_computed),
-        num_padded=num_padded,
+        req_ids, qsl, first_positions=first, num_padded=num_padded,
     )
-    requests: dict[str, tuple[Plan, RowSpan]] = {}
+    counts = qsl[1:] - qsl[:-1]
+
+    def live(idx: np.ndarray) -> np.ndarray:  # requests with rows in this step
+        return idx if bool((counts[idx] > 0).all()) else idx[counts[idx] > 0]
+
+    planned = live(groups.planned)
+    requests = _Requests(plans, layout, planned)
     edits: dict[Key, list[EditCall]] = defaultdict(list)
-    # requests whose plans read (add) the same way are handled as one group:
-    # the per-step work grows with the number of distinct plans, not requests
-    # (plans parsed in the worker share equal reads/adds tuples, see parse_plan)
-    by_reads: dict[int, tuple[Plan, list[RowSpan]]] = {}
-    by_adds: dict[int, tuple[Plan, list[RowSpan]]] = {}
-    by_sets: dict[int, tuple[Plan, list[RowSpan]]] = {}
-    for plan, span in zip(plans, layout.spans):
-        if plan is None or span.stop == span.start:
-            continue
-        requests[span.key] = (plan, span)
-        if plan.reads:
-            group = by_reads.get(id(plan.reads))
-            if group is None:
-                group = by_reads[id(plan.reads)] = (plan, [])
-            group[1].append(span)
-        if plan.adds:
-            group = by_adds.get(id(plan.adds))
-            if group is None:
-                group = by_adds[id(plan.adds)] = (plan, [])
-            group[1].append(span)
-        if plan.sets:
-            group = by_sets.get(id(plan.sets))
-            if group is None:
-                group = by_sets[id(plan.sets)] = (plan, [])
-            group[1].append(span)
-        for edit in plan.edits:
-            edits[(edit.site, edit.layer)].append(EditCall(span, edit, plan))
+    for i in groups.edits:
+        if counts[i] > 0:
+            for edit in plans[i].edits:
+                edits[(edit.site, edit.layer)].append(EditCall(layout.spans[i], edit, plans[i]))
+    # (site, layer) -> (how read) -> [read, spans, row indices of each plan group]
     read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
-    for plan, spans in by_reads.values():
+    for plan, idx in groups.reads:
+        idx = live(idx)
+        if not idx.size:
+            continue
+        rows = None  # built once per plan group, shared by all its sites
         for where, how, read in plan.read_slots:
             if reader or read.reduce in COLLECTIVE or read.site in GATHERED:
+                if rows is None:
+                    rows = _span_rows(qsl, idx)
+                    rows = (rows, torch.from_numpy(rows).to(device))
                 group = read_spans[where].get(how)
                 if group is None:
-                    group = read_spans[where][how] = [read]
-                group.extend(spans)
+                    group = read_spans[where][how] = [read, [], []]
+                group[1].append(idx)
+                group[2].append(rows)
     reads = {
-        key: tuple(ReadGroup(g[0], tuple(g[1:])) for g in groups.values())
-        for key, groups in read_spans.items()
+        key: tuple(_read_group(g[0], layout, g[1], g[2]) for g in groups_.values())
+        for key, groups_ in read_spans.items()
     }
+    where = (qsl, first, counts, req_ids)
     add_parts: dict[Key, list] = defaultdict(list)
     problems: dict[str, list[str]] = defaultdict(list)
-    for plan, spans in by_adds.values():
-        _clip_adds(plan, spans, vector_rows or {}, add_parts, problems)
+    for plan, idx in groups.adds:
+        _clip_adds(plan, live(idx), where, vector_rows or {}, add_parts, problems)
     set_parts: dict[Key, list] = defaultdict(list)
-    for plan, spans in by_sets.values():
-        _clip_sets(plan, spans, vector_rows or {}, set_parts, problems)
+    for plan, idx in groups.sets:
+        _clip_sets(plan, live(idx), where, vector_rows or {}, set_parts, problems)
     return StepPlan(
         layout=layout,
         requests=requests,
@@ -212,13 +261,40 @@ def plan_step(
     )
 
 
-def _clip_adds(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
+def _read_group(read: Read, layout: StepLayout, picks: list[np.ndarray],
+                rows: list[tuple]) -> ReadGroup:
+    """One read group from each plan group's batch indices and (rows, rows
+    as a tensor)."""
+    if len(rows) == 1:
+        index, index_t = rows[0]
+    else:
+        index = np.concatenate([r for r, _ in rows])
+        index_t = torch.cat([t for _, t in rows])
+    bounds = None
+    if index.size and int(index[-1]) - int(index[0]) + 1 == index.size and (
+            index.size == 1 or bool((index[1:] > index[:-1]).all())):
+        bounds = (int(index[0]), int(index[-1]) + 1)
+    return ReadGroup(read, None, index, index_t, bounds, pick=(layout, picks))
+
+
+def _span_rows(qsl: np.ndarray, batch_idx: np.ndarray) -> np.ndarray:
+    """Step rows of the requests at ``batch_idx`` of the batch (cumulative
+    offsets ``qsl``), one request after another, by array arithmetic."""
+    lo = qsl[batch_idx]
+    counts = qsl[batch_idx + 1] - lo
+    if bool((counts == 1).all()):  # a decode step: one row each
+        return lo
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(lo, counts) + offsets
+
+
+def _clip_adds(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[str, int],
                add_parts: dict, problems: dict) -> None:
-    """Each add of ``plan``, clipped to the rows of ``spans`` whose
-    positions fall in its ``[start, stop)`` (``stop < 0``: to the end):
-    appends ``(first rows, last rows + 1, vector row, scale, relative,
-    request ids)`` arrays to ``add_parts[(site, layer)]``."""
-    for add, rows_lo, rows_hi, keys in _clipped(plan.adds, spans):
+    """Each add of ``plan``, clipped to the rows of the requests at batch
+    indices ``idx`` whose positions fall in its ``[start, stop)`` (``stop <
+    0``: to the end): appends ``(first rows, last rows + 1, vector row,
+    scale, relative, request ids)`` to ``add_parts[(site, layer)]``."""
+    for add, rows_lo, rows_hi, keys in _clipped(plan.adds, idx, where):
         vec = vector_rows.get(add.vec)
         if vec is None:
             for key in keys:
@@ -231,11 +307,11 @@ def _clip_adds(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
             (rows_lo, rows_hi, vec, add.scale, add.relative, keys))
 
 
-def _clip_sets(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
+def _clip_sets(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[str, int],
                set_parts: dict, problems: dict) -> None:
     """Like :func:`_clip_adds` for the plan's sets: appends ``(first rows,
     last rows + 1, vector row or -1, lo, hi, request ids)``."""
-    for st, rows_lo, rows_hi, keys in _clipped(plan.sets, spans):
+    for st, rows_lo, rows_hi, keys in _clipped(plan.sets, idx, where):
         vec = vector_rows.get(st.vec, None) if st.vec else -1
         if vec is None:
             for key in keys:
@@ -247,20 +323,23 @@ def _clip_sets(plan: Plan, spans: list[RowSpan], vector_rows: Mapping[str, int],
         set_parts[(st.site, st.layer)].append((rows_lo, rows_hi, vec, st.lo, st.hi, keys))
 
 
-def _clipped(entries: Sequence[Add | Set], spans: list[RowSpan]):
+def _clipped(entries: Sequence[Add | Set], idx: np.ndarray, where: tuple):
     """For each entry with a ``[start, stop)`` token span, the step rows of
-    ``spans`` inside it: yields ``(entry, first rows [k], last rows + 1
-    [k], the k request ids)`` for entries that cover any row."""
-    start = np.array([s.start for s in spans], dtype=np.int64)
-    first = np.array([s.first_position for s in spans], dtype=np.int64)
-    end = first + np.array([s.stop - s.start for s in spans], dtype=np.int64)
+    the requests at batch indices ``idx`` inside it (``where``: the step's
+    row offsets, tokens computed before it, row counts and request ids):
+    yields ``(entry, first rows [k], last rows + 1 [k], the k request ids)``
+    for entries that cover any row."""
+    qsl, computed, counts, req_ids = where
+    start = qsl[idx]
+    first = computed[idx]
+    end = first + counts[idx]
     for entry in entries:
         lo = np.maximum(entry.start, first)
         hi = end if entry.stop < 0 else np.minimum(entry.stop, end)
         hit = np.nonzero(lo < hi)[0]
         if hit.size:
             yield (entry, start[hit] + lo[hit] - first[hit], start[hit] + hi[hit] - first[hit],
-                   [spans[i].key for i in hit.tolist()])
+                   [req_ids[i] for i in idx[hit].tolist()])
 
 
 def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> AddBatch:

@@ -20,6 +20,10 @@ counts this); when the record is empty, ``first`` is where it starts
 (``start``: rows before it came from the prefix cache). What ``pack``
 hands the client therefore always describes one pass over positions
 ``[start, end)``. Pure torch: no vLLM import.
+
+A :class:`StepLog` holds one step's reads for all its requests at once (one
+tensor per read, site and layer); a record's step points into it and takes
+its own rows only when packed, after the run.
 """
 
 from __future__ import annotations
@@ -32,7 +36,64 @@ import torch
 from vlens._wire import encode_tensor
 from vlens.plan import Plan
 
-__all__ = ["RequestRecord"]
+__all__ = ["RequestRecord", "StepLog"]
+
+ReadKey = tuple[str, str, int]  # (read key, part, layer)
+
+
+class StepLog:
+    """The reads of one engine step, kept once for every request in it.
+
+    A hook that reads a group of requests keeps the group's gathered (and
+    reduced) rows as one tensor, ``[sum of the requests' rows, ...]``, with
+    the group (its spans say whose rows are where). Nothing is cut per
+    request inside the forward: :meth:`get` slices one request's rows out
+    when the records are packed, after the run."""
+
+    def __init__(self) -> None:
+        # (read key, part, layer) -> (rows of the whole group, the group)
+        self.entries: dict[ReadKey, tuple[torch.Tensor, Any]] = {}
+        self._cut: dict[Any, dict[ReadKey, torch.Tensor]] | None = None
+
+    def put(self, key: ReadKey, rows: torch.Tensor, group: Any) -> None:
+        """``group``: whose rows are where (a ``ReadGroup``: its ``spans``,
+        asked for only when the log is cut)."""
+        self.entries[key] = (rows, group)
+        self._cut = None
+
+    def _per_request(self) -> dict[Any, tuple[int, dict[ReadKey, torch.Tensor], int]]:
+        """req_id -> (its rows, key -> its rows of key, bytes of them): every
+        entry cut once, when the first record is packed (after the run)."""
+        if self._cut is None:
+            cut: dict[Any, tuple[int, dict[ReadKey, torch.Tensor], int]] = {}
+            lengths: dict[int, list[int]] = {}  # one list per group of spans
+            for key, (rows, group) in self.entries.items():
+                spans = group.spans
+                n = lengths.get(id(spans))
+                if n is None:
+                    n = lengths[id(spans)] = [sp.stop - sp.start for sp in spans]
+                row_bytes = rows[:1].numel() * rows.element_size()
+                for sp, m, chunk in zip(spans, n, rows.split(n)):
+                    per = cut.get(sp.key)
+                    if per is None:
+                        per = cut[sp.key] = (m, {}, [0])
+                    per[1][key] = chunk
+                    per[2][0] += m * row_bytes
+            self._cut = {k: (m, d, b[0]) for k, (m, d, b) in cut.items()}
+        return self._cut
+
+    def of(self, req_id: Any) -> tuple[int, dict[ReadKey, torch.Tensor], int]:
+        """Request ``req_id``'s rows this step, its rows of each key it read,
+        and their bytes."""
+        return self._per_request().get(req_id, (0, {}, 0))
+
+    def to_host(self) -> None:
+        """Move this step's tensors to the host: one device-to-host copy
+        per dtype, into pinned memory, not blocking the device."""
+        items = [(k, t) for k, (t, _) in self.entries.items() if t.device.type != "cpu"]
+        for key, host in zip([k for k, _ in items], _host_copies([t for _, t in items])):
+            self.entries[key] = (host, self.entries[key][1])
+        self._cut = None
 
 
 @dataclass
@@ -44,14 +105,34 @@ class _StepRows:
     token_ids: list[int]
     positions: list[int]
     # (read key, part, layer) -> [n, ...] kept rows
-    reads: dict[tuple[str, str, int], torch.Tensor] = field(default_factory=dict)
+    reads: dict[ReadKey, torch.Tensor] = field(default_factory=dict)
+    # the step's shared reads, and whose rows to take from them
+    log: StepLog | None = None
+    req_id: Any = None
 
     def head(self, n: int) -> _StepRows:
         """The first ``n`` rows only."""
         return _StepRows(
             self.first, n, self.token_ids[:n], self.positions[:n],
-            {k: v[:n] for k, v in self.reads.items()},
+            {k: v[:n] for k, v in self.reads.items()}, self.log, self.req_id,
         )
+
+    def kept(self) -> tuple[dict[ReadKey, torch.Tensor], int]:
+        """Every read of this step's rows (kept here, or in the step's log),
+        and the bytes of those in the log."""
+        if self.log is None:
+            return self.reads, 0
+        m, logged, nbytes = self.log.of(self.req_id)
+        if not logged:
+            return self.reads, 0
+        if m > self.n:  # cut back by a recompute
+            logged = {k: t[: self.n] for k, t in logged.items()}
+            nbytes = nbytes * self.n // m
+        if not self.reads:
+            return logged, nbytes
+        out = dict(logged)
+        out.update(self.reads)
+        return out, nbytes
 
 
 class RequestRecord:
@@ -83,8 +164,9 @@ class RequestRecord:
             self.errors.append(msg)
 
     def begin_step(self, first: int, n: int, token_ids: list[int] | None = None,
-                   positions: list[int] | None = None) -> None:
-        """This step runs the request's rows at positions ``[first, first + n)``."""
+                   positions: list[int] | None = None, log: StepLog | None = None) -> None:
+        """This step runs the request's rows at positions ``[first, first + n)``;
+        ``log``: where the step's hooks keep the reads of all its requests."""
         if self.steps and first < self.end:
             self.cut(first)
             self.restarts += 1
@@ -93,7 +175,8 @@ class RequestRecord:
                 f"positions {self.end} to {first - 1} never reached the hooks "
                 "(the engine skipped them)"
             )
-        self.steps.append(_StepRows(first, n, list(token_ids or []), list(positions or [])))
+        self.steps.append(_StepRows(first, n, list(token_ids or []), list(positions or []),
+                                    log=log, req_id=self.req_id))
 
     def cut(self, position: int) -> None:
         """Forget every row at ``position`` or later."""
@@ -139,10 +222,12 @@ class RequestRecord:
         """Rows seen that fell inside a steering span of the plan."""
         return sum(add.rows_in(self.start, self.end) for add in self.plan.adds)
 
-    def _stacked(self, key: str, part: str, layers: tuple[int, ...]) -> torch.Tensor | None:
+    def _stacked(self, key: str, part: str, layers: tuple[int, ...],
+                 kept: list[dict[ReadKey, torch.Tensor]]) -> torch.Tensor | None:
+        """``kept``: each step's reads (``_StepRows.kept``)."""
         per_layer = []
         for layer in layers:
-            chunks = [s.reads.get((key, part, layer)) for s in self.steps]
+            chunks = [k.get((key, part, layer)) for k in kept]
             if not chunks or any(c is None for c in chunks):
                 self.error(f"read {key}, layer {layer}: the hook never saw some of this "
                            "request's rows")
@@ -166,12 +251,16 @@ class RequestRecord:
         """Plain data for the client: token ids, positions and reads of the
         one clean pass over ``[start, end)``, and what went wrong."""
         reads: dict[str, dict[str, Any]] = {}
+        both = [s.kept() for s in self.steps]
+        kept = [k for k, _ in both]
+        logged = sum(b for _, b in both)
+        every = set().union(*kept) if kept else set()
         for read in self.plan.reads:
-            parts = sorted({p for s in self.steps for (k, p, _) in s.reads if k == read.key})
+            parts = sorted({p for (key, p, _) in every if key == read.key})
             out: dict[str, Any] = {"layers": list(read.layers), "site": read.site,
                                    "reduce": read.reduce}
             for part in parts or ["value"]:
-                stacked = self._stacked(read.key, part, read.layers)
+                stacked = self._stacked(read.key, part, read.layers, kept)
                 if stacked is None:
                     break
                 out[part] = encode_tensor(stacked)
@@ -185,7 +274,7 @@ class RequestRecord:
             "restarts": self.restarts,
             "reads": reads,
             "errors": list(self.errors),
-            "copied_bytes": self.copied_bytes,
+            "copied_bytes": self.copied_bytes + logged,
             "steered_rows": self.steered_rows(),
             "step_rows": [s.n for s in self.steps],
         }
@@ -197,14 +286,24 @@ def to_host(records: list[RequestRecord]) -> None:
     device) instead of one per read. Called once at the end of a step."""
     kept = [(s.reads, k, t) for r in records if r.steps for s in (r.steps[-1],)
             for k, t in s.reads.items() if t.device.type != "cpu"]
-    by_dtype: dict[torch.dtype, list] = {}
-    for item in kept:
-        by_dtype.setdefault(item[2].dtype, []).append(item)
-    for dtype, items in by_dtype.items():
-        flat = torch.cat([t.reshape(-1) for _, _, t in items])
+    for (reads, key, _), host in zip(kept, _host_copies([t for _, _, t in kept])):
+        reads[key] = host
+
+
+def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of device ``tensors``, in order: one non-blocking copy
+    per dtype into pinned memory."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         host = torch.empty(flat.shape, dtype=dtype, device="cpu", pin_memory=True)
         host.copy_(flat, non_blocking=True)
         at = 0
-        for reads, key, t in items:
-            reads[key] = host[at : at + t.numel()].view(t.shape)
+        for i in idx:
+            t = tensors[i]
+            out[i] = host[at : at + t.numel()].view(t.shape)
             at += t.numel()
+    return out

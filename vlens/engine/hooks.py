@@ -1,10 +1,12 @@
 """The hook state of one vLLM worker: what vlens keeps between steps.
 
 :class:`WorkerHooks` installs the hooks (once), plans every step with
-:func:`vlens.planner.plan_step`, keeps one
-:class:`~vlens.records.RequestRecord` per traced request, runs each (site,
-layer)'s part of the plan (``site_ops``), and hands records back. The RPC
-surface the client calls is ``worker.py``.
+:func:`vlens.planner.plan_step` (from the runner's arrays, with the
+batch's grouping reused while the batch holds), runs each (site, layer)'s
+part of the plan (``site_ops``), keeps each step's reads once for all its
+requests in a :class:`~vlens.records.StepLog` (journaled, ``journal.py``),
+and builds one :class:`~vlens.records.RequestRecord` per traced request
+when the client collects. The RPC surface the client calls is ``worker.py``.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Any
 import torch
 
 from vlens._wire import decode_tensor
-from vlens.batcher import gather, token_axis
+from vlens.batcher import token_axis
+from vlens.engine.journal import Journal, StepArrays
 from vlens.engine.attention import AttentionShape, attention_probs, head_refusals
 from vlens.engine.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.engine.vectors import VectorStore
 from vlens.plan import PLAN_KEY, Plan, parse_plan
-from vlens.planner import StepPlan, plan_step
-from vlens.records import RequestRecord, to_host
+from vlens.planner import BatchGroups, StepPlan, plan_step
+from vlens.records import RequestRecord, StepLog, to_host
 from vlens.sites import HEAD_SITES, ModelSites, resolve_sites
 
 __all__ = ["WorkerHooks"]
@@ -47,6 +50,11 @@ class WorkerHooks:
         self.bad_plans: dict[str, str] = {}  # req_id -> why its plan was refused
         self.records: dict[str, RequestRecord] = {}
         self.step: StepPlan | None = None
+        self.log: StepLog | None = None  # the current step's reads, for every request
+        self.journal = Journal()  # steps whose records are built when collected
+        # the last batch's request ids, plans, and batch indices of requests
+        # keeping records in the forward / journaled (reused while unchanged)
+        self._batch: tuple[list[str], list, list[int], list[int], BatchGroups] | None = None
         self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
         self.edit_fns: dict[str, Any] = {}
         self.compiled = False
@@ -198,51 +206,104 @@ class WorkerHooks:
                             f"planning an engine step failed: {type(exc).__name__}: {exc}"
                         )
 
-    def _plan_step(self, req_ids: list[str], args: tuple, kwargs: dict) -> None:
+    def _batch_plans(self, req_ids: list[str]) -> tuple[list, list[int], list[int], BatchGroups]:
+        """Plans of the batch's requests, and which of them keep records in
+        the forward (those reading attn_pattern: every rank) and which are
+        journaled (the others, on the reading rank). Worked out again only
+        when the batch changes (a decode step usually runs the same one)."""
+        last = self._batch
+        if last is not None and last[0] == req_ids:
+            return last[1:]
         plans = [self._plan_for(r) for r in req_ids]
-        if not any(p is not None for p in plans):
+        eager, lazy = [], []
+        for i, p in enumerate(plans):
+            if p is None:
+                continue
+            if any(r.site == "attn_pattern" for r in p.reads):
+                eager.append(i)
+            elif self.reader:
+                lazy.append(i)
+        self._batch = (req_ids, plans, eager, lazy, BatchGroups.of(plans))
+        if lazy:
+            self.journal.note(req_ids, plans, lazy)
+        return self._batch[1:]
+
+    def _plan_step(self, req_ids: list[str], args: tuple, kwargs: dict) -> None:
+        plans, eager, lazy, groups = self._batch_plans(req_ids)
+        if not groups.planned.size:
             return
         t0 = time.perf_counter_ns()
         self.steps_planned += 1
         n = len(req_ids)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        qsl = self.runner.query_start_loc.np[: n + 1].tolist()
+        qsl = self.runner.query_start_loc.np[: n + 1].copy()
+        first = self.runner.input_batch.num_computed_tokens_cpu[:n].copy()
         step = plan_step(
             req_ids,
             plans,
             qsl,
-            self.runner.input_batch.num_computed_tokens_cpu[:n].tolist(),
-            num_padded=int(input_ids.shape[-1]) if input_ids is not None else qsl[-1],
+            first,
+            num_padded=int(input_ids.shape[-1]) if input_ids is not None else int(qsl[-1]),
             vector_rows=self.vectors.rows,
             reader=self.reader,
             device=self.vectors.matrix.device,
+            groups=groups,
         )
+        log = self.log = StepLog()
         if step is not None and (self.reader or self.tp > 1):
-            ids = input_ids.tolist() if input_ids is not None else None
-            pos = (positions.reshape(-1, positions.shape[-1])[0].tolist()
-                   if positions is not None else None)
-            for req_id, (plan, span) in step.requests.items():
-                if not self.reader and not any(r.site == "attn_pattern" for r in plan.reads):
-                    continue  # other ranks keep records only for attn_pattern's keys
-                rec = self._record(req_id, plan)
-                rec.begin_step(
-                    span.first_position,
-                    span.length,
-                    ids[span.start : span.stop] if ids is not None else None,
-                    pos[span.start : span.stop] if pos is not None else None,
-                )
-                for msg in step.problems.get(req_id, ()):
+            rows = int(qsl[-1])
+            ids = input_ids.reshape(-1)[:rows] if input_ids is not None else None
+            pos = positions.reshape(-1, positions.shape[-1])[0, :rows] if positions is not None else None
+            if lazy:  # one entry for the step; records are built when collected
+                self.journal.add(log, StepArrays(
+                    req_ids, qsl, first, None if ids is None else ids.clone(),
+                    None if pos is None else pos.clone(), lazy))
+            if eager:
+                self._begin_eager(step, eager, req_ids, ids, pos, log)
+            for req_id, msgs in step.problems.items():
+                rec = self._rec(req_id)
+                for msg in msgs if rec is not None else ():
                     rec.error(msg)
         self.step = step
         self.layout_ns += time.perf_counter_ns() - t0
 
+    def _begin_eager(self, step: StepPlan, eager: list[int], req_ids: list[str],
+                     ids: torch.Tensor | None, pos: torch.Tensor | None, log: StepLog) -> None:
+        """Records kept in the forward: this step's rows of those requests."""
+        ids_l = ids.tolist() if ids is not None else None
+        pos_l = pos.tolist() if pos is not None else None
+        for i in eager:
+            entry = step.requests.get(req_ids[i])
+            if entry is None:  # no rows in this step
+                continue
+            plan, span = entry
+            self._record(span.key, plan).begin_step(
+                span.first_position, span.length,
+                ids_l[span.start : span.stop] if ids_l is not None else None,
+                pos_l[span.start : span.stop] if pos_l is not None else None,
+                log,
+            )
+
+    def _rec(self, req_id: str) -> RequestRecord | None:
+        """The record of a traced request (made now if it has none yet)."""
+        rec = self.records.get(req_id)
+        if rec is None:
+            plan = self.plans.get(req_id)
+            if plan is not None:
+                rec = self._record(req_id, plan)
+        return rec
+
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
         step, self.step = self.step, None
+        log, self.log = self.log, None
         if step is not None and self.reader and self.vectors.matrix.device.type != "cpu":
             try:
-                to_host([self.records[r] for r in step.requests if r in self.records])
+                if log is not None:
+                    log.to_host()
+                if any(site == "attn_pattern" for site, _ in step.reads):  # kept per request
+                    to_host([self.records[r] for r in step.requests if r in self.records])
             except Exception as exc:
                 self._fail(list(step.requests), ("(copy to host)", -1), exc)
 
@@ -285,7 +346,7 @@ class WorkerHooks:
         site, layer = key
         msg = f"site {site}, layer {layer}: {type(exc).__name__}: {exc}"
         for r in req_ids:
-            rec = self.records.get(r)
+            rec = self._rec(r)
             if rec is not None:
                 rec.error(msg)
 
@@ -315,8 +376,8 @@ class WorkerHooks:
                 if fn is None:
                     raise LookupError(f"edit function {call.edit.fn} never reached this worker")
                 copied = run_edit(fn, step.layout, spec.name, get_value, get_target, call, label)
-                rec = self.records.get(call.req_id)
-                if copied and rec is not None:
+                rec = self._rec(call.req_id) if copied else None
+                if rec is not None:
                     rec.copied_bytes += copied
             except Exception as exc:
                 self._fail([call.req_id], key, exc)
@@ -361,20 +422,26 @@ class WorkerHooks:
                 f"{self.hidden}: it is sharded across tensor-parallel ranks, "
                 "and vlens does not return one rank's shard"
             )
+        flat = value[0] if axis == 1 else value
+        if axis == 1 and value.shape[0] != 1:
+            raise ValueError(f"site {label}: expected [1, T, ...], got {list(value.shape)}")
+        log = self.log
         for g in groups:
-            # one gather and one reduction for every request in the group
-            rows = gather(value, step.layout, list(g.spans), axis=axis, site=label)
+            # one gather and one reduction for every request in the group;
+            # the rows are kept once for the group (cut per request after the run)
+            # rows the planner built from the step's offsets: inside the step
+            if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
+                rows = flat[g.bounds[0] : g.bounds[1]]
+            else:
+                rows = flat.index_select(0, g.index_on(flat.device))
             if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
                 rows = self._gather_heads(rows, -1)
                 rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
             parts = reduce_rows(self.model, rows, g.read)
-            split = {part: t.split(g.lengths) for part, t in parts.items()}
-            for i, req_id in enumerate(g.req_ids):
-                rec = self.records.get(req_id) if self.reader else None
-                if rec is None:  # a non-reading rank joined a collective
-                    continue
-                for part, chunks in split.items():
-                    rec.keep(g.read.key, part, layer, chunks[i])
+            if not self.reader or log is None:  # a non-reading rank joined a collective
+                continue
+            for part, t in parts.items():
+                log.put((g.read.key, part, layer), t, g)
 
     def _read_pattern(self, step, qk, groups, layer, label) -> None:
         """Keep each reading request's keys of this step, then its query
@@ -411,6 +478,7 @@ class WorkerHooks:
         """Drop cached plans of these tags, and no-plan entries of requests
         that have left the runner."""
         live = self.runner.requests
+        self._batch = None  # its cached plans may be among those dropped
         self.plans = {
             r: p for r, p in self.plans.items()
             if (p is not None and p.tag not in wanted) or (p is None and r in live)
@@ -422,6 +490,9 @@ class WorkerHooks:
         if self.vectors.matrix.device.type == "cuda":
             torch.cuda.synchronize()  # the steps' reads were copied non-blocking
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
+        journaled = self.journal.of_tags(wanted)
+        self.journal.replay(set(journaled), self._record)
+        self.journal.forget(journaled)
         for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
             rec = self.records.pop(req_id)
             out[rec.plan.tag].append(rec.pack())
@@ -430,8 +501,10 @@ class WorkerHooks:
 
     def drop(self, tags: list[str] | None) -> int:
         if tags is None:
-            n = len(self.records)
+            n = len(set(self.records) | set(self.journal.pending))
             self.records.clear()
+            self.journal.clear()
+            self._batch = None
             self.plans.clear()
             self.bad_plans.clear()
             self.edit_fns.clear()
@@ -440,13 +513,16 @@ class WorkerHooks:
         gone = [r for r, rec in self.records.items() if rec.plan.tag in wanted]
         for r in gone:
             del self.records[r]
+        journaled = self.journal.of_tags(wanted)
+        self.journal.forget(journaled)
+        gone = list(set(gone) | set(journaled))
         self._forget_plans(wanted)
         return len(gone)
 
     def status(self) -> dict[str, Any]:
         return {
             "hooks": len(self.handles),
-            "records": len(self.records),
+            "records": len(set(self.records) | set(self.journal.pending)),
             "plans": sum(p is not None for p in self.plans.values()),
             "vectors": len(self.vectors),
             "vector_bytes": self.vectors.nbytes,

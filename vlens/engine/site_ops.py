@@ -123,7 +123,7 @@ def reduce_rows(model: Any, rows: torch.Tensor, read: Read) -> dict[str, torch.T
     if read.reduce == "full":
         return {"value": rows.float()}
     if read.reduce == "norm":
-        return {"value": rows.float().norm(dim=-1)}
+        return {"value": torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)}
     logits = lens_logits(model, rows)
     if logits is None:  # a non-driver tensor-parallel rank
         return {}
