@@ -115,6 +115,8 @@ class HFPatch:
                 finally:
                     h.remove()
                 out[i, j] = float(lp[a] - lp[b])
+        # a real patching loop normalises too; kept for its cost and for reading
+        self.normalised = (out - ld_corrupt) / (ld_clean - ld_corrupt)
         return out  # each cell's logit difference
 
 

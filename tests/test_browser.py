@@ -79,7 +79,6 @@ _VIEWS_CELLS = [
 
 
 def _views_notebook(model: str | None):
-    import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 
     book = new_notebook(cells=[new_code_cell(c) for c in _VIEWS_CELLS],

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vlens.checks import check_span_fits
+from vlens.checks import check_span_fits, check_write_site
 from vlens.errors import VlensError
 from vlens.plan import Set
 from vlens.steering import PerPrompt, parse_span, span_positions, vector_id
@@ -133,18 +133,7 @@ def ablates_per_prompt(ablate: Any, n_prompts: int) -> list[list[Ablate]]:
 
 def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -> None:
     """An Ablate that fits this model and can land on the request."""
-    n = facts.n_layers
-    if not 0 <= ab.layer < n:
-        raise VlensError(
-            f"Ablate layer {ab.layer} does not exist: this model has {n} layers, "
-            f"numbered 0 to {n - 1}"
-        )
-    if ab.site not in facts.sites:
-        raise facts.no_such_site(ab.site, "Ablate site")
-    if ab.site not in facts.writable:
-        raise VlensError(
-            f"Ablate site {ab.site!r} cannot be written: use one of {', '.join(facts.writable)}"
-        )
+    check_write_site("Ablate", ab.site, ab.layer, facts)
     if ab.heads is not None:
         if ab.site != "z":
             raise VlensError(

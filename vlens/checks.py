@@ -228,23 +228,29 @@ def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
     return reads
 
 
+def check_write_site(what: str, site: str, layer: int, facts: ModelFacts) -> None:
+    """A Steer's or an Ablate's (site, layer): the layer exists and the site
+    is one this model has and can write."""
+    n = facts.n_layers
+    if not 0 <= layer < n:
+        raise VlensError(
+            f"{what} layer {layer} does not exist: this model has {n} layers, "
+            f"numbered 0 to {n - 1}"
+        )
+    if site not in facts.sites:
+        raise facts.no_such_site(site, f"{what} site")
+    if site not in facts.writable:
+        raise VlensError(
+            f"{what} site {site!r} cannot be written: use one of {', '.join(facts.writable)}"
+        )
+
+
 def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int) -> Steer:
     """A Steer that fits this model and can land on the request
     (``prompt_len`` prompt tokens, ``max_new_tokens`` generated)."""
     if not isinstance(st, Steer):
         raise VlensError(f"steer entries must be vlens.Steer objects, got {type(st).__name__}")
-    n = facts.n_layers
-    if not 0 <= st.layer < n:
-        raise VlensError(
-            f"Steer layer {st.layer} does not exist: this model has {n} layers, "
-            f"numbered 0 to {n - 1}"
-        )
-    if st.site not in facts.sites:
-        raise facts.no_such_site(st.site, "Steer site")
-    if st.site not in facts.writable:
-        raise VlensError(
-            f"Steer site {st.site!r} cannot be written: use one of {', '.join(facts.writable)}"
-        )
+    check_write_site("Steer", st.site, st.layer, facts)
     width = facts.width(st.site)
     if st.vector.shape[0] != width:
         if st.site == "z":
