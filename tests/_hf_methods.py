@@ -31,41 +31,23 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from _hf_reference import _first, _get, _input
+from _hf_reference import _first, _get, _input, _rows, site_module
 from vlens.architectures import ARCHITECTURES
 
 
 def _where(model, arch, site, layer_idx):
-    """(module, pre-hook?, how to get the [T, width] rows from the hook's
-    tensor) of ``site`` at one layer."""
-    hf = arch.hf
-    layer = _get(model, hf.layers)[layer_idx]
-    if site == "resid_pre":
-        return layer, True
-    if site == "resid_post":
-        return layer, False
-    if site == "resid_mid":
-        return _get(layer, hf.mid), True
-    if site == "z":  # the output projection's input
-        attn = _get(layer, hf.attn)
-        proj = getattr(attn, "o_proj", None) or getattr(attn, "c_proj", None) \
-            or getattr(attn, "out_proj", None) or getattr(attn, "dense", None)
-        return proj, True
-    return _get(layer, hf.attn if site == "attn_out" else hf.mlp), False
+    """(module, pre-hook?) of ``site`` at one layer."""
+    return site_module(_get(model, arch.hf.layers)[layer_idx], arch.hf, site)
 
 
 def _hook(model, arch, site, layer, fn):
     """Call ``fn(rows [T, width])`` on the site's tensor (in place)."""
     mod, pre = _where(model, arch, site, layer)
-
-    def rows(x):
-        return x[0] if x.dim() == 3 else x
-
     if pre:
         return mod.register_forward_pre_hook(
-            lambda m, args, kwargs: fn(rows(_input(args, kwargs))), with_kwargs=True)
+            lambda m, args, kwargs: fn(_rows(_input(args, kwargs))), with_kwargs=True)
     return mod.register_forward_hook(
-        lambda m, args, kwargs, out: fn(rows(_first(out))), with_kwargs=True)
+        lambda m, args, kwargs, out: fn(_rows(_first(out))), with_kwargs=True)
 
 
 def _forward(model, ids):

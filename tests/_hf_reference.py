@@ -47,6 +47,23 @@ def _input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
+def site_module(layer, hf, site):
+    """(module, pre-hook?) of ``site`` in one Hugging Face decoder layer;
+    ``z`` is the input of the attention's output projection."""
+    if site == "resid_pre":
+        return layer, True
+    if site == "resid_post":
+        return layer, False
+    if site == "resid_mid":
+        return _get(layer, hf.mid), True
+    if site == "z":
+        attn = _get(layer, hf.attn)
+        proj = getattr(attn, "o_proj", None) or getattr(attn, "c_proj", None) \
+            or getattr(attn, "out_proj", None) or getattr(attn, "dense", None)
+        return proj, True
+    return _get(layer, hf.attn if site == "attn_out" else hf.mlp), False
+
+
 def _hooks(model, arch, sites, change):
     """Install read hooks (and ``change = (site, layer, fn)`` before them);
     returns (handles, got) with got[site] a list per layer."""
@@ -56,13 +73,7 @@ def _hooks(model, arch, sites, change):
     handles = []
 
     def where(site, layer):
-        if site == "resid_pre":
-            return layer, True
-        if site == "resid_post":
-            return layer, False
-        if site == "resid_mid":
-            return _get(layer, hf.mid), True
-        return _get(layer, hf.attn if site == "attn_out" else hf.mlp), False
+        return site_module(layer, hf, site)
 
     def modifier(fn, pre):
         if pre:
