@@ -15,7 +15,7 @@ from typing import Any
 import report_tables as rt
 from report_text import (
     CLIENT_FIX, CLONE_TEXT, COMPILED_MODE, COMPILED_TABLE_TEXT, DEV, FLOOR_TEXT, GOALS_TEXT,
-    GPU_PENDING, INTRO, LAYOUT_FIX, NNSIGHT_VLLM, NOISE, OFF_TEXT, PREAMBLE_TEXT, READS_FIX,
+    GPU_PENDING, INTRO, LAYOUT_FIX, NNSIGHT_VLLM, NOISE, OFF_TEXT, OPS_FIX, PREAMBLE_TEXT, READS_FIX,
     STEP_TEXT,
 )
 from suite import GOALS, LABELS
@@ -444,6 +444,7 @@ def render(cpu: dict | None, gpu: dict | None) -> str:
                 themes += ["**Reads, batched per step.** " + READS_FIX, ""]
             if set(missed) & {"c", "d", "e", "f", "g"}:
                 themes += ["**Tokens as text, cached.** " + CLIENT_FIX, ""]
+            themes += ["**Compiled mode: the operators' dispatch.** " + OPS_FIX, ""]
             if themes:
                 out += ["### What was changed, and what is left", ""] + themes
         out += [CLONE_TEXT, ""]

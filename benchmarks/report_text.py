@@ -29,8 +29,22 @@ LAYOUT_FIX = (
     "(vlens/engine/journal.py), replayed into per-request records when the client "
     "collects (requests reading `attn_pattern` keep their records in the forward: "
     "they need their keys every step). Each (site, layer)'s write index is one tensor "
-    "built from those arrays. Left: the write index is rebuilt every step (it depends "
-    "on positions), and is not shared between layers whose writes are the same."
+    "built from those arrays. A decode step that runs the same batch one position "
+    "further, with no request at the edge of a steering or set span, reuses the last "
+    "step's plan whole (`plan_step(previous=...)`): its read and write indices are the "
+    "same tensors for the whole decode run, and only the layout's positions are new. "
+    "When one fixed vector and scale cover a run of rows (one Steer on a whole decode "
+    "batch), the add is a slice add, not an indexed one. Left: the write index is not "
+    "shared between layers whose writes are the same."
+)
+
+
+OPS_FIX = (
+    "Done: in compiled mode the graph calls vlens's operator at every hooked (site, "
+    "layer) of every step, planned or not (about 10 sites × 8 layers here). Declared "
+    "with `torch.library.custom_op` each call cost ~10 µs of Python dispatch on this "
+    "CPU; declared with a plain `torch.library.Library` and one kernel it costs "
+    "~1.5 µs (vlens/engine/compiled.py). That was most of the gap between (b*) and (a*)."
 )
 
 
@@ -81,8 +95,12 @@ the worker, {k_tokens} new tokens per request; once with the benchmark's
 cycled) in one engine batch (vLLM's default `max_num_seqs` on CPU is 256;
 the KV cache of these engines is sized to hold them all).
 Layout is µs per planned step; the per-site figure is hook time per planned
-step divided by the 8 hooked sites. The goals are issue 15's for the wide
-batch. These conditions run in the first repetitions only."""
+step divided by the 8 hooked sites. The next column takes out the
+reductions' own arithmetic (`reduce_ns`: the time inside the norm itself,
+which reads 8× the rows at the wide batch and must cost about 8×): what is
+left is vlens's work around it, which should not grow with the batch. The
+goals are issue 15's for the wide batch. These conditions run in the first
+repetitions only."""
 
 
 PREAMBLE_TEXT = """On this CPU build vLLM's KV block is 128 tokens and only whole blocks are

@@ -57,6 +57,7 @@ class Sample:
     generate_s: float = 0.0
     worker_layout_s: float = 0.0
     worker_hook_s: float = 0.0
+    worker_reduce_s: float = 0.0  # of worker_hook_s: the reductions' arithmetic
     steps: int = 0
     steps_planned: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -134,7 +135,8 @@ def unit_vectors(n: int, hidden: int, seed: int = 0) -> torch.Tensor:
 
 def _status(s: Any) -> dict[str, int]:
     st = s.status()
-    return {k: int(st.get(k, 0)) for k in ("layout_ns", "hook_ns", "steps_planned", "steps_seen")}
+    return {k: int(st.get(k, 0)) for k in ("layout_ns", "hook_ns", "reduce_ns", "steps_planned",
+                                        "steps_seen")}
 
 
 def timed(cond: Conditions, key: str, **kw) -> Sample:
@@ -161,6 +163,7 @@ def timed(cond: Conditions, key: str, **kw) -> Sample:
             sample.generate_s = gen.total
             sample.worker_layout_s = (st1["layout_ns"] - st0["layout_ns"]) / 1e9
             sample.worker_hook_s = (st1["hook_ns"] - st0["hook_ns"]) / 1e9
+            sample.worker_reduce_s = (st1["reduce_ns"] - st0["reduce_ns"]) / 1e9
             sample.steps = st1["steps_seen"] - st0["steps_seen"]
             sample.steps_planned = st1["steps_planned"] - st0["steps_planned"]
     finally:
@@ -251,6 +254,7 @@ def _worker(runs: list[Sample], sites: int) -> dict[str, float]:
     planned = sum(r.steps_planned for r in runs)
     layout = sum(r.worker_layout_s for r in runs)
     hook = sum(r.worker_hook_s for r in runs)
+    reduce = sum(r.worker_reduce_s for r in runs)
     total = sum(r.seconds for r in runs)
     gen = sum(r.generate_s for r in runs)
     return {
@@ -260,6 +264,10 @@ def _worker(runs: list[Sample], sites: int) -> dict[str, float]:
         "layout_us_per_step": layout / planned * 1e6 if planned else 0.0,
         "hook_us_per_step": hook / planned * 1e6 if planned else 0.0,
         "hook_us_per_site": hook / planned / sites * 1e6 if planned and sites else 0.0,
+        # the hooks' time less the reductions' own arithmetic (a norm over
+        # 8x the rows costs 8x; what vlens adds around it should not grow)
+        "overhead_us_per_site": (hook - reduce) / planned / sites * 1e6
+        if planned and sites else 0.0,
         "share_layout": layout / total,
         "share_hooks": hook / total,
         "share_client": max(0.0, total - gen) / total,
@@ -279,6 +287,8 @@ def step_costs(summary: dict) -> dict[str, Any] | None:
             if w32["layout_us_per_step"] else None
         growth_site = ww["hook_us_per_site"] / w32["hook_us_per_site"] \
             if w32["hook_us_per_site"] else None
+        over32, overw = w32.get("overhead_us_per_site"), ww.get("overhead_us_per_site")
+        growth_over = overw / over32 if over32 else None
         g = STEP_GOALS
         out[mode] = {
             "at_32": {"layout_us": w32["layout_us_per_step"], "site_us": w32["hook_us_per_site"],
@@ -286,6 +296,7 @@ def step_costs(summary: dict) -> dict[str, Any] | None:
             "wide": {"layout_us": ww["layout_us_per_step"], "site_us": ww["hook_us_per_site"],
                      "steps": ww["planned_steps_per_run"]},
             "growth_layout": growth_layout, "growth_site": growth_site,
+            "overhead_us": {"at_32": over32, "wide": overw, "growth": growth_over},
             "sites_per_step": w32["sites_per_step"],
             "goals": {
                 "layout": ww["layout_us_per_step"] <= g["layout_us"],

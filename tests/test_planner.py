@@ -331,3 +331,81 @@ def test_vector_store_memory_is_bounded_by_what_it_holds():
         if i >= 8:
             store.drop(f"v{i - 8}")
     assert len(store) == 8 and store.matrix.shape[0] <= 16
+
+
+@st.composite
+def decode_runs(draw):
+    """A batch of requests decoding together for several steps: one row per
+    request, every request one position further each step, some with
+    plans (no edits: their calls carry positions, so those steps are
+    always planned afresh)."""
+    n = draw(st.integers(1, 6))
+    plan_list = []
+    for i in range(n):
+        p = draw(plans(f"t{i}")) if draw(st.booleans()) else None
+        plan_list.append(None if p is None else Plan(
+            tag=p.tag, reads=p.reads, adds=p.adds, prompt_len=p.prompt_len))
+    start = [draw(st.integers(1, 70)) for _ in range(n)]
+    return [f"r{i}" for i in range(n)], plan_list, start, draw(st.integers(2, 12))
+
+
+def _plan_content(sp):
+    """What a step plan tells the hooks, as plain data."""
+    adds = {k: (b.rows.tolist(), b.vectors.tolist(), b.scales.tolist(),
+                None if b.relative is None else b.relative.tolist(), b.req_ids, b.uniform)
+            for k, b in sp.adds.items()}
+    reads = {k: [(g.read, g.rows().tolist(), g.bounds, [tuple(s) for s in g.spans]) for g in gs]
+             for k, gs in sp.reads.items()}
+    requests = {r: (p.tag, tuple(s)) for r, (p, s) in sp.requests.items()}
+    return adds, reads, requests, sp.problems, list(sp.layout.spans), sp.layout.num_padded
+
+
+@given(decode_runs())
+@settings(max_examples=200, deadline=None)
+def test_a_decode_step_reusing_the_last_plan_plans_what_a_fresh_one_would(run):
+    from vlens.step_groups import BatchGroups
+
+    ids, plan_list, start, n_steps = run
+    groups = BatchGroups.of(plan_list)
+    qsl = list(range(len(ids) + 1))
+    last, reused = None, 0
+    for step in range(n_steps):
+        first = [p + step for p in start]
+        fresh = plan_step(ids, plan_list, qsl, first, vector_rows=VECS, groups=groups)
+        again = plan_step(ids, plan_list, qsl, first, vector_rows=VECS, groups=groups,
+                          previous=last)
+        assert (fresh is None) == (again is None)
+        if fresh is None:
+            break
+        assert _plan_content(again) == _plan_content(fresh)
+        if last is not None and again.adds and all(
+                again.adds[k] is last.adds[k] for k in again.adds):
+            reused += 1
+        last = again
+    # a plan is reused unless a request stands on the edge of one of its spans
+    if last is not None and last.adds and not last.problems:
+        edges = {x for p in plan_list if p is not None for a in p.adds
+                 for x in (a.start, a.stop) if x > 0}
+        crossings = {s for s in range(1, n_steps) for p in start if p + s in edges}
+        if not crossings:
+            assert reused == n_steps - 1
+
+
+def test_a_reused_plan_is_dropped_when_a_vector_leaves_or_the_rows_change():
+    from vlens.step_groups import BatchGroups
+
+    plan = Plan(tag="t", adds=(Add("resid_post", 1, "va", 2.0, 0, -1, False),), prompt_len=3)
+    groups = BatchGroups.of([plan, None])
+    first = plan_step(["a", "b"], [plan, None], [0, 1, 2], [5, 9], vector_rows=VECS,
+                      groups=groups, vector_version=1)
+    assert first.adds[("resid_post", 1)].uniform == (0, 1, 0, 2.0)
+    same = plan_step(["a", "b"], [plan, None], [0, 1, 2], [6, 10], vector_rows=VECS,
+                     groups=groups, previous=first, vector_version=1)
+    assert same.adds[("resid_post", 1)] is first.adds[("resid_post", 1)]
+    assert same.layout.spans[0].first_position == 6
+    moved = plan_step(["a", "b"], [plan, None], [0, 1, 2], [7, 11], vector_rows=VECS,
+                      groups=groups, previous=same, vector_version=2)
+    assert moved.adds[("resid_post", 1)] is not same.adds[("resid_post", 1)]
+    chunk = plan_step(["a", "b"], [plan, None], [0, 2, 3], [7, 11], vector_rows=VECS,
+                      groups=groups, previous=moved, vector_version=2)
+    assert chunk.adds[("resid_post", 1)].rows.tolist() == [0, 1]

@@ -97,6 +97,8 @@ class StepLayout:
     def spans(self) -> tuple[RowSpan, ...]:
         if self._spans is None:
             keys, edges, first = self._arrays
+            edges = edges.tolist() if isinstance(edges, np.ndarray) else edges
+            first = first.tolist() if isinstance(first, np.ndarray) else first
             self._spans = tuple(map(RowSpan, keys, edges[:-1], edges[1:], first))
             self._arrays = None
         return self._spans
@@ -164,8 +166,8 @@ class StepLayout:
             raise ValueError(f"num_padded ({padded}) < num_actual ({n})")
         layout = object.__new__(cls)
         layout._spans = None  # made from the arrays when first asked for
-        layout._arrays = (keys, qsl.tolist(),
-                          first.tolist() if isinstance(first, np.ndarray) else list(first))
+        # lists made with the spans, only if something asks for them
+        layout._arrays = (keys, qsl, first if isinstance(first, np.ndarray) else list(first))
         layout.num_actual = n
         layout.num_padded = padded
         return layout

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ class ReadGroup:
     planner makes keeps only batch indices and makes them when first asked
     for (after the run, when the reads are cut per request)."""
 
-    __slots__ = ("read", "_spans", "_pick", "index", "rows_t", "bounds")
+    __slots__ = ("read", "_spans", "_pick", "_picks", "index", "rows_t", "bounds")
 
     def __init__(self, read: Read, spans: Sequence[RowSpan] | None = None,
                  index: np.ndarray | None = None, rows_t: torch.Tensor | None = None,
@@ -68,6 +68,7 @@ class ReadGroup:
         self.read = read  # a representative (same key and k for the whole group)
         self._spans = None if spans is None else tuple(spans)
         self._pick = pick  # (layout, batch indices of each plan group)
+        self._picks = None if pick is None else pick[1]  # kept for :meth:`on`
         #: [sum of span lengths] int64 step rows of the spans, one after
         #: another (built once per step with array arithmetic)
         self.index = index
@@ -88,6 +89,14 @@ class ReadGroup:
 
     def __repr__(self) -> str:
         return f"ReadGroup({self.read!r}, {len(self.spans)} spans)"
+
+    def on(self, layout: StepLayout) -> ReadGroup:
+        """The same rows in another step with the same row layout (a decode
+        step reusing the last one's plan): spans from ``layout``."""
+        if self._picks is None:
+            raise ValueError("only a group the planner made can move to another step")
+        return ReadGroup(self.read, None, self.index, self.rows_t, self.bounds,
+                         pick=(layout, self._picks))
 
     def index_on(self, device: torch.device) -> torch.Tensor:
         """:meth:`rows` as an int64 tensor on ``device`` (the planner makes
@@ -125,6 +134,10 @@ class AddBatch:
     scales: torch.Tensor  # [m] float32
     relative: torch.Tensor | None  # [m] bool, None when no add is relative
     req_ids: tuple[str, ...]  # the requests concerned
+    #: ``(lo, hi, vector row, scale)`` when every add is the same fixed
+    #: (not relative) vector and scale on rows ``lo, …, hi - 1``, as when
+    #: one Steer covers a whole decode batch: one slice add, no index
+    uniform: tuple[int, int, int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,10 @@ class StepPlan:
     edits: dict[Key, tuple[EditCall, ...]]
     #: req_id -> what could not be planned for it (e.g. a missing vector)
     problems: dict[str, list[str]]
+    #: what the plan was made from, for :func:`plan_step` to reuse it in the
+    #: next decode step: (query_start_loc, first positions, padded rows,
+    #: the BatchGroups, vector_version)
+    basis: tuple | None = field(default=None, compare=False, repr=False)
 
     def wants(self, key: Key) -> bool:
         return key in self.reads or key in self.adds or key in self.sets or key in self.edits
@@ -187,6 +204,8 @@ def plan_step(
     reader: bool = True,
     device: torch.device | str = "cpu",
     groups: BatchGroups | None = None,
+    previous: StepPlan | None = None,
+    vector_version: int = 0,
 ) -> StepPlan | None:
     """Plan one forward step; None when no request in it carries a plan.
 
@@ -196,7 +215,15 @@ def plan_step(
     only the writes, edits and the reads every rank must join. ``groups``:
     ``BatchGroups.of(plans)``, when the caller keeps it between steps.
     Apart from the layout's spans, the work per step is array arithmetic
-    per group of requests, not Python work per request."""
+    per group of requests, not Python work per request.
+
+    ``previous``: the last step's plan. When this step is the decode step
+    after it (same groups, one row per request, every request one position
+    further) and no request crossed the edge of a steering or set span,
+    its reads, adds and sets are reused with this step's layout: the
+    indices are the same tensors, built once for the whole decode run.
+    ``vector_version`` changes whenever a vector leaves the worker (a
+    reused plan must not point at a freed row)."""
     if groups is None:
         if plans.count(None) == len(plans):
             return None
@@ -209,6 +236,13 @@ def plan_step(
     layout = StepLayout.from_query_start_loc(
         req_ids, qsl, first_positions=first, num_padded=num_padded,
     )
+    basis = (qsl, first, layout.num_padded, groups, vector_version)
+    if previous is not None and _same_decode(previous.basis, basis):
+        return replace(
+            previous, layout=layout, requests=_Requests(plans, layout, groups.planned),
+            reads={key: tuple(g.on(layout) for g in gs) for key, gs in previous.reads.items()},
+            basis=basis,
+        )
     counts = qsl[1:] - qsl[:-1]
 
     def live(idx: np.ndarray) -> np.ndarray:  # requests with rows in this step
@@ -258,7 +292,34 @@ def plan_step(
         sets={key: _set_batch(parts, layout, device) for key, parts in set_parts.items()},
         edits={key: tuple(calls) for key, calls in edits.items()},
         problems=dict(problems),
+        basis=basis,
     )
+
+
+def _same_decode(last: tuple | None, now: tuple) -> bool:
+    """Whether a step planned from ``now`` would plan what ``last`` did:
+    the same batch groups and vectors, both decode steps of one row per
+    request in the same rows, every request one position further, no edits
+    (their calls carry positions), and no request now at the first or
+    last position of an add's or set's span (where its rows would change)."""
+    if last is None:
+        return False
+    qsl0, first0, padded0, groups0, version0 = last
+    qsl, first, padded, groups, version = now
+    n = len(first)
+    if groups is not groups0 or version != version0 or padded != padded0 or groups.edits:
+        return False
+    if len(qsl) != len(qsl0) or int(qsl[-1]) != n or not np.array_equal(qsl, qsl0):
+        return False
+    if n and not bool((qsl[1:] > qsl[:-1]).all()):  # from 0 to n in n steps: one row each
+        return False
+    if not np.array_equal(first, first0 + 1):
+        return False
+    for plan, idx in groups.adds + groups.sets:
+        edges = [x for e in plan.adds + plan.sets for x in (e.start, e.stop) if x > 0]
+        if edges and bool(np.isin(first[idx], edges).any()):
+            return False
+    return True
 
 
 def _read_group(read: Read, layout: StepLayout, picks: list[np.ndarray],
@@ -350,12 +411,18 @@ def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> A
     scale = np.repeat(np.array([p[3] for p in parts], dtype=np.float32), per_part)
     rel = np.array([p[4] for p in parts], dtype=bool)
     relative = torch.from_numpy(np.repeat(rel, per_part)).to(device) if rel.any() else None
+    uniform = None
+    if relative is None and rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size and (
+            rows.size == 1 or bool((rows[1:] > rows[:-1]).all())) and (
+            len({(p[2], p[3]) for p in parts}) == 1):
+        uniform = (int(rows[0]), int(rows[-1]) + 1, int(parts[0][2]), float(scale[0]))
     return AddBatch(
         torch.from_numpy(rows).to(device),
         torch.from_numpy(vec).to(device),
         torch.from_numpy(scale).to(device),
         relative,
         tuple(r for p in parts for r in p[5]),
+        uniform,
     )
 
 

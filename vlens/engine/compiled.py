@@ -58,7 +58,18 @@ def _dispatch(code: int, target: torch.Tensor | None, value: torch.Tensor) -> No
         hooks.visit_compiled(code & ((1 << _SLOT_BITS) - 1), target, value)
 
 
-@torch.library.custom_op("vlens::site", mutates_args=("target",))
+# Declared with a plain ``torch.library.Library`` rather than
+# ``torch.library.custom_op``: the graph calls these operators at every
+# hooked (site, layer) of every step, planned or not, and custom_op's Python
+# wrapper costs ~10 µs a call on this CPU against ~1.5 µs for a kernel
+# registered directly (benchmarks/step_cost.py, docs/performance.md). The
+# schemas say the same as before: ``site`` mutates ``target``, ``read``
+# changes nothing (kept in the graph by ``has_side_effect`` below).
+_LIB = torch.library.Library("vlens", "FRAGMENT")
+_LIB.define("site(Tensor(a!) target, Tensor? value, int code) -> ()")
+_LIB.define("read(Tensor value, int code) -> ()")
+
+
 def _site(target: torch.Tensor, value: torch.Tensor | None, code: int) -> None:
     """Run vlens's step plan at one writable (site, layer): ``value`` is the
     canonical value (None: ``target`` itself), ``target`` the tensor edits
@@ -66,25 +77,28 @@ def _site(target: torch.Tensor, value: torch.Tensor | None, code: int) -> None:
     _dispatch(code, target, target if value is None else value)
 
 
-@_site.register_fake
-def _(target, value, code) -> None:
-    return None
-
-
-@torch.library.custom_op("vlens::read", mutates_args=())
 def _read(value: torch.Tensor, code: int) -> None:
     """Run vlens's step plan at one read-only (site, layer)."""
     _dispatch(code, None, value)
 
 
-@_read.register_fake
+# one Python kernel for every device (the plan's tensors live where the model does)
+_LIB.impl("site", _site, "CompositeExplicitAutograd")
+_LIB.impl("read", _read, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vlens::site", lib=_LIB)
+def _(target, value, code) -> None:
+    return None
+
+
+@torch.library.register_fake("vlens::read", lib=_LIB)
 def _(value, code) -> None:
     return None
 
 
 # an operator with no output and no mutation would be removed as dead code
 torch.fx.node.has_side_effect(torch.ops.vlens.read.default)
-
 
 def compiled_hook(spec: Any, code: int, pre: bool):
     """The hook torch.compile traces into the graph: compute the site's

@@ -50,6 +50,7 @@ class WorkerHooks:
         self.bad_plans: dict[str, str] = {}  # req_id -> why its plan was refused
         self.records: dict[str, RequestRecord] = {}
         self.step: StepPlan | None = None
+        self._last_step: StepPlan | None = None  # the last planned step (reused in decode)
         self.log: StepLog | None = None  # the current step's reads, for every request
         self.journal = Journal()  # steps whose records are built when collected
         # the last batch's request ids, plans, and batch indices of requests
@@ -68,6 +69,9 @@ class WorkerHooks:
         self.steps_planned = 0
         self.layout_ns = 0
         self.hook_ns = 0
+        #: of hook_ns, the reductions' own arithmetic (norms, logit lens...):
+        #: work that grows with the rows read, where the rest should not
+        self.reduce_ns = 0
 
     # -- installation -------------------------------------------------------
     def install(self, compiled: bool = False) -> None:
@@ -138,7 +142,7 @@ class WorkerHooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self.step = None
+        self.step = self._last_step = None
         if self._code_base is not None:  # the compiled graph still calls the ops
             from vlens.engine import compiled as ops
 
@@ -196,7 +200,7 @@ class WorkerHooks:
             req_ids = list(batch.req_ids[:n])
             self._plan_step(req_ids, args, kwargs)
         except Exception as exc:
-            self.step = None
+            self.step = self._last_step = None
             self.hook_errors += 1
             if self.reader:
                 for r in req_ids:
@@ -249,7 +253,10 @@ class WorkerHooks:
             reader=self.reader,
             device=self.vectors.matrix.device,
             groups=groups,
+            previous=self._last_step,
+            vector_version=self.vectors.version,
         )
+        self._last_step = step
         log = self.log = StepLog()
         if step is not None and (self.reader or self.tp > 1):
             rows = int(qsl[-1])
@@ -327,16 +334,21 @@ class WorkerHooks:
     def visit_compiled(self, index: int, target, value) -> None:
         """Called by vlens's operators in compiled mode, every step, with the
         site's target and its canonical value as the graph computed them."""
+        step = self.step
+        if step is None:  # most calls, when nothing is traced
+            return
         spec, layer = self._codes[index]
         key = (spec.name, layer)
-        step = self.step
-        if step is None or not step.wants(key):
+        if not step.wants(key):
             return
         get_value = lambda: value  # noqa: E731
         if target is not None and value is not target and (
-                key in step.adds or key in step.sets or key in step.edits):
-            # the value was summed before the operator ran; after an add to
-            # the target, reads and edits must see the changed sum, as in eager
+                key in step.edits or (key in step.sets and key in step.adds) or (
+                    key in step.reads and (key in step.adds or key in step.sets))):
+            # the value was summed before the operator ran; after a change to
+            # the target, what reads it next (reads, edits, a relative add
+            # after a set) must see the changed sum, as in eager. Adds alone,
+            # or sets alone, read the value only before they change anything.
             before = target.clone()
             get_value = lambda: value + (target - before)  # noqa: E731
         self._visit(step, key, spec, get_value, None if target is None else (lambda: target))
@@ -357,7 +369,8 @@ class WorkerHooks:
         t0 = time.perf_counter_ns()
         site, layer = key
         label = f"{site}[{layer}]"
-        self._apply_sets(step, key, get_value, get_target, label)
+        if key in step.sets:
+            self._apply_sets(step, key, get_value, get_target, label)
         batch = step.adds.get(key)
         sharded = self.tp > 1 and site in HEAD_SITES  # this rank holds only its heads
         if batch is not None:
@@ -437,7 +450,9 @@ class WorkerHooks:
             if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
                 rows = self._gather_heads(rows, -1)
                 rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
+            t0 = time.perf_counter_ns()
             parts = reduce_rows(self.model, rows, g.read)
+            self.reduce_ns += time.perf_counter_ns() - t0
             if not self.reader or log is None:  # a non-reading rank joined a collective
                 continue
             for part, t in parts.items():
@@ -532,4 +547,5 @@ class WorkerHooks:
             "steps_planned": self.steps_planned,
             "layout_ns": self.layout_ns,
             "hook_ns": self.hook_ns,
+            "reduce_ns": self.reduce_ns,
         }

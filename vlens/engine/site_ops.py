@@ -31,6 +31,12 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
     ``index_add_``; relative adds scale by each row's norm before the add.
     Never reads a tensor back to the host."""
     target = get_target()
+    if batch.uniform is not None:  # one vector on a run of rows: a slice add
+        lo, hi, vec, scale = batch.uniform
+        flat = target[0] if token_axis(target, layout, site=label) == 1 else target
+        # scale is a float32 value: the same product the indexed path adds
+        flat[lo:hi].add_((matrix[vec] * scale).to(flat.dtype))
+        return
     delta = matrix.index_select(0, batch.vectors) * batch.scales[:, None]
     if batch.relative is not None:
         value = get_value()

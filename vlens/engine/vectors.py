@@ -31,6 +31,9 @@ class VectorStore:
         self._free: dict[int, list[int]] = {}
         self.rows: dict[str, int] = {}
         self.widths: dict[str, int] = {}
+        #: changes whenever a vector arrives or leaves (a step plan kept
+        #: between steps is valid only while it stays the same)
+        self.version = 0
         self._new_matrix(self.hidden)
 
     def __contains__(self, vid: str) -> bool:
@@ -69,6 +72,7 @@ class VectorStore:
         if not self._free[width]:
             self._grow(width)
         row = self._free[width].pop()
+        self.version += 1
         self._mats[width][row].copy_(vector.to(self.device, torch.float32))
         self.rows[vid] = row
         self.widths[vid] = width
@@ -79,6 +83,7 @@ class VectorStore:
         if row is None:
             return False
         self._free[self.widths.pop(vid)].append(row)
+        self.version += 1
         return True
 
     def _new_matrix(self, width: int) -> None:
