@@ -16,7 +16,7 @@ import report_tables as rt
 from report_text import (
     CLIENT_FIX, CLONE_TEXT, COMPILED_MODE, COMPILED_TABLE_TEXT, DEV, FLOOR_TEXT, GOALS_TEXT,
     GPU_PENDING, INTRO, LAYOUT_FIX, NNSIGHT_VLLM, NOISE, OFF_TEXT, OPS_FIX, PREAMBLE_TEXT, READS_FIX,
-    STEP_TEXT,
+    STEP_DESIGN, STEP_TEXT,
 )
 from suite import GOALS, LABELS
 
@@ -448,6 +448,7 @@ def render(cpu: dict | None, gpu: dict | None) -> str:
             if themes:
                 out += ["### What was changed, and what is left", ""] + themes
         out += [CLONE_TEXT, ""]
+        out += [STEP_DESIGN, ""]
         out += [COMPILED_MODE, ""]
         out += ["## CPU figures", ""] + _section(cpu, gpu=False)
         out += _extras(cpu)

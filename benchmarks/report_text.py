@@ -277,3 +277,40 @@ repetition and reported with its min–max. A ratio whose range straddles
 the goal is a measurement that cannot tell; one whose whole range is past
 it is a real miss. On a quiet machine re-run `make bench`.
 """
+
+
+STEP_DESIGN = """## The step cost (the design)
+
+What vlens does per engine step, and why it should not grow with the number
+of requests in the batch (issue 15):
+
+* **Plan once per step, from the runner's arrays.** A pre-hook on the whole
+  model reads vLLM's `query_start_loc`, `num_computed_tokens` and the
+  batch's request ids, and `vlens.planner.plan_step` turns them into one
+  `StepPlan`: per (site, layer), the read groups (one index for every
+  request reading it the same way), one batched add, one batched set, the
+  edit calls. Requests are grouped by plan once per batch (`BatchGroups`),
+  so the work is numpy arithmetic per group of plans, not Python per request.
+* **Decode steps reuse the plan.** When a step runs the same batch one
+  position further, one row per request, and no request stands on the edge
+  of a steering or set span, `plan_step(previous=...)` keeps the last plan's
+  index tensors and only makes a new layout. Through a decode run the
+  indices are built once.
+* **Hooks only execute.** At a (site, layer) a hook runs the plan's sets,
+  its one add (a slice add when one fixed vector covers a run of rows, an
+  `index_add_` otherwise), the edit calls, and each read group's gather and
+  reduction (a slice when the rows are a run). The write path never reads a
+  tensor back to the host (a test makes every host read raise inside the
+  hooks).
+* **Reads are kept per step, cut per request after the run.** Each
+  reduction leaves one tensor per (site, layer, step) in the step's log
+  (`vlens/engine/journal.py`); on a GPU the step's reads go to the host in
+  one non-blocking copy per dtype into pinned memory at the end of the
+  step. Per-request records are built when the client collects.
+* **Compiled mode** calls one operator per hooked (site, layer) per step
+  (below); each idle call costs one dispatch and one lookup.
+
+What grows with the batch is the arithmetic of the reads themselves: a
+norm over 256 rows reads 8× the bytes of one over 32. The per-step table
+below therefore shows the hook time with and without the reductions' own
+time (`reduce_ns`)."""

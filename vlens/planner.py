@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -138,6 +138,9 @@ class AddBatch:
     #: (not relative) vector and scale on rows ``lo, …, hi - 1``, as when
     #: one Steer covers a whole decode batch: one slice add, no index
     uniform: tuple[int, int, int, float] | None = None
+    #: the hooks' scratch for this batch (the uniform add's scaled vector),
+    #: kept while decode steps reuse the plan
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -238,10 +241,10 @@ def plan_step(
     )
     basis = (qsl, first, layout.num_padded, groups, vector_version)
     if previous is not None and _same_decode(previous.basis, basis):
-        return replace(
-            previous, layout=layout, requests=_Requests(plans, layout, groups.planned),
-            reads={key: tuple(g.on(layout) for g in gs) for key, gs in previous.reads.items()},
-            basis=basis,
+        return StepPlan(
+            layout, _Requests(plans, layout, groups.planned),
+            {key: tuple(g.on(layout) for g in gs) for key, gs in previous.reads.items()},
+            previous.adds, previous.sets, previous.edits, previous.problems, basis,
         )
     counts = qsl[1:] - qsl[:-1]
 
@@ -316,9 +319,13 @@ def _same_decode(last: tuple | None, now: tuple) -> bool:
     if not np.array_equal(first, first0 + 1):
         return False
     for plan, idx in groups.adds + groups.sets:
-        edges = [x for e in plan.adds + plan.sets for x in (e.start, e.stop) if x > 0]
-        if edges and bool(np.isin(first[idx], edges).any()):
-            return False
+        at = None
+        for e in plan.adds + plan.sets:
+            for edge in (e.start, e.stop):
+                if edge > 0:
+                    at = first[idx] if at is None else at
+                    if bool((at == edge).any()):
+                        return False
     return True
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlens._wire import decode_tensor
@@ -28,6 +29,28 @@ from vlens.records import RequestRecord, StepLog, to_host
 from vlens.sites import HEAD_SITES, ModelSites, resolve_sites
 
 __all__ = ["WorkerHooks"]
+
+
+def _rows_of(t: torch.Tensor | None, rows: int, flat: bool) -> Any:
+    """The step's first ``rows`` entries of a runner input (``flat``: token
+    ids, any shape; else positions ``[T]`` or ``[k, T]``, the first row):
+    numpy views on the CPU (cheaper than torch views), tensors elsewhere."""
+    if t is None:
+        return None
+    if t.device.type == "cpu":
+        t = t.numpy()
+    if flat:
+        return t.reshape(-1)[:rows]
+    return t.reshape(-1, t.shape[-1])[0, :rows]
+
+
+def _kept(t: Any) -> Any:
+    """A copy of a runner buffer's rows that outlives the step (the runner
+    refills its buffers): numpy's copy on the CPU, where a torch clone costs
+    a dispatch; a clone (staying on the device) elsewhere."""
+    if t is None:
+        return None
+    return t.copy() if isinstance(t, np.ndarray) else t.clone()
 
 
 class WorkerHooks:
@@ -260,12 +283,11 @@ class WorkerHooks:
         log = self.log = StepLog()
         if step is not None and (self.reader or self.tp > 1):
             rows = int(qsl[-1])
-            ids = input_ids.reshape(-1)[:rows] if input_ids is not None else None
-            pos = positions.reshape(-1, positions.shape[-1])[0, :rows] if positions is not None else None
+            ids = _rows_of(input_ids, rows, flat=True)
+            pos = _rows_of(positions, rows, flat=False)
             if lazy:  # one entry for the step; records are built when collected
                 self.journal.add(log, StepArrays(
-                    req_ids, qsl, first, None if ids is None else ids.clone(),
-                    None if pos is None else pos.clone(), lazy))
+                    req_ids, qsl, first, _kept(ids), _kept(pos), lazy))
             if eager:
                 self._begin_eager(step, eager, req_ids, ids, pos, log)
             for req_id, msgs in step.problems.items():

@@ -32,7 +32,8 @@ class StepArrays:
     __slots__ = ("req_ids", "qsl", "first", "ids", "pos", "lazy")
 
     def __init__(self, req_ids: list[str], qsl: np.ndarray, first: np.ndarray,
-                 ids: torch.Tensor | None, pos: torch.Tensor | None, lazy: list[int]) -> None:
+                 ids: torch.Tensor | np.ndarray | None, pos: torch.Tensor | np.ndarray | None,
+                 lazy: list[int]) -> None:
         self.req_ids = req_ids  # batch order (the list is never changed after)
         self.qsl = qsl  # [n + 1] int64 row offsets
         self.first = first  # [n] tokens computed before this step

@@ -34,8 +34,12 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
     if batch.uniform is not None:  # one vector on a run of rows: a slice add
         lo, hi, vec, scale = batch.uniform
         flat = target[0] if token_axis(target, layout, site=label) == 1 else target
-        # scale is a float32 value: the same product the indexed path adds
-        flat[lo:hi].add_((matrix[vec] * scale).to(flat.dtype))
+        delta = batch.cache.get("delta")
+        if delta is None or delta.dtype != flat.dtype:
+            # scale is a float32 value: the same product the indexed path adds;
+            # made once while decode steps reuse this batch
+            delta = batch.cache["delta"] = (matrix[vec] * scale).to(flat.dtype)
+        flat[lo:hi].add_(delta)
         return
     delta = matrix.index_select(0, batch.vectors) * batch.scales[:, None]
     if batch.relative is not None:
@@ -129,6 +133,8 @@ def reduce_rows(model: Any, rows: torch.Tensor, read: Read) -> dict[str, torch.T
     if read.reduce == "full":
         return {"value": rows.float()}
     if read.reduce == "norm":
+        if rows.dtype == torch.float32:  # no dtype argument: a shorter path in torch
+            return {"value": torch.linalg.vector_norm(rows, dim=-1)}
         return {"value": torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)}
     logits = lens_logits(model, rows)
     if logits is None:  # a non-driver tensor-parallel rank
