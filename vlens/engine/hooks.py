@@ -6,7 +6,9 @@ batch's grouping reused while the batch holds), runs each (site, layer)'s
 part of the plan (``site_ops``), keeps each step's reads once for all its
 requests in a :class:`~vlens.records.StepLog` (journaled, ``journal.py``),
 and builds one :class:`~vlens.records.RequestRecord` per traced request
-when the client collects. The RPC surface the client calls is ``worker.py``.
+when the client collects. The head sites' own work is ``head_sites.py``,
+collect/drop/status ``hooks_client.py``; the RPC surface the client calls
+is ``worker.py``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from vlens._wire import decode_tensor
 from vlens.batcher import token_axis
-from vlens.engine.journal import Journal, StepArrays
-from vlens.engine.attention import AttentionShape, attention_probs, head_refusals
+from vlens.engine.head_sites import HeadSiteOps
+from vlens.engine.hooks_client import ClientSide
+from vlens.engine.journal import Journal, StepArrays, kept, rows_of
+from vlens.engine.attention import head_refusals
 from vlens.engine.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.engine.vectors import VectorStore
 from vlens.plan import PLAN_KEY, Plan, parse_plan
@@ -31,29 +34,7 @@ from vlens.sites import HEAD_SITES, ModelSites, resolve_sites
 __all__ = ["WorkerHooks"]
 
 
-def _rows_of(t: torch.Tensor | None, rows: int, flat: bool) -> Any:
-    """The step's first ``rows`` entries of a runner input (``flat``: token
-    ids, any shape; else positions ``[T]`` or ``[k, T]``, the first row):
-    numpy views on the CPU (cheaper than torch views), tensors elsewhere."""
-    if t is None:
-        return None
-    if t.device.type == "cpu":
-        t = t.numpy()
-    if flat:
-        return t.reshape(-1)[:rows]
-    return t.reshape(-1, t.shape[-1])[0, :rows]
-
-
-def _kept(t: Any) -> Any:
-    """A copy of a runner buffer's rows that outlives the step (the runner
-    refills its buffers): numpy's copy on the CPU, where a torch clone costs
-    a dispatch; a clone (staying on the device) elsewhere."""
-    if t is None:
-        return None
-    return t.copy() if isinstance(t, np.ndarray) else t.clone()
-
-
-class WorkerHooks:
+class WorkerHooks(HeadSiteOps, ClientSide):
     """The hook state of one worker: installed once, removed on teardown."""
 
     def __init__(self, worker: Any) -> None:
@@ -131,35 +112,6 @@ class WorkerHooks:
                 else:
                     handle = module.register_forward_hook(hook, with_kwargs=True)
                 self.handles.append(handle)
-
-    def _add_matrix(self, site: str, layer: int, batch) -> torch.Tensor:
-        """The vector matrix a steering add at ``site`` draws from: hidden
-        wide, or for a head site every head's ``heads * head_dim`` (only the
-        columns of this rank's heads under tensor parallelism)."""
-        if site not in HEAD_SITES:
-            return self.vectors.matrix
-        m = self.sites.attention[layer]
-        local = int(m.num_heads) * int(m.head_size)
-        full = self.vectors.matrix_of(local * self.tp)
-        if self.tp == 1:
-            return full
-        if batch.relative is not None:
-            raise ValueError("relative steering at z needs every head's values, which "
-                             "tensor-parallel ranks split: use relative=False, or "
-                             "tensor_parallel_size=1")
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        rank = get_tensor_model_parallel_rank()
-        return full[:, rank * local:(rank + 1) * local]
-
-    def _gather_heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's heads of ``x`` along ``dim`` (rank order is head
-        order). Every rank must call this at the same point of the step."""
-        if self.tp == 1:
-            return x
-        from vllm.distributed import tensor_model_parallel_all_gather
-
-        return tensor_model_parallel_all_gather(x.contiguous(), dim)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -283,11 +235,11 @@ class WorkerHooks:
         log = self.log = StepLog()
         if step is not None and (self.reader or self.tp > 1):
             rows = int(qsl[-1])
-            ids = _rows_of(input_ids, rows, flat=True)
-            pos = _rows_of(positions, rows, flat=False)
+            ids = rows_of(input_ids, rows, flat=True)
+            pos = rows_of(positions, rows, flat=False)
             if lazy:  # one entry for the step; records are built when collected
                 self.journal.add(log, StepArrays(
-                    req_ids, qsl, first, _kept(ids), _kept(pos), lazy))
+                    req_ids, qsl, first, kept(ids), kept(pos), lazy))
             if eager:
                 self._begin_eager(step, eager, req_ids, ids, pos, log)
             for req_id, msgs in step.problems.items():
@@ -479,95 +431,3 @@ class WorkerHooks:
                 continue
             for part, t in parts.items():
                 log.put((g.read.key, part, layer), t, g)
-
-    def _read_pattern(self, step, qk, groups, layer, label) -> None:
-        """Keep each reading request's keys of this step, then its query
-        rows' attention probabilities over every key so far (one request at
-        a time: each has its own key length)."""
-        shape = AttentionShape.of(self.sites.attention[layer])
-        # compiled mode hands the operator q and k side by side in one tensor
-        q, k = qk if isinstance(qk, tuple) else qk.split(
-            [shape.heads * shape.head_dim, qk.shape[-1] - shape.heads * shape.head_dim], -1)
-        axis = token_axis(q, step.layout, site=label)
-        if axis != 0:
-            raise ValueError(f"expected [T, heads * head_dim] queries, got {list(q.shape)}")
-        for g in groups:
-            heads = list(g.read.heads) or None
-            for span in g.spans:
-                rec = self.records.get(span.key)
-                if rec is None:  # pragma: no cover - every rank records these requests
-                    raise LookupError(f"no record of request {span.key} on this rank")
-                rows = slice(span.start, span.stop)
-                keys = rec.add_keys(layer, span.first_position,
-                                    k[rows].reshape(span.length, shape.kv_heads, -1))
-                if self.tp == 1:
-                    probs = attention_probs(q[rows], keys, span.first_position, shape, heads)
-                else:  # each rank scores its own heads; the reading rank keeps them all
-                    probs = attention_probs(q[rows], keys, span.first_position, shape)
-                    probs = self._gather_heads(probs, 1)
-                    if heads is not None:
-                        probs = probs[:, heads]
-                if self.reader:
-                    rec.keep(g.read.key, "value", layer, probs)
-
-    # -- client-facing ------------------------------------------------------
-    def _forget_plans(self, wanted: set[str]) -> None:
-        """Drop cached plans of these tags, and no-plan entries of requests
-        that have left the runner."""
-        live = self.runner.requests
-        self._batch = None  # its cached plans may be among those dropped
-        self.plans = {
-            r: p for r, p in self.plans.items()
-            if (p is not None and p.tag not in wanted) or (p is None and r in live)
-        }
-        self.bad_plans = {r: m for r, m in self.bad_plans.items() if r in self.plans}
-
-    def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
-        wanted = set(tags)
-        if self.vectors.matrix.device.type == "cuda":
-            torch.cuda.synchronize()  # the steps' reads were copied non-blocking
-        out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
-        journaled = self.journal.of_tags(wanted)
-        self.journal.replay(set(journaled), self._record)
-        self.journal.forget(journaled)
-        for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
-            rec = self.records.pop(req_id)
-            out[rec.plan.tag].append(rec.pack())
-        self._forget_plans(wanted)
-        return out
-
-    def drop(self, tags: list[str] | None) -> int:
-        if tags is None:
-            n = len(set(self.records) | set(self.journal.pending))
-            self.records.clear()
-            self.journal.clear()
-            self._batch = None
-            self.plans.clear()
-            self.bad_plans.clear()
-            self.edit_fns.clear()
-            return n
-        wanted = set(tags)
-        gone = [r for r, rec in self.records.items() if rec.plan.tag in wanted]
-        for r in gone:
-            del self.records[r]
-        journaled = self.journal.of_tags(wanted)
-        self.journal.forget(journaled)
-        gone = list(set(gone) | set(journaled))
-        self._forget_plans(wanted)
-        return len(gone)
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "hooks": len(self.handles),
-            "records": len(set(self.records) | set(self.journal.pending)),
-            "plans": sum(p is not None for p in self.plans.values()),
-            "vectors": len(self.vectors),
-            "vector_bytes": self.vectors.nbytes,
-            "edit_fns": len(self.edit_fns),
-            "hook_errors": self.hook_errors,
-            "steps_seen": self.steps_seen,
-            "steps_planned": self.steps_planned,
-            "layout_ns": self.layout_ns,
-            "hook_ns": self.hook_ns,
-            "reduce_ns": self.reduce_ns,
-        }

@@ -23,7 +23,7 @@ import torch
 from vlens.plan import Plan
 from vlens.records import RequestRecord, StepLog
 
-__all__ = ["Journal", "StepArrays"]
+__all__ = ["Journal", "StepArrays", "kept", "rows_of"]
 
 
 class StepArrays:
@@ -96,3 +96,25 @@ class Journal:
     def clear(self) -> None:
         self.logs.clear()
         self.pending.clear()
+
+
+def rows_of(t: torch.Tensor | None, rows: int, flat: bool) -> Any:
+    """The step's first ``rows`` entries of a runner input (``flat``: token
+    ids, any shape; else positions ``[T]`` or ``[k, T]``, the first row):
+    numpy views on the CPU (cheaper than torch views), tensors elsewhere."""
+    if t is None:
+        return None
+    if t.device.type == "cpu":
+        t = t.numpy()
+    if flat:
+        return t.reshape(-1)[:rows]
+    return t.reshape(-1, t.shape[-1])[0, :rows]
+
+
+def kept(t: Any) -> Any:
+    """A copy of a runner buffer's rows that outlives the step (the runner
+    refills its buffers): numpy's copy on the CPU, where a torch clone costs
+    a dispatch; a clone (staying on the device) elsewhere."""
+    if t is None:
+        return None
+    return t.copy() if isinstance(t, np.ndarray) else t.clone()
