@@ -183,7 +183,7 @@ def step_table(m: dict) -> str:
     return _table(["engine", "hooked sites / step", "layout µs / step, 32", "layout µs / step, wide",
                    "µs / hooked site, 32", "µs / hooked site, wide",
                    "growth wide ÷ 32 (layout / site)",
-                   "µs / site less the reductions' arithmetic, 32 → wide",
+                   "µs / site less the reads' arithmetic, 32 → wide",
                    "goals at the wide batch"], rows)
 
 

@@ -96,9 +96,10 @@ cycled) in one engine batch (vLLM's default `max_num_seqs` on CPU is 256;
 the KV cache of these engines is sized to hold them all).
 Layout is µs per planned step; the per-site figure is hook time per planned
 step divided by the 8 hooked sites. The next column takes out the
-reductions' own arithmetic (`reduce_ns`: the time inside the norm itself,
-which reads 8× the rows at the wide batch and must cost about 8×): what is
-left is vlens's work around it, which should not grow with the batch. The
+reads' own arithmetic (`reduce_ns`: making the value where a site's value is
+a sum, `hidden + residual`, then the norm itself; both read 8× the rows at
+the wide batch and must cost about 8×): what is left is vlens's work around
+it, which should not grow with the batch. The
 goals are issue 15's for the wide batch. These conditions run in the first
 repetitions only."""
 
@@ -312,5 +313,5 @@ of requests in the batch (issue 15):
 
 What grows with the batch is the arithmetic of the reads themselves: a
 norm over 256 rows reads 8× the bytes of one over 32. The per-step table
-below therefore shows the hook time with and without the reductions' own
-time (`reduce_ns`)."""
+below therefore shows the hook time with and without the reads' own
+arithmetic (`reduce_ns`)."""

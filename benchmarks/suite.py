@@ -57,7 +57,7 @@ class Sample:
     generate_s: float = 0.0
     worker_layout_s: float = 0.0
     worker_hook_s: float = 0.0
-    worker_reduce_s: float = 0.0  # of worker_hook_s: the reductions' arithmetic
+    worker_reduce_s: float = 0.0  # of worker_hook_s: the reads' arithmetic (sums, norms...)
     steps: int = 0
     steps_planned: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -264,7 +264,7 @@ def _worker(runs: list[Sample], sites: int) -> dict[str, float]:
         "layout_us_per_step": layout / planned * 1e6 if planned else 0.0,
         "hook_us_per_step": hook / planned * 1e6 if planned else 0.0,
         "hook_us_per_site": hook / planned / sites * 1e6 if planned and sites else 0.0,
-        # the hooks' time less the reductions' own arithmetic (a norm over
+        # the hooks' time less the reads' own arithmetic (a norm over
         # 8x the rows costs 8x; what vlens adds around it should not grow)
         "overhead_us_per_site": (hook - reduce) / planned / sites * 1e6
         if planned and sites else 0.0,

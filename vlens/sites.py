@@ -94,6 +94,13 @@ class SiteSpec:
     pre: bool
     extract: Extractor
     target: Extractor | None = None
+    #: where the value is a sum made for the read (a native residual site:
+    #: ``hidden + residual``), the part added to the target (None when there
+    #: is no sum this time, e.g. layer 0's ``resid_pre``): compiled mode hands
+    #: its operator the two parts, and the worker sums them only when a read,
+    #: an edit or a relative add needs the value (in the same order as
+    #: ``extract``, so the sum is the same to the bit)
+    addend: Extractor | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,16 @@ def _pair_value(h_at: int, h_name: str, r_at: int, r_name: str):
     return value
 
 
+def _pair_addend(h_at: int, h_name: str, r_at: int, r_name: str):
+    """What is added to that target to make the sum (None: no sum)."""
+
+    def addend(args: tuple, kwargs: dict, output: Any) -> torch.Tensor | None:
+        residual = _arg(args, kwargs, r_at, r_name)
+        return None if residual is None else _arg(args, kwargs, h_at, h_name)
+
+    return addend
+
+
 def _pair_target(h_at: int, h_name: str, r_at: int, r_name: str):
     """Where to add a change to that sum: the residual (or ``hidden``)."""
 
@@ -168,8 +185,10 @@ def _pair_target(h_at: int, h_name: str, r_at: int, r_name: str):
 # (positions, hidden_states, residual)
 _pair_sum = _pair_value(0, "x", 1, "residual")
 _pair_residual = _pair_target(0, "x", 1, "residual")
+_pair_x = _pair_addend(0, "x", 1, "residual")
 _pair_resid_pre = _pair_value(1, "hidden_states", 2, "residual")
 _pair_resid_pre_target = _pair_target(1, "hidden_states", 2, "residual")
+_pair_resid_pre_addend = _pair_addend(1, "hidden_states", 2, "residual")
 
 
 def _check_pair(output: Any) -> None:
@@ -188,6 +207,11 @@ def _pair_resid_post(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
 def _pair_resid_post_target(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     _check_pair(output)
     return output[1]
+
+
+def _pair_resid_post_addend(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    _check_pair(output)
+    return output[0]
 
 
 def _hf_positions(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
@@ -243,11 +267,12 @@ def _specs(layout: Layout, model: nn.Module) -> dict[str, SiteSpec]:
     mid = _child(layout.mid) if layout.mid else None
     if layout.block == "pair":
         specs["resid_pre"] = SiteSpec("resid_pre", _self, True, _pair_resid_pre,
-                                      _pair_resid_pre_target)
+                                      _pair_resid_pre_target, _pair_resid_pre_addend)
         specs["resid_post"] = SiteSpec("resid_post", _self, False, _pair_resid_post,
-                                       _pair_resid_post_target)
+                                       _pair_resid_post_target, _pair_resid_post_addend)
         if mid:
-            specs["resid_mid"] = SiteSpec("resid_mid", mid, True, _pair_sum, _pair_residual)
+            specs["resid_mid"] = SiteSpec("resid_mid", mid, True, _pair_sum, _pair_residual,
+                                          _pair_x)
         specs["positions"] = SiteSpec("positions", _self, True, _nth_arg(0, "positions"))
     elif layout.block in ("stream", "hf"):
         hidden = _nth_arg(layout.hidden_arg, "hidden_states")

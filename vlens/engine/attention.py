@@ -101,7 +101,7 @@ def head_info(sites: Any, tp: int) -> dict[str, int]:
 
 def head_refusals(sites: Any, tp: int, total_kv_heads: int) -> dict[str, str]:
     """Head sites an engine cannot serve, with the way out. Compiled mode
-    serves them (its operator takes attn_pattern's q and k side by side);
+    serves them (its read operator takes attn_pattern's q and k as two inputs);
     tensor parallelism too (the worker gathers every rank's heads), except
     where the key/value heads are copied onto ranks instead of split."""
     heads = [s for s in HEAD_SITES if s in sites.specs]

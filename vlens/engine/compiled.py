@@ -67,19 +67,21 @@ def _dispatch(code: int, target: torch.Tensor | None, value: torch.Tensor) -> No
 # changes nothing (kept in the graph by ``has_side_effect`` below).
 _LIB = torch.library.Library("vlens", "FRAGMENT")
 _LIB.define("site(Tensor(a!) target, Tensor? value, int code) -> ()")
-_LIB.define("read(Tensor value, int code) -> ()")
+_LIB.define("read(Tensor value, Tensor? other, int code) -> ()")
 
 
 def _site(target: torch.Tensor, value: torch.Tensor | None, code: int) -> None:
-    """Run vlens's step plan at one writable (site, layer): ``value`` is the
-    canonical value (None: ``target`` itself), ``target`` the tensor edits
-    are added to."""
-    _dispatch(code, target, target if value is None else value)
+    """Run vlens's step plan at one writable (site, layer): ``target`` is
+    the tensor edits are added to; ``value`` the canonical value (None:
+    ``target`` itself) or, at a site whose value is a sum (``SiteSpec.addend``),
+    the part added to the target (the worker sums them only if it must)."""
+    _dispatch(code, target, value)
 
 
-def _read(value: torch.Tensor, code: int) -> None:
-    """Run vlens's step plan at one read-only (site, layer)."""
-    _dispatch(code, None, value)
+def _read(value: torch.Tensor, other: torch.Tensor | None, code: int) -> None:
+    """Run vlens's step plan at one read-only (site, layer); ``other``: a
+    second input of the site (``attn_pattern``'s keys beside its queries)."""
+    _dispatch(code, None, value if other is None else (value, other))
 
 
 # one Python kernel for every device (the plan's tensors live where the model does)
@@ -93,7 +95,7 @@ def _(target, value, code) -> None:
 
 
 @torch.library.register_fake("vlens::read", lib=_LIB)
-def _(value, code) -> None:
+def _(value, other, code) -> None:
     return None
 
 
@@ -106,13 +108,21 @@ def compiled_hook(spec: Any, code: int, pre: bool):
     Python branch here would be frozen at trace time."""
 
     def call(args: tuple, kwargs: dict, output: Any) -> None:
-        value = spec.extract(args, kwargs, output)
-        if isinstance(value, tuple):  # attn_pattern's (q, k): one tensor for the operator
-            value = torch.cat(value, -1)
+        # nothing computed here for vlens alone: the graph runs this every
+        # step, traced or not (a sum such as hidden + residual is left to
+        # the worker, which makes it only when a read or an edit needs it)
         if spec.target is None:
-            torch.ops.vlens.read(value, code)
+            value = spec.extract(args, kwargs, output)
+            if isinstance(value, tuple):  # attn_pattern's (q, k)
+                torch.ops.vlens.read(value[0], value[1], code)
+            else:
+                torch.ops.vlens.read(value, None, code)
             return
         target = spec.target(args, kwargs, output)
+        if spec.addend is not None:
+            torch.ops.vlens.site(target, spec.addend(args, kwargs, output), code)
+            return
+        value = spec.extract(args, kwargs, output)
         torch.ops.vlens.site(target, None if value is target else value, code)
 
     if pre:

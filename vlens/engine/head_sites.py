@@ -63,9 +63,7 @@ class HeadSiteOps:
         rows' attention probabilities over every key so far (one request at
         a time: each has its own key length)."""
         shape = AttentionShape.of(self.sites.attention[layer])
-        # compiled mode hands the operator q and k side by side in one tensor
-        q, k = qk if isinstance(qk, tuple) else qk.split(
-            [shape.heads * shape.head_dim, qk.shape[-1] - shape.heads * shape.head_dim], -1)
+        q, k = qk  # the site's two inputs (compiled mode passes both to its operator)
         axis = token_axis(q, step.layout, site=label)
         if axis != 0:
             raise ValueError(f"expected [T, heads * head_dim] queries, got {list(q.shape)}")

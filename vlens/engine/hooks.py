@@ -73,8 +73,9 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         self.steps_planned = 0
         self.layout_ns = 0
         self.hook_ns = 0
-        #: of hook_ns, the reductions' own arithmetic (norms, logit lens...):
-        #: work that grows with the rows read, where the rest should not
+        #: of hook_ns, the reads' own arithmetic (making a summed site's
+        #: value, then the norm, the logit lens...): work that grows with the
+        #: rows read, where the rest should not
         self.reduce_ns = 0
 
     # -- installation -------------------------------------------------------
@@ -307,7 +308,8 @@ class WorkerHooks(HeadSiteOps, ClientSide):
 
     def visit_compiled(self, index: int, target, value) -> None:
         """Called by vlens's operators in compiled mode, every step, with the
-        site's target and its canonical value as the graph computed them."""
+        site's target and what the graph passed beside it: the canonical
+        value (None: the target itself) or, at a summed site, the addend."""
         step = self.step
         if step is None:  # most calls, when nothing is traced
             return
@@ -315,16 +317,20 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         key = (spec.name, layer)
         if not step.wants(key):
             return
-        get_value = lambda: value  # noqa: E731
-        if target is not None and value is not target and (
-                key in step.edits or (key in step.sets and key in step.adds) or (
-                    key in step.reads and (key in step.adds or key in step.sets))):
-            # the value was summed before the operator ran; after a change to
-            # the target, what reads it next (reads, edits, a relative add
-            # after a set) must see the changed sum, as in eager. Adds alone,
-            # or sets alone, read the value only before they change anything.
-            before = target.clone()
-            get_value = lambda: value + (target - before)  # noqa: E731
+        if target is not None and spec.addend is not None:
+            # summed when asked, after whatever changed the target: reads and
+            # edits see the steered value, as in eager mode
+            get_value = (lambda: target) if value is None else (lambda: value + target)  # noqa: E731
+        else:
+            value = target if value is None else value
+            get_value = lambda: value  # noqa: E731
+            if target is not None and value is not target and (
+                    key in step.edits or (key in step.sets and key in step.adds) or (
+                        key in step.reads and (key in step.adds or key in step.sets))):
+                # a value the graph summed before the operator ran: after a
+                # change to the target, what reads it next must see the change
+                before = target.clone()
+                get_value = lambda: value + (target - before)  # noqa: E731
         self._visit(step, key, spec, get_value, None if target is None else (lambda: target))
 
     def _fail(self, req_ids, key, exc: BaseException) -> None:
@@ -374,7 +380,10 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                 if site == "attn_pattern":
                     self._read_pattern(step, get_value(), groups, layer, label)
                 else:
-                    self._read(step, spec, get_value(), groups, layer, label)
+                    t1 = time.perf_counter_ns()  # a summed site's sum: the read's own arithmetic
+                    value = get_value()
+                    self.reduce_ns += time.perf_counter_ns() - t1
+                    self._read(step, spec, value, groups, layer, label)
             except Exception as exc:  # reported to the client, never swallowed
                 self._fail([r for g in groups for r in g.req_ids], key, exc)
         self.hook_ns += time.perf_counter_ns() - t0
