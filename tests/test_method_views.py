@@ -26,8 +26,8 @@ from vlens.widgets import AttentionView, PatchingView, SteeringPanel
 
 engine = pytest.mark.engine
 
-ANIMAL = ("once upon a time, a sad duck lived in a green house near the farm. the sky was grey "
-          "and the wind was cold. its friend the fox came to say hello. the")
+ANIMAL = ("once upon a time, a sad duck lived in a green house near the farm. sadly, the sky was grey "
+          "and the wind was cold. its friend the fox came to say goodbye. the")
 
 
 @pytest.fixture
