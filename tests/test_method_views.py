@@ -155,6 +155,17 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
     assert (ab.site, ab.layer, list(ab.heads), ab.kind, ab.span) == (
         "z", layer, [head], "zero", "all")
     assert panel.site_picker.layout.display == "none"  # always z in this mode
+    # The bundled model copies the animal with a team of redundant heads of
+    # one layer (notebook 06): one head out, another copies. Click every head
+    # of the layer that looks at the first mention, as notebook 06 does.
+    t = toy_session.trace(ANIMAL, sites=["attn_pattern"], layers=[layer], max_new_tokens=1)[0]
+    first, pattern = t.tokens.index("duck"), t.attention(layer)  # [heads, T, T]
+    looking = [h for h in range(pattern.shape[0]) if float(pattern[h][-1, first]) >= 0.5]
+    assert head in looking
+    for h in looking:
+        panel.head_picker._buttons[h].value = True
+    assert sorted(panel.ablate_heads) == looking
+    ab = panel.ablation()
     panel._run_button.click()
     assert panel.error == "" and panel.streamed_states >= 2
     base, ablated = panel.comparison.texts[0]

@@ -94,7 +94,7 @@ def toyworld_recipe() -> SteeringRecipe:
         example_to=world.HAPPY,
         # too weak (0.25), inside the window (0.75, 1.25), too strong (2)
         scales=(-2.0, -1.25, -0.75, -0.25, 0.0, 0.25, 0.75, 1.25, 2.0),
-        max_new_tokens=48,
+        max_new_tokens=56,  # a story needs at most 51 tokens after its opening
         note=(f"the bundled model's sentiment recipe: happy minus sad at layer "
               f"{RECIPE['layer']}, relative scale {RECIPE['scale']:g} (docs/toyworld.md)"),
     )
