@@ -219,7 +219,7 @@ def test_patching_view_of_a_result_and_its_argument_checks(toy_session):
     result = toy_session.patch(ANIMAL, corrupt, site="z", heads=True)
     view = PatchingView(result)
     assert view.session is None and view.cells_done == result.grid.numel()
-    assert list(view.heatmap.data[0].x) == [f"head {h}" for h in range(4)]
+    assert list(view.heatmap.data[0].x) == [f"head {h}" for h in range(toy_session.info["n_heads"])]
     assert view.heatmap.layout.xaxis.title.text == "head"
     view.cell = (0, 2)  # set from Python: the same as a click
     assert view.cell_name() == "layer 0, head 2" and len(view.bars.data) == 3
