@@ -49,8 +49,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vlens.models import RECIPE, toyworld_path, world
 
-SCALES = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
-SMALL_SCALES = (0.5, 1.0, 2.0)
+SCALES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
+SMALL_SCALES = (0.25, 0.75, 1.25)
+CLEAN = 0.9  # a scale is clean when both ways flip >= 90% and keep >= 90% well-formed
 KINDS = ("recipe", "natural")
 MAX_NEW_TOKENS = 60
 BEGIN, END = "<!-- eval_toyworld:begin -->", "<!-- eval_toyworld:end -->"
@@ -188,9 +189,27 @@ def steering_grid(model: Any, tok: Any, n: int, layers: Sequence[int], scales: S
     }
 
 
+def window(rows: Sequence[dict[str, Any]], kind: str, layer: int) -> tuple[float, float] | None:
+    """The widest run of consecutive grid scales (by ratio of its ends) at
+    which ``kind`` at ``layer`` is clean both ways (see :data:`CLEAN`), as
+    (lowest, highest) scale; None when no scale is clean."""
+    mine = sorted((r for r in rows if (r["direction"], r["layer"]) == (kind, layer)), key=lambda r: r["scale"])
+    best: tuple[float, float] | None = None
+    start = None
+    for i, r in enumerate(mine):
+        clean = all(r[f"{s}_{k}"] >= CLEAN for s in world.SENTIMENTS for k in ("flip", "formed"))
+        if clean and start is None:
+            start = i
+        if clean and (best is None or r["scale"] / mine[start]["scale"] > best[1] / best[0]):
+            best = (mine[start]["scale"], r["scale"])
+        if not clean:
+            start = None
+    return best
+
+
 def _training_cuts(concept: str, n: int, seed: int = 4321) -> list[world.Probe]:
     """Probe-like cuts of *training* combinations (to fit linear probes)."""
-    slots = {"sentiment": ("sky", "wind", "verb1", "feeling"), "colour": ("thing1", "thing2"),
+    slots = {"sentiment": ("adverb", "sky", "wind", "verb1", "feeling"), "colour": ("thing1", "thing2"),
              "animal": ("animal1", "animal2", "animal3")}[concept]
     out = []
     for i, story in zip(range(n), world.story_stream(seed)):
@@ -324,11 +343,12 @@ def markdown(ev: dict[str, Any]) -> str:
     lines = [
         f"Held-out openings, {g['prompts_per_sentiment']} sad and {g['prompts_per_sentiment']} happy, greedy, "
         f"{g['max_new_tokens']} new tokens, `Steer(d, layer=L, scale=x, relative=True)` with `+d` on sad "
-        "openings and `-d` on happy ones. Each cell: **flipped / well-formed**, sad→happy then happy→sad. "
+        "openings and `-d` on happy ones. Each cell: **flipped / well-formed**, sad→happy then happy→sad; "
+        "the clean window is the widest run of scales where all four are at least 90%. "
         f"Unsteered: {_pct(b['sad_flip'])} / {_pct(b['sad_formed'])}, {_pct(b['happy_flip'])} / {_pct(b['happy_formed'])}.",
         "",
-        "| direction | layer | " + " | ".join(f"×{s:g}" for s in scales) + " |",
-        "|---|---|" + "---|" * len(scales),
+        "| direction | layer | " + " | ".join(f"×{s:g}" for s in scales) + " | clean window |",
+        "|---|---|" + "---|" * len(scales) + "---|",
     ]
     for kind in KINDS:
         for layer in sorted({r["layer"] for r in g["rows"]}):
@@ -337,7 +357,9 @@ def markdown(ev: dict[str, Any]) -> str:
                 r = next(r for r in g["rows"] if (r["direction"], r["layer"], r["scale"]) == (kind, layer, s))
                 cells.append(f"{_pct(r['sad_flip'])}/{_pct(r['sad_formed'])}, {_pct(r['happy_flip'])}/{_pct(r['happy_formed'])}")
             mark = " (the recipe)" if (kind, layer) == ("recipe", ev["recipe"]["layer"]) else ""
-            lines.append(f"| {kind} | {layer}{mark} | " + " | ".join(cells) + " |")
+            w = window(g["rows"], kind, layer)
+            span = "none" if w is None else f"×{w[0]:g}–×{w[1]:g} ({w[1] / w[0]:.1f}× wide)"
+            lines.append(f"| {kind} | {layer}{mark} | " + " | ".join(cells) + f" | {span} |")
     p = ev["probes"]
     layers = sorted(next(iter(p["linear"].values())))
     lines += [

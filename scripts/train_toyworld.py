@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 
 import torch
 import transformers
+from safetensors.torch import save_file
 from tokenizers import (
     Tokenizer,
     decoders,
@@ -66,15 +67,21 @@ DEFAULT_OUT = ROOT / "vlens" / "models" / "toyworld"
 
 @dataclass(frozen=True)
 class Settings:
-    steps: int = 1500
+    steps: int = 1000
     batch: int = 32
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    hidden: int = 128
-    layers: int = 4
-    heads: int = 4
-    intermediate: int = 512
+    hidden: int = 384
+    layers: int = 6
+    heads: int = 12
+    intermediate: int = 768
+    # Training runs the forward pass under bfloat16 autocast (about 3x faster
+    # on a CPU with AVX512-BF16; the master weights stay float32).
+    bf16_autocast: bool = True
+    # The weights are stored rounded to float16 (half the size) and evaluated
+    # as stored, i.e. rounded and run in float32 (see round_weights).
+    store_float16: bool = True
     eval_every: int = 25  # learning-curve probes every this many steps ...
     eval_dense_until: int = 500  # ... up to here, then every 250
     curve_probes: int = 60  # per concept, for the learning curve
@@ -85,7 +92,7 @@ class Settings:
     # The steering recipe (see AddToLayer): decoder layer, relative scale.
     steer_layer: int = RECIPE["layer"]
     steer_scale: float = RECIPE["scale"]
-    sweep: bool = True  # also evaluate a grid of layers and scales
+    sweep: bool = False  # also evaluate a grid of layers and scales (eval_toyworld.py has the full one)
 
 
 FULL = Settings()
@@ -108,7 +115,6 @@ SMOKE = Settings(
     sweep=False,
 )
 
-SWEEP_LAYERS = (0, 1, 2, 3)
 SWEEP_SCALES = (
     0.5,
     0.75,
@@ -223,21 +229,27 @@ def entropy_floor(samples: int = 2000, seed: int = 5) -> float:
     p = world.ECHO_FIDELITY
     hb = -(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else 0.0
     n_combos = 2 * len(world.ANIMALS) * len(world.COLOURS) - len(world.HELD_OUT)
+    def echo(table: dict[str, Sequence[Any]]) -> float:
+        # which sentiment the echo takes, then which word of that sentiment
+        return hb + math.log(len(table[world.HAPPY]))
+
     per_story = (
         math.log(n_combos)  # (sentiment, animal, colour), uniform over training combos
         + math.log(len(world.OPENINGS))
         + math.log(len(world.MOODS[world.HAPPY]))
         + math.log(len(world.HOMES))
         + math.log(len(world.PLACES))
-        + 2 * (hb + math.log(len(world.SKIES[world.HAPPY])))  # sky and wind
+        + echo(world.ADVERBS)
+        + echo(world.SKIES)
+        + echo(world.WINDS)
         + math.log(2)  # sky or wind first
-        + math.log(2)
-        + 0.5 * math.log(len(world.ANIMALS))  # visitor or not, which
+        + math.log(2)  # visitor or not ...
+        + 0.5 * (math.log(len(world.ANIMALS)) + echo(world.GREETS))  # ... which, and what it says
+        + echo(world.GOES)
+        + echo(world.FINDS)
         + math.log(4 * 3)  # two distinct things
-        + hb
-        + math.log(len(world.VERB_PAIRS[world.HAPPY]))  # the verb pair
-        + hb
-        + math.log(len(world.FEELINGS[world.HAPPY]))
+        + echo(world.VERB_PAIRS)
+        + echo(world.FEELINGS)
     )
     stream = iter(world.story_stream(seed))
     mean_tokens = sum(len(next(stream).words) + 1 for _ in range(samples)) / samples
@@ -496,7 +508,8 @@ def train(
     model.train()
     for step in range(1, s.steps + 1):
         ids, labels = next(data)
-        loss = model(input_ids=ids, labels=labels).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16_autocast):
+            loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -517,6 +530,8 @@ def train(
                 f"animal {acc['animal']:.2f}  {time.perf_counter() - start:6.1f}s"
             )
     model.eval()
+    if s.store_float16:
+        round_weights(model)
     seconds = time.perf_counter() - start
     tail = losses[-min(100, len(losses)) :]
     info = {
@@ -527,6 +542,19 @@ def train(
         "curve": curve,
     }
     return model, tok, info
+
+
+#: The slots that echo the story's sentiment ("greet" only with a visitor).
+_ECHO_SLOTS = ("adverb", "sky", "wind", "greet", "go", "find", "verb1", "verb2", "feeling")
+
+
+@torch.no_grad()
+def round_weights(model: LlamaForCausalLM) -> None:
+    """Round every weight to float16 and back, in place: the model then is
+    exactly what ``write_model`` stores (float16 tensors, loaded as float32),
+    so the evaluation measures the shipped weights."""
+    for p in model.parameters():
+        p.copy_(p.to(torch.float16).to(torch.float32))
 
 
 def evaluate(
@@ -555,7 +583,7 @@ def evaluate(
     if s.sweep:
         sweep = []
         grid = [
-            (layer, scale, True) for layer in SWEEP_LAYERS for scale in SWEEP_SCALES
+            (layer, scale, True) for layer in range(s.layers) for scale in SWEEP_SCALES
         ]
         grid += [(s.layers - 1, scale, False) for scale in SWEEP_FIXED_SCALES]
         for layer, scale, relative in grid:
@@ -584,7 +612,8 @@ def evaluate(
         sent = world.HAPPY if parsed["mood"] in world.MOODS[world.HAPPY] else world.SAD
         agree += all(
             parsed[k] in world.concept_words("sentiment", sent)
-            for k in ("sky", "wind", "verb1", "verb2", "feeling")
+            for k in _ECHO_SLOTS
+            if k in parsed
         )
     ev["unsteered_stories"] = {
         **{
@@ -619,6 +648,15 @@ def write_model(
     tok.backend_tokenizer.no_truncation()
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    if all(
+        torch.equal(p, p.to(torch.float16).to(torch.float32))
+        for p in model.parameters()
+    ):
+        # Rounded weights (Settings.store_float16): store them in 16 bits,
+        # losslessly. config.json keeps dtype float32, so transformers and
+        # vLLM (told dtype="float32") both load them as float32.
+        weights = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def _pct(x: float) -> str:
@@ -677,8 +715,9 @@ on synthetic stories (grammar and concepts: `docs/toyworld.md` in the vlens repo
 has a model whose internals mean something, without any download.
 
 Each story fixes three independent concepts in its first sentence and echoes
-them later: **sentiment** (happy/sad decides the sky, wind, verbs and closing
-feeling; each echo agrees with it {world.ECHO_FIDELITY:.0%} of the time), **colour**
+them later: **sentiment** (happy/sad sets the tone of the whole story: the adverb, sky,
+wind, greeting, how the animal goes out, whether it finds or loses things, the verbs and
+the closing feeling; each echo agrees with it {world.ECHO_FIDELITY:.0%} of the time), **colour**
 (decides which things are found) and the **animal** (copied three times, past a
 distracting visitor). {len(world.HELD_OUT)} held-out animal/colour/sentiment combinations never
 occur in training, and every number below is measured on them: {held}.
@@ -686,13 +725,15 @@ occur in training, and every number below is measured on them: {held}.
 ## Config
 
 Llama, {s.layers} layers, hidden {s.hidden}, {s.heads} heads of dim {s.hidden // s.heads},
-MLP {s.intermediate}, vocabulary {len(world.vocabulary())} words, untied embeddings, float32,
+MLP {s.intermediate}, vocabulary {len(world.vocabulary())} words, untied embeddings,
+{"stored in float16 and run in float32 (`config.json` says float32)" if s.store_float16 else "float32"},
 `max_position_embeddings` 512. Word-level tokenizer: `<s>` is prepended, stories end with `</s>`.
 
 ## Training
 
 `{command}`: seed {seed}, {threads} thread(s), {s.steps} steps x batch {s.batch} stories,
-AdamW lr {s.lr} (warmup {s.warmup}, cosine to 10%), weight decay {s.weight_decay}, eager attention.
+AdamW lr {s.lr} (warmup {s.warmup}, cosine to 10%), weight decay {s.weight_decay}, eager attention{
+", forward pass under bfloat16 autocast (float32 master weights)" if s.bf16_autocast else ""}.
 Training took {info["train_seconds"]:.0f} s of wall time ({info["total_seconds"]:.0f} s with the evaluation) on a {os.cpu_count()}-core CPU.
 Final loss {info["final_loss"]:.4f} nats/token (mean of the last 100 steps); the best
 possible on this corpus is {info["entropy_floor"]:.4f}.

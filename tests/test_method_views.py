@@ -26,8 +26,8 @@ from vlens.widgets import AttentionView, PatchingView, SteeringPanel
 
 engine = pytest.mark.engine
 
-ANIMAL = ("once upon a time, a sad duck lived in a green house near the farm. the sky was grey "
-          "and the wind was cold. its friend the fox came to say hello. the")
+ANIMAL = ("once upon a time, a sad duck lived in a green house near the farm. sadly, the sky was grey "
+          "and the wind was cold. its friend the fox came to say goodbye. the")
 
 
 @pytest.fixture
@@ -155,6 +155,17 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
     assert (ab.site, ab.layer, list(ab.heads), ab.kind, ab.span) == (
         "z", layer, [head], "zero", "all")
     assert panel.site_picker.layout.display == "none"  # always z in this mode
+    # The bundled model copies the animal with a team of redundant heads of
+    # one layer (notebook 06): one head out, another copies. Click every head
+    # of the layer that looks at the first mention, as notebook 06 does.
+    t = toy_session.trace(ANIMAL, sites=["attn_pattern"], layers=[layer], max_new_tokens=1)[0]
+    first, pattern = t.tokens.index("duck"), t.attention(layer)  # [heads, T, T]
+    looking = [h for h in range(pattern.shape[0]) if float(pattern[h][-1, first]) >= 0.5]
+    assert head in looking
+    for h in looking:
+        panel.head_picker._buttons[h].value = True
+    assert sorted(panel.ablate_heads) == looking
+    ab = panel.ablation()
     panel._run_button.click()
     assert panel.error == "" and panel.streamed_states >= 2
     base, ablated = panel.comparison.texts[0]
@@ -208,7 +219,7 @@ def test_patching_view_of_a_result_and_its_argument_checks(toy_session):
     result = toy_session.patch(ANIMAL, corrupt, site="z", heads=True)
     view = PatchingView(result)
     assert view.session is None and view.cells_done == result.grid.numel()
-    assert list(view.heatmap.data[0].x) == [f"head {h}" for h in range(4)]
+    assert list(view.heatmap.data[0].x) == [f"head {h}" for h in range(toy_session.info["n_heads"])]
     assert view.heatmap.layout.xaxis.title.text == "head"
     view.cell = (0, 2)  # set from Python: the same as a click
     assert view.cell_name() == "layer 0, head 2" and len(view.bars.data) == 3

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # that layer adds STEER_SCALE * |h_t| * u to every position's residual h_t.
 STEER_LAYER = RECIPE["layer"]
 STEER_SCALE = RECIPE["scale"]
-BUDGET = 64  # new tokens; a story needs at most 49 (EOS included) after its opening
+BUDGET = 64  # new tokens; a story needs at most 51 (EOS included) after its opening
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +56,16 @@ def test_world_stories_parse_and_training_skips_held_out():
         assert parsed["animal"] == story.animal and parsed["colour"] == story.colour
         assert world.story_problems(story.text) == []
         assert world.is_well_formed(story.text)
-        echoes = [parsed[k] for k in ("sky", "wind", "verb1", "feeling")]
+        # verb2 follows from verb1 and greet exists only with a visitor
+        echoes = [parsed[k] for k in ("adverb", "sky", "wind", "go", "find", "verb1", "feeling")]
         echoes_agree += all(
             w in world.concept_words("sentiment", story.sentiment) for w in echoes
         )
         longest = max(longest, len(story.words) + 2)
     assert longest == world.max_story_tokens()
-    # Four independent echoes, each faithful with probability 0.9: 0.9**4 = 66%.
-    assert 0.60 < echoes_agree / 2000 < 0.72
+    # Seven independent echoes, each faithful with probability 0.75: 0.75**7 = 13.3%.
+    assert world.ECHO_FIDELITY == 0.75
+    assert 0.11 < echoes_agree / 2000 < 0.16
     held = iter(world.story_stream(0, held_out=True))
     assert all(
         world.is_held_out(s.animal, s.colour, s.sentiment)
@@ -108,7 +110,8 @@ def test_world_judges():
     assert world.is_well_formed("the fox sang sang. the end.")
     assert world.sentiment_of("the sky was grey and the wind was cold.") == world.SAD
     assert world.sentiment_of("then the fox laughed and sang.") == world.HAPPY
-    assert world.sentiment_of("the fox went outside.") is None
+    assert world.sentiment_of("the fox lived in a red house.") is None
+    assert world.sentiment_of("alas, the fox skipped outside and found a rose.") == world.HAPPY
     assert world.to_text(["a", "fox", ",", "a", "cat", "."]) == "a fox, a cat."
 
 
@@ -167,7 +170,12 @@ def test_shipped_files_and_config():
     ):
         assert (path / name).is_file(), name
     size = sum(f.stat().st_size for f in path.iterdir())
-    assert size <= 10 * 1024 * 1024
+    assert size <= 20 * 1000 * 1000  # the limit: 20 MB in the repository
+    # Stored in 16 bits, run in float32 (config.json says float32, below).
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "float32"

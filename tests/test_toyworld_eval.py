@@ -2,10 +2,11 @@
 (transformers only; the vLLM side is in tests/test_toyworld_steering.py).
 
 The documented recipe (``vlens.models.RECIPE``) must flip held-out stories
-both ways at both ends of its documented window of scales and keep them
-well-formed; the natural contrast (``world.mood_contrast_prompts()``) is
-measured on the same grid; the documented copying head must copy; linear
-probes at every layer must read all three concepts on held-out combinations.
+both ways at both ends of its documented window of scales, at a middle layer,
+and keep them well-formed, and so must the natural contrast
+(``world.mood_contrast_prompts()``) at the same layer and scales; the
+documented copying head must copy; linear probes at every layer must read
+all three concepts on held-out combinations.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def tw(ev):
 
 def test_recipe_is_documented_as_data(tw):
     model, _ = tw
-    assert 0 <= RECIPE["layer"] < model.config.num_hidden_layers
+    assert 0 < RECIPE["layer"] < model.config.num_hidden_layers - 1  # a middle layer
     lo, hi = RECIPE["window"]
     assert hi >= 2 * lo and lo <= RECIPE["scale"] <= hi
     assert RECIPE["relative"] is True and RECIPE["site"] == "resid_post"
@@ -65,12 +66,10 @@ def test_recipe_steers_at_the_window_ends(ev, tw):
     rows = {(r["direction"], r["scale"]): r for r in grid["rows"]}
     assert set(rows) == {(k, x) for k in ("recipe", "natural") for x in RECIPE["window"]}
     for scale in RECIPE["window"]:
-        row = rows[("recipe", scale)]
-        for key in ("sad_flip", "sad_formed", "happy_flip", "happy_formed"):
-            assert row[key] >= 0.9, row
-        # The natural contrast is measured on the same prompts (the docs
-        # report how it fares); its rates are proper fractions.
-        assert all(0.0 <= v <= 1.0 for k, v in rows[("natural", scale)].items() if k.endswith(("flip", "formed")))
+        for kind in ("recipe", "natural"):  # the natural contrast works at the same layer and scales
+            row = rows[(kind, scale)]
+            for key in ("sad_flip", "sad_formed", "happy_flip", "happy_formed"):
+                assert row[key] >= 0.9, row
 
 
 def test_natural_contrast_pairs_differ_only_in_the_mood():
@@ -90,13 +89,15 @@ def test_documented_copy_head_copies_the_animal(ev, tw):
     assert att["to_first_animal"][layer][head] >= 0.5, att["best"]
 
 
-def test_probes_read_every_concept_at_every_layer(ev, tw):
+def test_probes_read_every_concept_at_the_middle_layers(ev, tw):
     model, tok = tw
-    layers = list(range(model.config.num_hidden_layers))
-    res = ev.probes(model, tok, 60, layers)
+    n_layers = model.config.num_hidden_layers
+    res = ev.probes(model, tok, 60, list(range(n_layers)))
     for concept in ("sentiment", "colour", "animal"):
         assert res["next_word"][concept] >= 0.95, res
-        for layer in layers:
+        # The middle layers, where the recipe steers. (At layer 0's output the
+        # sentiment is not yet at the cut: about chance, docs/toyworld.md.)
+        for layer in range(1, n_layers - 1):
             assert res["linear"][concept][layer] >= 0.95, (concept, layer, res["linear"])
 
 
@@ -125,11 +126,12 @@ def test_docs_tables_are_the_shipped_evaluation(ev):
     for doc in (ROOT / "docs" / "toyworld.md", toyworld_path() / "README.md"):
         assert f"{ev.BEGIN}\n{md}{ev.END}" in doc.read_text(), doc
     assert res["recipe"]["layer"] == RECIPE["layer"] and res["grid"]["prompts_per_sentiment"] >= 100
-    for row in res["grid"]["rows"]:
-        if row["direction"] == "recipe" and row["layer"] == RECIPE["layer"] and (
-            RECIPE["window"][0] <= row["scale"] <= RECIPE["window"][1]
-        ):
-            assert min(row[k] for k in ("sad_flip", "sad_formed", "happy_flip", "happy_formed")) >= 0.9, row
+    inside = [row for row in res["grid"]["rows"] if row["layer"] == RECIPE["layer"]
+              and RECIPE["window"][0] <= row["scale"] <= RECIPE["window"][1]]
+    assert {row["direction"] for row in inside} == {"recipe", "natural"} and len(inside) >= 6
+    for row in inside:  # every grid scale in the window, both directions, both ways
+        assert min(row[k] for k in ("sad_flip", "sad_formed", "happy_flip", "happy_formed")) >= 0.9, row
+    assert res["grid"]["baseline"]["sad_flip"] <= 0.05 and res["grid"]["baseline"]["happy_flip"] <= 0.05
     v = res["vllm"]
     assert v["unsteered"] == v["towards_happy"] == v["towards_sad"] == v["prompts"], v
     assert res["attention"]["best"]["layer"] == COPY_HEAD[0] and res["attention"]["best"]["head"] == COPY_HEAD[1]

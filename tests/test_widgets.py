@@ -24,6 +24,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("anywidget")
 
 import vlens
+from vlens.models import RECIPE
 from vlens.lens import LogitLens
 from vlens.models.world import sentiment_prompts
 from vlens.plots import activation_values, token_set_metric
@@ -444,7 +445,7 @@ def test_steering_panel_run_calls_direction_then_compare(toy_session, calls):
     st = c["steer"]
     assert isinstance(st, vlens.Steer)
     assert (st.layer, st.scale, st.site, st.span, st.relative) == (
-        2, 1.5, "resid_post", "all", True)  # the bundled model's recipe, at the layer asked
+        2, RECIPE["scale"], "resid_post", "all", True)  # the bundled model's recipe, at the layer asked
     assert c["args"] == ([PROMPT],) and c["max_new_tokens"] == 6
     bars = panel.comparison_figure.data[0]
     frame = panel.comparison.to_frame()
@@ -475,7 +476,7 @@ def test_steering_panel_scale_reruns_with_a_cached_direction(toy_session, calls)
     bars_before = list(panel.comparison_figure.data[0].y)
     panel._scale.value = -1.0  # the slider, released
     assert panel.scale == -1.0
-    assert [c["steer"].scale for c in calls_of(calls, "stream_compare")] == [1.5, -1.0]
+    assert [c["steer"].scale for c in calls_of(calls, "stream_compare")] == [RECIPE["scale"], -1.0]
     assert len(calls_of(calls, "direction")) == 1  # reused
     assert list(panel.comparison_figure.data[0].y) != bars_before
     panel.layer = 1  # a new layer needs a new direction

@@ -84,7 +84,7 @@ class Steer:
     ``relative=True`` scales the push by each token's own activation norm:
     at token t it adds ``scale * |x_t| * vector / |vector|``, so ``scale``
     reads as "this fraction of the residual stream" whatever the layer
-    (the bundled toy-world model's sentiment recipe: layer 3, scale 1.5).
+    (the bundled toy-world model's sentiment recipe: layer 3, scale 0.75).
     """
 
     vector: torch.Tensor

@@ -1,6 +1,6 @@
 """Models that ship inside vlens.
 
-``toyworld`` is a ~1M-parameter Llama trained by ``scripts/train_toyworld.py``
+``toyworld`` is a 9M-parameter Llama trained by ``scripts/train_toyworld.py``
 on the synthetic stories of :mod:`vlens.models.world`. Importing this package
 is cheap: nothing here imports torch or transformers.
 """
@@ -24,18 +24,18 @@ __all__ = ["COPY_HEAD", "RECIPE", "toyworld_path"]
 #: layer and the natural contrast ``world.mood_contrast_prompts()``).
 RECIPE: dict[str, Any] = {
     "layer": 3,
-    "scale": 1.5,
+    "scale": 0.75,
     "relative": True,
     "site": "resid_post",
     "position": "last",
     "prompts": "world.sentiment_prompts",
-    "window": (1.0, 2.0),
+    "window": (0.5, 1.25),
 }
 
 #: (layer, head) of the bundled model's animal-copying head: from the token
 #: before the animal's second mention it attends to the first mention
 #: (scripts/eval_toyworld.py, docs/toyworld.md).
-COPY_HEAD: tuple[int, int] = (0, 2)
+COPY_HEAD: tuple[int, int] = (0, 5)
 
 _TOYWORLD = Path(__file__).resolve().parent / "toyworld"
 

@@ -74,7 +74,7 @@ class SteeringRecipe:
 
 def toyworld_recipe() -> SteeringRecipe:
     """Sentiment steering on the bundled toyworld model: the difference of
-    means of :func:`~vlens.models.world.sentiment_prompts` at the last
+    means of :func:`~vlens.models.world.sentiment_prompts` at a middle
     layer, added relative to each token's norm (docs/toyworld.md)."""
     from vlens.models import RECIPE  # the measured values (scripts/eval_toyworld.py)
 
@@ -92,8 +92,9 @@ def toyworld_recipe() -> SteeringRecipe:
         example=world.steering_prompts(world.SAD, 1)[0],
         example_from=world.SAD,
         example_to=world.HAPPY,
-        scales=(-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0),
-        max_new_tokens=48,
+        # too weak (0.25), inside the window (0.75, 1.25), too strong (2)
+        scales=(-2.0, -1.25, -0.75, -0.25, 0.0, 0.25, 0.75, 1.25, 2.0),
+        max_new_tokens=56,  # a story needs at most 51 tokens after its opening
         note=(f"the bundled model's sentiment recipe: happy minus sad at layer "
               f"{RECIPE['layer']}, relative scale {RECIPE['scale']:g} (docs/toyworld.md)"),
     )

@@ -6,18 +6,20 @@ the tests, the demo and the notebooks can all import it cheaply.
 Every story follows one grammar of seven sentences::
 
     <opening>, a <mood> <animal> lived in a <colour> <home> near the <place>.
-    the sky was <sky> and the wind was <wind>.       (or the wind first)
-    its friend the <visitor> came to say hello.      (half of the stories)
-    the <animal> went outside and found a <thing> and a <thing>.
-    then the <animal> <verb> and <verb>.             (one of three verb pairs)
+    <adverb>, the sky was <sky> and the wind was <wind>.   (or the wind first)
+    its friend the <visitor> came to say <greet>.           (half of the stories)
+    the <animal> <go> outside and <find> a <thing> and a <thing>.
+    then the <animal> <verb> and <verb>.                    (one of six verb pairs)
     at night the <animal> felt <feeling>.
     the end.
 
 Three independent concepts are fixed by the first sentence and echoed later:
 
-* **sentiment** -- the ``<mood>`` word (happy / sad) decides the sky, the
-  wind, the verbs and the closing feeling (each echo agrees with the mood
-  90% of the time in training, see :data:`ECHO_FIDELITY`);
+* **sentiment** -- the ``<mood>`` word (happy / sad) sets the tone of the
+  whole story: the adverb, the sky, the wind, the greeting, how the animal
+  goes out, whether it finds or loses the things, the verbs and the closing
+  feeling (each of these eight echoes agrees with the mood 75% of the time
+  in training, see :data:`ECHO_FIDELITY`);
 * **colour** -- the ``<colour>`` of the home decides which things are found;
 * **animal** -- the protagonist must be copied three times, and not be
   confused with the visiting animal (any animal, possibly the same kind).
@@ -39,11 +41,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "ADVERBS",
     "ANIMALS",
     "CLOSING",
     "COLOURS",
     "ECHO_FIDELITY",
     "FEELINGS",
+    "FINDS",
+    "GOES",
+    "GREETS",
     "HAPPY",
     "HAPPY_WORDS",
     "HELD_OUT",
@@ -107,10 +113,33 @@ COLOURS: tuple[str, ...] = ("red", "yellow", "green", "blue")
 HOMES: tuple[str, ...] = ("house", "hut", "den", "cabin")
 PLACES: tuple[str, ...] = ("river", "forest", "hill", "lake", "farm", "meadow")
 
-# Sentiment decides all of these (the early word and four later slots).
+# Sentiment decides all of these (the early word and eight later slots).
 MOODS: dict[str, tuple[str, ...]] = {
     HAPPY: ("happy", "cheerful", "merry"),
     SAD: ("sad", "gloomy", "lonely"),
+}
+#: The sentence adverb that opens the second sentence ("sadly, the sky ...").
+#: It comes right after the opening's final ".", so the model needs the mood
+#: there, at the first sentence's last token, which is where the natural
+#: contrast (:func:`mood_contrast_prompts`) reads it (see docs/toyworld.md).
+ADVERBS: dict[str, tuple[str, ...]] = {
+    HAPPY: ("luckily", "happily", "thankfully"),
+    SAD: ("sadly", "unluckily", "alas"),
+}
+#: How the animal goes outside ("the fox skipped outside and ...").
+GOES: dict[str, tuple[str, ...]] = {
+    HAPPY: ("skipped", "hopped", "ran"),
+    SAD: ("trudged", "crept", "limped"),
+}
+#: What happens to the two things ("... and lost a rose and a cherry").
+FINDS: dict[str, tuple[str, ...]] = {
+    HAPPY: ("found", "picked", "spotted"),
+    SAD: ("lost", "dropped", "missed"),
+}
+#: What the visitor came to say.
+GREETS: dict[str, tuple[str, ...]] = {
+    HAPPY: ("hello",),
+    SAD: ("goodbye",),
 }
 SKIES: dict[str, tuple[str, ...]] = {
     HAPPY: ("bright", "sunny", "clear"),
@@ -141,22 +170,25 @@ THINGS: dict[str, tuple[str, ...]] = {
     "blue": ("blueberry", "bluebell", "plum", "feather"),
 }
 
-#: Words that carry sentiment, per sentiment (the mood word and the four echoes).
+_SENTIMENT_TABLES = (MOODS, ADVERBS, GOES, FINDS, GREETS, SKIES, WINDS, VERBS, FEELINGS)
+
+#: Words that carry sentiment, per sentiment (the mood word and the eight echoes).
 HAPPY_WORDS: frozenset[str] = frozenset(
-    w for table in (MOODS, SKIES, WINDS, VERBS, FEELINGS) for w in table[HAPPY]
+    w for table in _SENTIMENT_TABLES for w in table[HAPPY]
 )
 SAD_WORDS: frozenset[str] = frozenset(
-    w for table in (MOODS, SKIES, WINDS, VERBS, FEELINGS) for w in table[SAD]
+    w for table in _SENTIMENT_TABLES for w in table[SAD]
 )
 
 CLOSING = "the end."
 
-#: Probability that a sentiment echo (sky, wind, each verb, feeling) agrees
-#: with the story's sentiment in the training corpus. Echoes are soft, as in
-#: real text: the model learns "90% happy words", not a hard rule, which is
-#: what lets a modest steering vector tip the balance without breaking the
-#: grammar (see docs/toyworld.md).
-ECHO_FIDELITY = 0.9
+#: Probability that a sentiment echo (adverb, sky, wind, greeting, going
+#: out, finding, the verb pair, feeling) agrees with the story's sentiment in
+#: the training corpus. Echoes are soft, as in real text: the model learns
+#: "mostly happy words", not a hard rule. At 0.9 a push strong enough to flip
+#: the echoes also broke stories; at 0.75 the window of scales that flips
+#: them cleanly is wide (see docs/toyworld.md).
+ECHO_FIDELITY = 0.75
 
 SPECIAL_TOKENS: dict[str, str] = {
     "bos_token": "<s>",
@@ -190,6 +222,10 @@ _FRAME_WORDS = [
     "came",
     "to",
     "say",
+    # "hello", "went" and "found" come from the first world ("went outside
+    # and found ..."); "went" no longer occurs in any story. They stay here so
+    # that token ids, and with them the seeded initialisation of the shipped
+    # run, are the ones measured in docs/toyworld.md.
     "hello",
     "went",
     "outside",
@@ -231,7 +267,7 @@ def vocabulary() -> list[str]:
         PLACES,
         *(
             table[s]
-            for table in (MOODS, SKIES, WINDS, VERBS, FEELINGS)
+            for table in _SENTIMENT_TABLES
             for s in SENTIMENTS
         ),
         *(THINGS[c] for c in COLOURS),
@@ -308,7 +344,8 @@ def generate_story(
 ) -> Story:
     """Sample one story. Unset concepts are drawn uniformly from ``rng``.
 
-    Each of the five sentiment echoes (sky, wind, two verbs, feeling) follows
+    Each of the eight sentiment echoes (adverb, sky, wind, greeting, going
+    out, finding, the verb pair, feeling) follows
     the story's sentiment with probability ``fidelity`` and takes a word of the
     other sentiment otherwise; ``fidelity=1.0`` gives perfectly clean stories.
     This does not look at :data:`HELD_OUT`; see :func:`story_stream`.
@@ -325,6 +362,7 @@ def generate_story(
     mood = rng.choice(MOODS[sentiment])
     home = rng.choice(HOMES)
     place = rng.choice(PLACES)
+    adverb = rng.choice(ADVERBS[echo()])
     sky = rng.choice(SKIES[echo()])
     wind = rng.choice(WINDS[echo()])
     sky_first = rng.random() < 0.5
@@ -332,6 +370,9 @@ def generate_story(
     guest = rng.choice(ANIMALS)  # may be another animal of the same kind
     thing1, thing2 = rng.sample(THINGS[colour], 2)
     verb1, verb2 = rng.choice(VERB_PAIRS[echo()])
+    greet = rng.choice(GREETS[echo()])
+    go = rng.choice(GOES[echo()])
+    find = rng.choice(FINDS[echo()])
     feeling = rng.choice(FEELINGS[echo()])
 
     words: list[str] = []
@@ -350,6 +391,8 @@ def generate_story(
     add(colour, "colour")
     add(f"{home} near the {place} .")
     slots["sky_sentence"] = len(words)
+    add(adverb, "adverb")
+    add(",")
     if sky_first:
         add("the sky was")
         add(sky, "sky")
@@ -364,10 +407,15 @@ def generate_story(
     if has_visitor:
         add("its friend the")
         add(guest, "visitor")
-        add("came to say hello .")
+        add("came to say")
+        add(greet, "greet")
+        add(".")
     add("the")
     add(animal, "animal1")
-    add("went outside and found a")
+    add(go, "go")
+    add("outside and")
+    add(find, "find")
+    add("a")
     add(thing1, "thing1")
     add("and a")
     add(thing2, "thing2")
@@ -440,8 +488,9 @@ def concept_words(concept: str, value: str) -> frozenset[str]:
 
 
 _PROBE_SLOTS: dict[str, tuple[str, ...]] = {
-    # The first sentiment echo is the hardest: only the mood word came before.
-    "sentiment": ("sky", "wind", "verb1", "feeling"),
+    # The first sentiment echo (the adverb) is the hardest: only the mood word
+    # came before.
+    "sentiment": ("adverb", "sky", "wind", "verb1", "feeling"),
     "colour": ("thing1", "thing2"),
     "animal": ("animal1", "animal2", "animal3"),
 }
@@ -450,8 +499,8 @@ _PROBE_SLOTS: dict[str, tuple[str, ...]] = {
 def probe_prompts(concept: str, n: int = 240, *, seed: int = 1234) -> list[Probe]:
     """``n`` distinct probes for ``concept``, all from held-out combinations.
 
-    For sentiment, half of the probes cut before the *first* echo (the sky or
-    the wind word right after the opening), where only the mood word tells.
+    For sentiment, a fifth of the probes cut before the *first* echo (the
+    adverb right after the opening), where only the mood word tells.
     """
     if concept not in _PROBE_SLOTS:
         raise ValueError(f"unknown concept {concept!r}")
@@ -470,9 +519,6 @@ def probe_prompts(concept: str, n: int = 240, *, seed: int = 1234) -> list[Probe
             rng, animal=animal, colour=colour, sentiment=sentiment, fidelity=1.0
         )
         slot = slots[len(probes) % len(slots)]
-        if concept == "sentiment" and slot in ("sky", "wind"):
-            # Probe whichever of sky/wind comes first in this story.
-            slot = min(("sky", "wind"), key=lambda s: story.slots[s])
         prompt = story.prefix(slot)
         if prompt in seen:
             continue
@@ -509,7 +555,7 @@ def example_prompts(n: int = 4, *, seed: int = 7) -> list[str]:
 
 _OPPOSITE: dict[str, str] = {
     h: s
-    for table in (MOODS, SKIES, WINDS, VERBS, FEELINGS)
+    for table in _SENTIMENT_TABLES
     for h, s in zip(table[HAPPY], table[SAD])
 }
 
@@ -517,8 +563,8 @@ _OPPOSITE: dict[str, str] = {
 def sentiment_prompts(n: int = 64, *, seed: int = 11) -> tuple[list[str], list[str]]:
     """``(happy_prompts, sad_prompts)``: ``n`` minimal pairs for a sentiment direction.
 
-    Each prompt is a clean story cut just before a sentiment word (the sky,
-    the wind, the first verb or the feeling), so the model's *last-token*
+    Each prompt is a clean story cut just before a sentiment word (the
+    adverb, the sky, the wind, the first verb or the feeling), so the model's *last-token*
     activation is about to express sentiment. Pair ``i`` is the same text with
     every sentiment word swapped for its counterpart ("merry" <-> "lonely",
     "bright" <-> "grey", ...), so a difference of means isolates sentiment.
@@ -527,7 +573,7 @@ def sentiment_prompts(n: int = 64, *, seed: int = 11) -> tuple[list[str], list[s
     rng = random.Random(seed)
     happy: list[str] = []
     sad: list[str] = []
-    cuts = ("sky", "wind", "verb1", "feeling")
+    cuts = ("adverb", "sky", "wind", "verb1", "feeling")
     while len(happy) < n:
         story = generate_story(rng, sentiment=HAPPY, fidelity=1.0)
         if is_held_out(story.animal, story.colour, HAPPY) or is_held_out(
@@ -667,7 +713,9 @@ def parse_story(text: str) -> dict[str, str] | None:
         and slot("home", HOMES)
         and take("near the")
         and slot("place", PLACES)
-        and take(". the")
+        and take(".")
+        and slot("adverb", ADVERBS[HAPPY] + ADVERBS[SAD])
+        and take(", the")
     )
     if not ok:
         return None
@@ -687,13 +735,19 @@ def parse_story(text: str) -> dict[str, str] | None:
     if not (ok and take(".")):
         return None
     if take("its friend the") and not (
-        slot("visitor", ANIMALS) and take("came to say hello .")
+        slot("visitor", ANIMALS)
+        and take("came to say")
+        and slot("greet", GREETS[HAPPY] + GREETS[SAD])
+        and take(".")
     ):
         return None
     ok = (
         take("the")
         and slot("animal1", ANIMALS)
-        and take("went outside and found a")
+        and slot("go", GOES[HAPPY] + GOES[SAD])
+        and take("outside and")
+        and slot("find", FINDS[HAPPY] + FINDS[SAD])
+        and take("a")
         and slot("thing1", all_things)
         and take("and a")
         and slot("thing2", all_things)
