@@ -215,7 +215,7 @@ def write_doc(doc: Path, res: dict, meta: dict) -> None:
 
 
 def default_model() -> str:
-    """The bundled toy-world model (4 layers), or a stand-in of its shape."""
+    """The bundled toy-world model, or a stand-in of its shape."""
     import run
 
     try:

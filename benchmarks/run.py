@@ -64,7 +64,7 @@ MODELS_DIR = HERE / ".models"
 LARGE = {"arch": "llama", "hidden": 512, "layers": 8, "heads": 8, "intermediate": 1376, "vocab": 4096}
 # the bundled model's shape (scripts/train_toyworld.py), for a stand-in when
 # the trained weights are not in this checkout
-TOYWORLD_SHAPE = {"arch": "llama", "hidden": 128, "layers": 4, "heads": 4, "intermediate": 512, "vocab": 128}
+TOYWORLD_SHAPE = {"arch": "llama", "hidden": 384, "layers": 6, "heads": 12, "intermediate": 768, "vocab": 133}
 # Qwen2.5-0.5B's shape, random weights: the GPU check's default model
 HALF_B = {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
               "vocab": 151936}
@@ -125,7 +125,7 @@ def default_models() -> list[dict]:
         models.append({
             "name": "toy-world shape (stand-in)", "path": str(path),
             "note": "the bundled toy-world model was not in this checkout; a random-weight "
-                    "model of its shape (hidden 128, 4 layers, 4 heads, MLP 512) stood in",
+                    "model of its shape (hidden 384, 6 layers, 12 heads, MLP 768) stood in",
         })
     path = _make("llama-h512-l8", LARGE)
     models.append({"name": "random Llama, hidden 512 x 8 layers", "path": str(path), "note": None})
