@@ -191,6 +191,9 @@ class StepPlan:
     #: next decode step: (query_start_loc, first positions, padded rows,
     #: the BatchGroups, vector_version)
     basis: tuple | None = field(default=None, compare=False, repr=False)
+    #: the hooks' scratch for this plan (shared by a decode step reusing it:
+    #: the same (site, layer) keys)
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     def wants(self, key: Key) -> bool:
         return key in self.reads or key in self.adds or key in self.sets or key in self.edits
@@ -245,6 +248,7 @@ def plan_step(
             layout, _Requests(plans, layout, groups.planned),
             {key: tuple(g.on(layout) for g in gs) for key, gs in previous.reads.items()},
             previous.adds, previous.sets, previous.edits, previous.problems, basis,
+            previous.scratch,
         )
     counts = qsl[1:] - qsl[:-1]
 

@@ -64,6 +64,8 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         self.edit_fns: dict[str, Any] = {}
         self.compiled = False
         self._codes: list[tuple[Any, int]] = []  # compiled mode: code -> (spec, layer)
+        self._code_of: dict[tuple[str, int], int] = {}  # (site, layer) -> code
+        self._step_codes: frozenset[int] = frozenset()  # codes the current step wants
         self._code_base: int | None = None
         #: sites this engine leaves unhooked, and why (head sites in
         #: compiled mode and under tensor parallelism)
@@ -104,6 +106,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                 module = spec.module_of(layer)
                 if compiled:
                     code = self._code_base + len(self._codes)
+                    self._code_of[(spec.name, layer_idx)] = len(self._codes)
                     self._codes.append((spec, layer_idx))
                     hook = ops.compiled_hook(spec, code, spec.pre)
                 else:
@@ -233,6 +236,15 @@ class WorkerHooks(HeadSiteOps, ClientSide):
             vector_version=self.vectors.version,
         )
         self._last_step = step
+        if step is not None and self.compiled:
+            # the operators' codes this step wants: one set lookup per call
+            # (kept with the plan, so a reused plan reuses it)
+            codes = step.scratch.get("codes")
+            if codes is None:
+                codes = step.scratch["codes"] = frozenset(
+                    self._code_of[k] for part in (step.reads, step.adds, step.sets, step.edits)
+                    for k in part if k in self._code_of)
+            self._step_codes = codes
         log = self.log = StepLog()
         if step is not None and (self.reader or self.tp > 1):
             rows = int(qsl[-1])
@@ -311,12 +323,10 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         site's target and what the graph passed beside it: the canonical
         value (None: the target itself) or, at a summed site, the addend."""
         step = self.step
-        if step is None:  # most calls, when nothing is traced
+        if step is None or index not in self._step_codes:  # most calls
             return
         spec, layer = self._codes[index]
         key = (spec.name, layer)
-        if not step.wants(key):
-            return
         if target is not None and spec.addend is not None:
             # summed when asked, after whatever changed the target: reads and
             # edits see the steered value, as in eager mode
