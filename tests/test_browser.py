@@ -5,7 +5,7 @@ Starts JupyterLab on loopback (a free port, a random token) over a copy of
 Playwright, runs every cell, moves the explorer's layer slider and
 shift-clicks two token chips, then checks in the page (the heatmap's marks)
 and in the kernel (``ex.layer``, ``ex.span``) that both took effect. The
-tour's logit-lens view of a 60+ token story is checked for legibility (no
+tour's logit-lens view of a whole story (50+ tokens) is checked for legibility (no
 two token labels overlap), and a snapshot of the explorer is opened from
 its file, with no kernel and no network, and compared with the live figure.
 A second test opens a small notebook of the attention and patching views:
@@ -352,7 +352,7 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
             page.set_viewport_size({"width": 1400, "height": 2400})  # the whole grid
             lens_out.scroll_into_view_if_needed()
             time.sleep(1)
-            lens_out.screenshot(path=str(ARTIFACTS / "06-logit-lens-60-tokens.png"))
+            lens_out.screenshot(path=str(ARTIFACTS / "06-logit-lens-story.png"))
             page.set_viewport_size({"width": 1400, "height": 1000})
 
             # -- a snapshot of the explorer, opened from its file: no kernel
@@ -389,9 +389,10 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
     assert "'span'" in text and "'layer'" in text, text
     assert text.rstrip().endswith("''"), text  # no widget error
 
-    # the logit lens at 60+ tokens: one label per token and per cell, none overlapping
-    assert labels["ticks"] >= 60, labels
-    assert labels["cells"] >= labels["ticks"] * 4, labels  # 4 layers across
+    # the logit lens over a whole story (a bundled-model story is 50-60 tokens with
+    # its opening): one label per token and per cell, none overlapping
+    assert labels["ticks"] >= 50, labels
+    assert labels["cells"] >= labels["ticks"] * 4, labels  # every layer across (4 or more)
     assert labels["cell_overlaps"] == 0 and labels["tick_overlaps"] == 0, labels
     assert labels["min_height"] >= 10, labels  # text a reader can read
 

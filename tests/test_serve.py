@@ -387,7 +387,8 @@ def test_a_client_killed_mid_call_leaves_nothing(server, toy_session, tmp_path):
     assert "finished" not in victim.stdout.read()
 
 
-def _malformed(server, ids: list[int], vocab: int, hidden: int) -> list[tuple[str, dict]]:
+def _malformed(server, ids: list[int], vocab: int, hidden: int,
+               n_layers: int) -> list[tuple[str, dict]]:
     """Over 200 bad requests: (what, httpx.request kwargs)."""
     rng = random.Random(0)
     good = _call_body(server, ids)
@@ -408,7 +409,7 @@ def _malformed(server, ids: list[int], vocab: int, hidden: int) -> list[tuple[st
         return raw
 
     read = {"site": "resid_post", "layers": [0], "reduce": "full", "k": 0}
-    for value in (-1, 4, 99, "0", None, 1.5, [0]):
+    for value in (-1, n_layers, 99, "0", None, 1.5, [0]):  # n_layers: one past the last
         send(f"read layer {value!r}", plan_with(reads=[{**read, "layers": [value]}]))
     for site in ("nope", "", None, 3, "resid_post\x00"):
         send(f"read site {site!r}", plan_with(reads=[{**read, "site": site}]))
@@ -492,7 +493,8 @@ def test_malformed_requests_get_4xx_and_the_server_serves_on(server, toy_session
     with server.connect("c4") as s:
         before = s.trace("the wind was", layers=[0, 3], max_new_tokens=4)
         steps = s.status()["steps_seen"]
-        bad = _malformed(server, ids, toy_session.info["vocab_size"], toy_session.hidden_size)
+        bad = _malformed(server, ids, toy_session.info["vocab_size"], toy_session.hidden_size,
+                         toy_session.n_layers)
         assert len(bad) >= 200
         for what, kw in bad:
             headers = {**server.headers("c4"), **kw.pop("headers")}
