@@ -59,7 +59,7 @@ class ReadGroup:
     planner makes keeps only batch indices and makes them when first asked
     for (after the run, when the reads are cut per request)."""
 
-    __slots__ = ("read", "_spans", "_pick", "_picks", "index", "rows_t", "bounds")
+    __slots__ = ("read", "_spans", "_pick", "index", "rows_t", "bounds")
 
     def __init__(self, read: Read, spans: Sequence[RowSpan] | None = None,
                  index: np.ndarray | None = None, rows_t: torch.Tensor | None = None,
@@ -68,7 +68,6 @@ class ReadGroup:
         self.read = read  # a representative (same key and k for the whole group)
         self._spans = None if spans is None else tuple(spans)
         self._pick = pick  # (layout, batch indices of each plan group)
-        self._picks = None if pick is None else pick[1]  # kept for :meth:`on`
         #: [sum of span lengths] int64 step rows of the spans, one after
         #: another (built once per step with array arithmetic)
         self.index = index
@@ -84,7 +83,6 @@ class ReadGroup:
             layout, picks = self._pick or (None, [])
             every = layout.spans if layout is not None else ()
             self._spans = tuple(every[i] for idx in picks for i in idx.tolist())
-            self._pick = None
         return self._spans
 
     def __repr__(self) -> str:
@@ -93,10 +91,10 @@ class ReadGroup:
     def on(self, layout: StepLayout) -> ReadGroup:
         """The same rows in another step with the same row layout (a decode
         step reusing the last one's plan): spans from ``layout``."""
-        if self._picks is None:
+        if self._pick is None:
             raise ValueError("only a group the planner made can move to another step")
         return ReadGroup(self.read, None, self.index, self.rows_t, self.bounds,
-                         pick=(layout, self._picks))
+                         pick=(layout, self._pick[1]))
 
     def index_on(self, device: torch.device) -> torch.Tensor:
         """:meth:`rows` as an int64 tensor on ``device`` (the planner makes
@@ -323,13 +321,10 @@ def _same_decode(last: tuple | None, now: tuple) -> bool:
     if not np.array_equal(first, first0 + 1):
         return False
     for plan, idx in groups.adds + groups.sets:
-        at = None
-        for e in plan.adds + plan.sets:
-            for edge in (e.start, e.stop):
-                if edge > 0:
-                    at = first[idx] if at is None else at
-                    if bool((at == edge).any()):
-                        return False
+        edges = {x for e in plan.adds + plan.sets for x in (e.start, e.stop) if x > 0}
+        at = first[idx] if edges else None
+        if any(bool((at == edge).any()) for edge in edges):
+            return False
     return True
 
 

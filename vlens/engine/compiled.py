@@ -72,9 +72,9 @@ _LIB.define("read(Tensor value, Tensor? other, int code) -> ()")
 
 def _site(target: torch.Tensor, value: torch.Tensor | None, code: int) -> None:
     """Run vlens's step plan at one writable (site, layer): ``target`` is
-    the tensor edits are added to; ``value`` the canonical value (None:
-    ``target`` itself) or, at a site whose value is a sum (``SiteSpec.addend``),
-    the part added to the target (the worker sums them only if it must)."""
+    the tensor edits are added to and, at a site whose value is a sum
+    (``SiteSpec.addend``), ``value`` the part added to it (the worker sums
+    them only if it must); None: the value is ``target`` itself."""
     _dispatch(code, target, value)
 
 
@@ -119,11 +119,10 @@ def compiled_hook(spec: Any, code: int, pre: bool):
                 torch.ops.vlens.read(value, None, code)
             return
         target = spec.target(args, kwargs, output)
-        if spec.addend is not None:
-            torch.ops.vlens.site(target, spec.addend(args, kwargs, output), code)
-            return
-        value = spec.extract(args, kwargs, output)
-        torch.ops.vlens.site(target, None if value is target else value, code)
+        # the value is the target itself, or the target plus the addend
+        # (the worker refuses any other writable site at install)
+        addend = spec.addend(args, kwargs, output) if spec.addend is not None else None
+        torch.ops.vlens.site(target, addend, code)
 
     if pre:
         return lambda module, args, kwargs: call(args, kwargs, None)

@@ -105,6 +105,13 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                     continue
                 module = spec.module_of(layer)
                 if compiled:
+                    if spec.target is not None and spec.addend is None and (
+                            spec.extract is not spec.target):
+                        # the graph would hand over a value made before any
+                        # change to the target: reads after a write would miss it
+                        raise ValueError(
+                            f"site {spec.name}: its value is not its target and its SiteSpec "
+                            "gives no addend; compiled mode needs one (vlens/sites.py)")
                     code = self._code_base + len(self._codes)
                     self._code_of[(spec.name, layer_idx)] = len(self._codes)
                     self._codes.append((spec, layer_idx))
@@ -320,8 +327,8 @@ class WorkerHooks(HeadSiteOps, ClientSide):
 
     def visit_compiled(self, index: int, target, value) -> None:
         """Called by vlens's operators in compiled mode, every step, with the
-        site's target and what the graph passed beside it: the canonical
-        value (None: the target itself) or, at a summed site, the addend."""
+        site's target and, at a summed site, the addend (None: the value is
+        the target); at a read-only site ``value`` is the value."""
         step = self.step
         if step is None or index not in self._step_codes:  # most calls
             return
@@ -332,15 +339,9 @@ class WorkerHooks(HeadSiteOps, ClientSide):
             # edits see the steered value, as in eager mode
             get_value = (lambda: target) if value is None else (lambda: value + target)  # noqa: E731
         else:
+            # a writable site here is its own target (checked at install)
             value = target if value is None else value
             get_value = lambda: value  # noqa: E731
-            if target is not None and value is not target and (
-                    key in step.edits or (key in step.sets and key in step.adds) or (
-                        key in step.reads and (key in step.adds or key in step.sets))):
-                # a value the graph summed before the operator ran: after a
-                # change to the target, what reads it next must see the change
-                before = target.clone()
-                get_value = lambda: value + (target - before)  # noqa: E731
         self._visit(step, key, spec, get_value, None if target is None else (lambda: target))
 
     def _fail(self, req_ids, key, exc: BaseException) -> None:

@@ -25,6 +25,11 @@ __all__ = ["apply_adds", "apply_sets", "reduce_rows", "run_edit"]
 Getter = Callable[[], torch.Tensor]
 
 
+def _token_rows(t: torch.Tensor, layout: StepLayout, label: str) -> torch.Tensor:
+    """``t`` with the step's tokens on its first axis (``[1, T, ...]`` -> ``[T, ...]``, a view)."""
+    return t[0] if token_axis(t, layout, site=label) == 1 else t
+
+
 def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_value: Getter,
                get_target: Getter, label: str) -> None:
     """Every request's steering add at this (site, layer), in one
@@ -33,7 +38,7 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
     target = get_target()
     if batch.uniform is not None:  # one vector on a run of rows: a slice add
         lo, hi, vec, scale = batch.uniform
-        flat = target[0] if token_axis(target, layout, site=label) == 1 else target
+        flat = _token_rows(target, layout, label)
         delta = batch.cache.get("delta")
         if delta is None or delta.dtype != flat.dtype:
             # scale is a float32 value: the same product the indexed path adds;
@@ -43,8 +48,7 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
         return
     delta = matrix.index_select(0, batch.vectors) * batch.scales[:, None]
     if batch.relative is not None:
-        value = get_value()
-        flat = value[0] if token_axis(value, layout, site=label) == 1 else value
+        flat = _token_rows(get_value(), layout, label)
         norms = flat.index_select(0, batch.rows).float().norm(dim=-1)
         delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
     add_rows(target, layout, batch.rows, delta, site=label, check=False)
@@ -60,8 +64,7 @@ def apply_sets(matrix_of: Callable[[int], torch.Tensor], batch: SetBatch, layout
     the target is what makes the value equal the replacement. Rows of other
     requests are never touched. ``matrix_of(width)``: the worker's vectors of
     the site's width. Never reads a tensor back to the host."""
-    value = get_value()
-    flat = value[0] if token_axis(value, layout, site=label) == 1 else value
+    flat = _token_rows(get_value(), layout, label)
     current = flat.index_select(0, batch.rows).float()  # [m, width]
     width = current.shape[-1]
     if batch.any_vector:
