@@ -60,6 +60,8 @@ class Sample:
     worker_reduce_s: float = 0.0  # of worker_hook_s: the reads' arithmetic (sums, norms...)
     steps: int = 0
     steps_planned: int = 0
+    # the same worker figures over decode steps alone (one new row per request)
+    decode: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -136,7 +138,10 @@ def unit_vectors(n: int, hidden: int, seed: int = 0) -> torch.Tensor:
 def _status(s: Any) -> dict[str, int]:
     st = s.status()
     return {k: int(st.get(k, 0)) for k in ("layout_ns", "hook_ns", "reduce_ns", "steps_planned",
-                                        "steps_seen")}
+                                        "steps_seen", *DECODE_KEYS)}
+
+
+DECODE_KEYS = ("decode_steps", "decode_layout_ns", "decode_hook_ns", "decode_reduce_ns")
 
 
 def timed(cond: Conditions, key: str, **kw) -> Sample:
@@ -166,6 +171,7 @@ def timed(cond: Conditions, key: str, **kw) -> Sample:
             sample.worker_reduce_s = (st1["reduce_ns"] - st0["reduce_ns"]) / 1e9
             sample.steps = st1["steps_seen"] - st0["steps_seen"]
             sample.steps_planned = st1["steps_planned"] - st0["steps_planned"]
+            sample.decode = {k: st1[k] - st0[k] for k in DECODE_KEYS}
     finally:
         if teardown:
             engine.rpc("vlens_setup")
@@ -249,7 +255,7 @@ def summarise(samples: dict[str, list[Sample]], cond: Conditions) -> dict:
     return out
 
 
-def _worker(runs: list[Sample], sites: int) -> dict[str, float]:
+def _worker(runs: list[Sample], sites: int) -> dict[str, Any]:
     steps = sum(r.steps for r in runs)
     planned = sum(r.steps_planned for r in runs)
     layout = sum(r.worker_layout_s for r in runs)
@@ -257,55 +263,82 @@ def _worker(runs: list[Sample], sites: int) -> dict[str, float]:
     reduce = sum(r.worker_reduce_s for r in runs)
     total = sum(r.seconds for r in runs)
     gen = sum(r.generate_s for r in runs)
-    return {
+    out: dict[str, Any] = {
         "steps_per_run": steps / len(runs),
         "planned_steps_per_run": planned / len(runs),
         "sites_per_step": sites,
-        "layout_us_per_step": layout / planned * 1e6 if planned else 0.0,
-        "hook_us_per_step": hook / planned * 1e6 if planned else 0.0,
-        "hook_us_per_site": hook / planned / sites * 1e6 if planned and sites else 0.0,
-        # the hooks' time less the reads' own arithmetic (a norm over
-        # 8x the rows costs 8x; what vlens adds around it should not grow)
-        "overhead_us_per_site": (hook - reduce) / planned / sites * 1e6
-        if planned and sites else 0.0,
+        **_per_step(planned, layout * 1e9, hook * 1e9, reduce * 1e9, sites),
         "share_layout": layout / total,
         "share_hooks": hook / total,
         "share_client": max(0.0, total - gen) / total,
+    }
+    d = {k: sum(r.decode.get(k, 0) for r in runs) for k in DECODE_KEYS}
+    if d["decode_steps"]:  # the steady state: decode steps alone
+        out["decode"] = {"steps_per_run": d["decode_steps"] / len(runs),
+                         **_per_step(d["decode_steps"], d["decode_layout_ns"],
+                                     d["decode_hook_ns"], d["decode_reduce_ns"], sites)}
+    return out
+
+
+def _per_step(steps: int, layout_ns: float, hook_ns: float, reduce_ns: float,
+              sites: int) -> dict[str, float]:
+    """Microseconds per planned step (layout, hooks) and per hooked site (all
+    of it; the reads' own arithmetic; the rest, which is vlens's)."""
+    if not steps:
+        return {"layout_us_per_step": 0.0, "hook_us_per_step": 0.0, "hook_us_per_site": 0.0,
+                "reduce_us_per_site": 0.0, "overhead_us_per_site": 0.0}
+    per_site = steps * sites if sites else None
+    return {
+        "layout_us_per_step": layout_ns / steps / 1e3,
+        "hook_us_per_step": hook_ns / steps / 1e3,
+        "hook_us_per_site": hook_ns / per_site / 1e3 if per_site else 0.0,
+        # a norm over 8x the rows costs 8x; what vlens adds around it should not grow
+        "reduce_us_per_site": reduce_ns / per_site / 1e3 if per_site else 0.0,
+        "overhead_us_per_site": (hook_ns - reduce_ns) / per_site / 1e3 if per_site else 0.0,
     }
 
 
 def step_costs(summary: dict) -> dict[str, Any] | None:
     """The per-step table of issue 15: layout and per-site microseconds at
-    32 requests and at the wide batch, per engine, with the goals."""
+    32 requests and at the wide batch, per engine, with the goals; over
+    every planned step, and (``decode``) over decode steps alone."""
     out: dict[str, Any] = {}
     for mode, suffix in (("eager", ""), ("compiled", "_comp")):
         k32, wide = summary.get(f"k32{suffix}"), summary.get(f"k256{suffix}")
         if not k32 or not wide:
             continue
         w32, ww = k32["worker"], wide["worker"]
-        growth_layout = ww["layout_us_per_step"] / w32["layout_us_per_step"] \
-            if w32["layout_us_per_step"] else None
-        growth_site = ww["hook_us_per_site"] / w32["hook_us_per_site"] \
-            if w32["hook_us_per_site"] else None
-        over32, overw = w32.get("overhead_us_per_site"), ww.get("overhead_us_per_site")
-        growth_over = overw / over32 if over32 else None
-        g = STEP_GOALS
-        out[mode] = {
-            "at_32": {"layout_us": w32["layout_us_per_step"], "site_us": w32["hook_us_per_site"],
-                      "steps": w32["planned_steps_per_run"]},
-            "wide": {"layout_us": ww["layout_us_per_step"], "site_us": ww["hook_us_per_site"],
-                     "steps": ww["planned_steps_per_run"]},
-            "growth_layout": growth_layout, "growth_site": growth_site,
-            "overhead_us": {"at_32": over32, "wide": overw, "growth": growth_over},
-            "sites_per_step": w32["sites_per_step"],
-            "goals": {
-                "layout": ww["layout_us_per_step"] <= g["layout_us"],
-                "site": ww["hook_us_per_site"] <= g["site_us"],
-                "growth": growth_layout is not None and growth_site is not None
-                and max(growth_layout, growth_site) <= g["growth"],
-            },
-        }
+        out[mode] = {**_step_view(w32, ww), "sites_per_step": w32["sites_per_step"]}
+        if w32.get("decode") and ww.get("decode"):
+            out[mode]["decode"] = _step_view(w32["decode"], ww["decode"])
     return out or None
+
+
+def _step_view(w32: dict, ww: dict) -> dict[str, Any]:
+    """32 requests against the wide batch: the figures, their growth, goals."""
+    def growth(key: str) -> float | None:
+        return ww[key] / w32[key] if w32.get(key) else None
+
+    def at(w: dict) -> dict[str, float]:
+        return {"layout_us": w["layout_us_per_step"], "site_us": w["hook_us_per_site"],
+                "reduce_us": w.get("reduce_us_per_site"),
+                "steps": w.get("planned_steps_per_run", w.get("steps_per_run"))}
+
+    g = STEP_GOALS
+    growth_layout, growth_site = growth("layout_us_per_step"), growth("hook_us_per_site")
+    return {
+        "at_32": at(w32), "wide": at(ww),
+        "growth_layout": growth_layout, "growth_site": growth_site,
+        "overhead_us": {"at_32": w32.get("overhead_us_per_site"),
+                        "wide": ww.get("overhead_us_per_site"),
+                        "growth": growth("overhead_us_per_site")},
+        "goals": {
+            "layout": ww["layout_us_per_step"] <= g["layout_us"],
+            "site": ww["hook_us_per_site"] <= g["site_us"],
+            "growth": growth_layout is not None and growth_site is not None
+            and max(growth_layout, growth_site) <= g["growth"],
+        },
+    }
 
 
 def agreement(samples: dict[str, list[Sample]], a: str, b: str) -> dict[str, Any] | None:

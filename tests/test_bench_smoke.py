@@ -101,10 +101,15 @@ def test_small_run_produces_every_figure(bench, tiny_llama, tmp_path):
     assert conds["c_off"]["ratio_to_a_off"] and conds["p_f_off"]["ratio_to_p_a"]
     steps = model["step_costs"]["eager"]
     assert steps["sites_per_step"] == 8 and steps["wide"]["layout_us"] > 0
+    decode = steps["decode"]  # the decode steps alone: fewer, each cheaper than a prefill's
+    assert 0 < decode["wide"]["steps"] < steps["wide"]["steps"]
+    wide = decode["wide"]
+    assert 0 < wide["site_us"] and 0 <= wide["reduce_us"] < wide["site_us"]
     assert model["agreement"]["c_vs_j"]["of"] == 4
     text = doc.read_text()
     for row in ("| (a) |", "| (h) |", "| (i) |", "| (j) |", "| (c, off) |", "| (p: f) |",
-                "| eager | 8 |", "| (h, floor) |"):
+                "| eager | every planned step | 8 |", "| eager | decode steps | 8 |",
+                "| (h, floor) |"):
         assert row in text, row
     assert "Inside the worker (k)" in text and "## GPU figures" in text
     assert "## Compiled mode" in text and "prefix cache" in text

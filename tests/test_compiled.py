@@ -139,3 +139,26 @@ def test_compiled_mode_reads_heads_and_patterns_as_eager_does(compiled_session, 
         assert a.token_ids == b.token_ids and a.steered_rows == b.steered_rows > 0
         for site in sites:
             assert torch.allclose(a.activations(site), b.activations(site), atol=1e-5), site
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_the_step_counters_split_decode_steps_from_prefill(mode, request):
+    """``s.status()``'s decode_* figures count the decode steps alone (one
+    new row per request), inside the all-steps figures."""
+    s = request.getfixturevalue("llama_session" if mode == "eager" else "compiled_session")
+    keys = ("steps_planned", "hook_ns", "reduce_ns", "layout_ns", "decode_steps",
+            "decode_hook_ns", "decode_reduce_ns", "decode_layout_ns")
+    a = s.status()
+    # short prompts, all prefilled in one step; then 5 decode steps together
+    s.trace(["w1 w2 w3", "w4 w5", "w6"], layers=[0, 1], sites=SITES, reduce="norm",
+            max_new_tokens=6, logprobs=False, ignore_eos=True)
+    b = s.status()
+    d = {k: b[k] - a[k] for k in keys}
+    assert d["steps_planned"] == 6 and d["decode_steps"] == 5, d
+    for part in ("hook_ns", "reduce_ns", "layout_ns"):
+        assert 0 < d[f"decode_{part}"] < d[part], (part, d)
+    assert d["decode_reduce_ns"] < d["decode_hook_ns"]
+    # an untraced run plans nothing and counts nothing
+    s.generate(["w1 w2"], max_new_tokens=3)
+    c = s.status()
+    assert all(c[k] == b[k] for k in keys if k.startswith(("decode_", "steps_")))

@@ -79,6 +79,11 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         #: value, then the norm, the logit lens...): work that grows with the
         #: rows read, where the rest should not
         self.reduce_ns = 0
+        #: the same figures over decode steps alone (one new row per request:
+        #: the steady state of a wide batch; a prefill step reads every
+        #: prompt token), and the current step's marks (None: not one)
+        self.decode_counts = {"steps": 0, "layout_ns": 0, "hook_ns": 0, "reduce_ns": 0}
+        self._decode_mark: tuple[int, int, int] | None = None
 
     # -- installation -------------------------------------------------------
     def install(self, compiled: bool = False) -> None:
@@ -267,7 +272,10 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                 for msg in msgs if rec is not None else ():
                     rec.error(msg)
         self.step = step
-        self.layout_ns += time.perf_counter_ns() - t0
+        took = time.perf_counter_ns() - t0
+        self.layout_ns += took
+        if step is not None and int(qsl[-1]) == n:  # a decode step
+            self._decode_mark = (took, self.hook_ns, self.reduce_ns)
 
     def _begin_eager(self, step: StepPlan, eager: list[int], req_ids: list[str],
                      ids: torch.Tensor | None, pos: torch.Tensor | None, log: StepLog) -> None:
@@ -299,6 +307,13 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         # Nothing may keep a reference into this step's buffers past here.
         step, self.step = self.step, None
         log, self.log = self.log, None
+        mark, self._decode_mark = self._decode_mark, None
+        if mark is not None and step is not None:
+            d = self.decode_counts
+            d["steps"] += 1
+            d["layout_ns"] += mark[0]
+            d["hook_ns"] += self.hook_ns - mark[1]
+            d["reduce_ns"] += self.reduce_ns - mark[2]
         if step is not None and self.reader and self.vectors.matrix.device.type != "cpu":
             try:
                 if log is not None:

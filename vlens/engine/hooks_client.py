@@ -81,4 +81,5 @@ class ClientSide:
             "layout_ns": self.layout_ns,
             "hook_ns": self.hook_ns,
             "reduce_ns": self.reduce_ns,
+            **{f"decode_{k}": v for k, v in self.decode_counts.items()},
         }
