@@ -135,13 +135,15 @@ def unit_vectors(n: int, hidden: int, seed: int = 0) -> torch.Tensor:
     return v / v.norm(dim=-1, keepdim=True)
 
 
+# the worker's counters over decode steps alone (s.status())
+DECODE_KEYS = ("decode_steps", "decode_layout_ns", "decode_hook_ns", "decode_reduce_ns")
+
+
 def _status(s: Any) -> dict[str, int]:
     st = s.status()
     return {k: int(st.get(k, 0)) for k in ("layout_ns", "hook_ns", "reduce_ns", "steps_planned",
                                         "steps_seen", *DECODE_KEYS)}
 
-
-DECODE_KEYS = ("decode_steps", "decode_layout_ns", "decode_hook_ns", "decode_reduce_ns")
 
 
 def timed(cond: Conditions, key: str, **kw) -> Sample:

@@ -274,8 +274,10 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         self.step = step
         took = time.perf_counter_ns() - t0
         self.layout_ns += took
-        if step is not None and int(qsl[-1]) == n:  # a decode step
-            self._decode_mark = (took, self.hook_ns, self.reduce_ns)
+        # a decode step: one row per request (set every planned step, so a
+        # forward that failed before _end_step leaves no stale mark behind)
+        decode = step is not None and int(qsl[-1]) == n
+        self._decode_mark = (took, self.hook_ns, self.reduce_ns) if decode else None
 
     def _begin_eager(self, step: StepPlan, eager: list[int], req_ids: list[str],
                      ids: torch.Tensor | None, pos: torch.Tensor | None, log: StepLog) -> None:
