@@ -58,6 +58,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     import vlens
+    from suite import per_step
     from vlens.engine import hooks as hooks_mod
     from vlens.records import StepLog
     from vlens.tiny import make_tiny_model
@@ -74,13 +75,12 @@ def main() -> None:
     hooked = len(SITES) * len(LAYERS)
 
     def figures(a: dict, b: dict, prefix: str, steps_key: str) -> dict:
-        steps = b[steps_key] - a[steps_key]
-        d = {k: (b[prefix + k] - a[prefix + k]) / 1e3
-             for k in ("layout_ns", "hook_ns", "reduce_ns")}
-        return {"steps": steps, "layout_us": d["layout_ns"] / steps,
-                "site_us": d["hook_ns"] / steps / hooked,
-                "arithmetic_us": d["reduce_ns"] / steps / hooked,
-                "own_us": (d["hook_ns"] - d["reduce_ns"]) / steps / hooked}
+        d = {k: b[prefix + k] - a[prefix + k] for k in ("layout_ns", "hook_ns", "reduce_ns")}
+        f = per_step(b[steps_key] - a[steps_key], d["layout_ns"], d["hook_ns"],
+                     d["reduce_ns"], hooked)  # what make bench's table computes
+        return {"steps": b[steps_key] - a[steps_key], "layout_us": f["layout_us_per_step"],
+                "site_us": f["hook_us_per_site"], "arithmetic_us": f["reduce_us_per_site"],
+                "own_us": f["overhead_us_per_site"]}
 
     def run(n: int) -> dict:
         prompts = [base[i % len(base)] for i in range(n)]

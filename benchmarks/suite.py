@@ -269,7 +269,7 @@ def _worker(runs: list[Sample], sites: int) -> dict[str, Any]:
         "steps_per_run": steps / len(runs),
         "planned_steps_per_run": planned / len(runs),
         "sites_per_step": sites,
-        **_per_step(planned, layout * 1e9, hook * 1e9, reduce * 1e9, sites),
+        **per_step(planned, layout * 1e9, hook * 1e9, reduce * 1e9, sites),
         "share_layout": layout / total,
         "share_hooks": hook / total,
         "share_client": max(0.0, total - gen) / total,
@@ -277,15 +277,16 @@ def _worker(runs: list[Sample], sites: int) -> dict[str, Any]:
     d = {k: sum(r.decode.get(k, 0) for r in runs) for k in DECODE_KEYS}
     if d["decode_steps"]:  # the steady state: decode steps alone
         out["decode"] = {"steps_per_run": d["decode_steps"] / len(runs),
-                         **_per_step(d["decode_steps"], d["decode_layout_ns"],
+                         **per_step(d["decode_steps"], d["decode_layout_ns"],
                                      d["decode_hook_ns"], d["decode_reduce_ns"], sites)}
     return out
 
 
-def _per_step(steps: int, layout_ns: float, hook_ns: float, reduce_ns: float,
+def per_step(steps: int, layout_ns: float, hook_ns: float, reduce_ns: float,
               sites: int) -> dict[str, float]:
     """Microseconds per planned step (layout, hooks) and per hooked site (all
-    of it; the reads' own arithmetic; the rest, which is vlens's)."""
+    of it; the reads' own arithmetic; the rest, which is vlens's), from the
+    worker's counters (also benchmarks/step_cost.py's figures)."""
     if not steps:
         return {"layout_us_per_step": 0.0, "hook_us_per_step": 0.0, "hook_us_per_site": 0.0,
                 "reduce_us_per_site": 0.0, "overhead_us_per_site": 0.0}
