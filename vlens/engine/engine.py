@@ -1,7 +1,7 @@
 """Build and own one ``vllm.LLM`` with vlens's worker extension.
 
 The client side imports vLLM here only, when an Engine is made (the worker
-extension, ``worker.py``, runs inside vLLM's workers and imports it there).
+extension, ``vlens/worker/``, runs inside vLLM's workers and imports it there).
 It chooses settings that make a notebook engine work on the first try (see
 ``env.py``), refuses settings under which hooks would silently not fire, and
 speaks to the workers only through ``collective_rpc`` so the same code runs
@@ -322,8 +322,9 @@ class Engine:
 def _compiled_settings(compilation: Any) -> dict[str, Any]:
     """vLLM arguments for compiled mode: vlens's worker class (its hooks go
     in before the model is traced) and, on a GPU, piecewise CUDA graphs cut
-    at vlens's operators so those run every step (see compiled.py)."""
-    from vlens.worker.ops import SPLITTING_OPS, worker_qualname
+    at vlens's operators so those run every step (see worker/ops.py)."""
+    from vlens.worker.extension import worker_qualname
+    from vlens.worker.ops import SPLITTING_OPS
     from vlens.engine.env import has_gpu
 
     gpu = has_gpu()

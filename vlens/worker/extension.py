@@ -39,7 +39,7 @@ import torch
 from vlens.worker.attention import head_info
 from vlens.worker.hooks import WorkerHooks
 
-__all__ = ["VlensWorkerExtension"]
+__all__ = ["VlensWorkerExtension", "worker_qualname"]
 
 
 def _plain_count_greater_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -134,3 +134,37 @@ class VlensWorkerExtension:
         hooks = self._vlens()
         hooks.remove()
         return hooks.drop(None)
+
+
+# -- compiled mode: vLLM's worker classes with the hooks in before the trace --
+def worker_qualname(gpu: bool) -> str:
+    return f"{__name__}.{'CompiledGPUWorker' if gpu else 'CompiledCPUWorker'}"
+
+
+def _with_hooks_before_compile(name: str, base: type) -> type:
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        base.load_model(self, *args, **kwargs)
+        self._vlens().install(compiled=True)  # from VlensWorkerExtension
+
+    # the extension among the bases already: vLLM then leaves the class as
+    # it is (it would refuse to add it again to a subclass of a worker class
+    # an eager engine in this process has already extended)
+    return type(name, (base, VlensWorkerExtension), {
+        "load_model": load_model,
+        "__module__": __name__,
+        "__doc__": f"vLLM's {base.__name__}, with vlens's hooks installed before compilation.",
+    })
+
+
+def __getattr__(name: str) -> type:
+    # made on first use, so importing this module never imports a worker
+    # class the platform lacks
+    if name == "CompiledCPUWorker":
+        from vllm.v1.worker.cpu_worker import CPUWorker as base
+    elif name == "CompiledGPUWorker":
+        from vllm.v1.worker.gpu_worker import Worker as base
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = _with_hooks_before_compile(name, base)
+    globals()[name] = cls
+    return cls

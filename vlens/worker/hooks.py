@@ -7,8 +7,8 @@ part of the plan (``site_ops``), keeps each step's reads once for all its
 requests in a :class:`~vlens.worker.records.StepLog` (journaled, ``journal.py``),
 and builds one :class:`~vlens.worker.records.RequestRecord` per traced request
 when the client collects. The head sites' own work is ``head_sites.py``,
-collect/drop/status ``hooks_client.py``; the RPC surface the client calls
-is ``worker.py``.
+collect/drop/status ``collect.py``; the RPC surface the client calls
+is ``extension.py``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
     def install(self, compiled: bool = False) -> None:
         """Register the step hooks on the whole model and one hook per
         (site, layer). ``compiled``: the per-site hooks only call vlens's
-        operators (see ``compiled.py``); this must happen before vLLM
+        operators (see ``ops.py``); this must happen before vLLM
         traces the model."""
         if self.handles:
             return

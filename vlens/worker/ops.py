@@ -5,7 +5,8 @@ from then on runs the compiled code: a Python hook registered after that
 never fires. Two things make vlens work there anyway:
 
 * **hooks that exist before the trace.** The Engine asks vLLM for
-  :class:`CompiledCPUWorker` / :class:`CompiledGPUWorker` (``worker_cls=``),
+  :class:`~vlens.worker.extension.CompiledCPUWorker` /
+  :class:`~vlens.worker.extension.CompiledGPUWorker` (``worker_cls=``),
   vLLM's own worker with one change: right after the model is loaded, and
   before anything traces it, vlens installs its per-(site, layer) hooks;
 * **hooks that only call an opaque operator.** Each of those hooks does
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SPLITTING_OPS", "register", "unregister", "worker_qualname"]
+__all__ = ["SPLITTING_OPS", "compiled_hook", "register", "unregister"]
 
 #: operators vLLM must split its compiled graph at (GPU, piecewise graphs)
 SPLITTING_OPS = ["vlens::site", "vlens::read"]
@@ -127,38 +128,3 @@ def compiled_hook(spec: Any, code: int, pre: bool):
     if pre:
         return lambda module, args, kwargs: call(args, kwargs, None)
     return lambda module, args, kwargs, output: call(args, kwargs, output)
-
-
-def worker_qualname(gpu: bool) -> str:
-    return f"{__name__}.{'CompiledGPUWorker' if gpu else 'CompiledCPUWorker'}"
-
-
-def _with_hooks_before_compile(name: str, base: type) -> type:
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        base.load_model(self, *args, **kwargs)
-        self._vlens().install(compiled=True)  # from VlensWorkerExtension
-
-    from vlens.worker.extension import VlensWorkerExtension
-
-    # the extension among the bases already: vLLM then leaves the class as
-    # it is (it would refuse to add it again to a subclass of a worker class
-    # an eager engine in this process has already extended)
-    return type(name, (base, VlensWorkerExtension), {
-        "load_model": load_model,
-        "__module__": __name__,
-        "__doc__": f"vLLM's {base.__name__}, with vlens's hooks installed before compilation.",
-    })
-
-
-def __getattr__(name: str) -> type:
-    # made on first use, so importing this module never imports a worker
-    # class the platform lacks
-    if name == "CompiledCPUWorker":
-        from vllm.v1.worker.cpu_worker import CPUWorker as base
-    elif name == "CompiledGPUWorker":
-        from vllm.v1.worker.gpu_worker import Worker as base
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    cls = _with_hooks_before_compile(name, base)
-    globals()[name] = cls
-    return cls
