@@ -9,6 +9,7 @@ import torch
 
 import vlens
 from vlens import checks
+from vlens.edits import Steer, per_prompt
 from vlens.errors import VlensError
 from vlens.protocol.plan import Read
 
@@ -60,19 +61,19 @@ def test_steer_must_fit_the_model_and_be_able_to_land():
 
 def test_steer_forms():
     a, b, c = _steer(0), _steer(1), _steer(2)
-    assert checks.steers_per_prompt(None, 2) == [[], []]
-    assert checks.steers_per_prompt(a, 2) == [[a], [a]]
-    assert checks.steers_per_prompt([a, b], 1) == [[a, b]]
-    assert checks.steers_per_prompt([a, b], 3) == [[a, b]] * 3
-    assert checks.steers_per_prompt(vlens.PerPrompt([a, None, [b, c]]), 3) == [[a], [], [b, c]]
+    assert per_prompt(None, 2, Steer) == [[], []]
+    assert per_prompt(a, 2, Steer) == [[a], [a]]
+    assert per_prompt([a, b], 1, Steer) == [[a, b]]
+    assert per_prompt([a, b], 3, Steer) == [[a, b]] * 3
+    assert per_prompt(vlens.PerPrompt([a, None, [b, c]]), 3, Steer) == [[a], [], [b, c]]
     with pytest.raises(VlensError, match="ambiguous"):
-        checks.steers_per_prompt([a, b, c], 3)
+        per_prompt([a, b, c], 3, Steer)
     with pytest.raises(VlensError, match="PerPrompt"):
-        checks.steers_per_prompt([a, None], 2)
+        per_prompt([a, None], 2, Steer)
     with pytest.raises(VlensError, match="would add it twice"):
-        checks.steers_per_prompt([a, _steer(0)], 1)  # equal vector, made again
+        per_prompt([a, _steer(0)], 1, Steer)  # equal vector, made again
     # the same vector elsewhere is a different edit
-    assert len(checks.steers_per_prompt([a, _steer(0, layer=2), a.with_scale(2.0)], 1)[0]) == 3
+    assert len(per_prompt([a, _steer(0, layer=2), a.with_scale(2.0)], 1, Steer)[0]) == 3
 
 
 def test_edit_needs_a_place_and_an_engine_that_can_take_it():

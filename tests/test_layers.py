@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "vlens"
 
 # what the worker may not import: the notebook process's modules
@@ -125,7 +123,6 @@ def test_the_worker_imports_nothing_of_the_notebook_side():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="steering <-> ablation <-> checks, broken by edits.py next")
 def test_no_import_circles():
     graph = _graph(own_packages=False)
     circles = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import vlens
-from vlens.steering import Comparison
+from vlens.results import Comparison
 
 PROMPTS = ["w1 w2 w3", " ".join(f"w{i}" for i in range(80)), "w9"]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlens.results import Run, Trace
-from vlens.steering import Comparison, Sweep, kl_per_position
+from vlens.results import Comparison, Sweep, kl_per_position
 from vlens.testing import make_comparison, make_run, make_sweep, make_trace
 
 

@@ -14,22 +14,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError
+from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError, VlensWarning
 
 if TYPE_CHECKING:
-    from vlens.ablation import Ablate
-    from vlens.methods.patching import Patching
+    from vlens.results.patching import Patching
     from vlens.protocol.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
     from vlens.protocol.architectures import supported_architectures
-    from vlens.steering import PerPrompt, Steer
+    from vlens.edits import Ablate, PerPrompt, Steer
+    from vlens.results import Comparison, Sweep
     from vlens.widgets import explore
     from vlens.remote.client import connect
 
 __all__ = [
     "Ablate",
     "ClosedError",
+    "Comparison",
     "EditContext",
     "EngineError",
     "Patching",
@@ -37,10 +38,12 @@ __all__ = [
     "Run",
     "Session",
     "Steer",
+    "Sweep",
     "TokenAxisError",
     "Trace",
     "connect",
     "VlensError",
+    "VlensWarning",
     "__version__",
     "explore",
     "supported_architectures",
@@ -49,14 +52,16 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Ablate": "vlens.ablation",
-    "Patching": "vlens.methods.patching",
+    "Ablate": "vlens.edits",
+    "Patching": "vlens.results.patching",
     "EditContext": "vlens.protocol.plan",
-    "PerPrompt": "vlens.steering",
+    "PerPrompt": "vlens.edits",
     "Session": "vlens.session",
-    "Steer": "vlens.steering",
+    "Steer": "vlens.edits",
     "Run": "vlens.results",
     "Trace": "vlens.results",
+    "Comparison": "vlens.results",
+    "Sweep": "vlens.results",
     "explore": "vlens.widgets",
     "connect": "vlens.remote.client",
     "supported_architectures": "vlens.protocol.architectures",

@@ -26,7 +26,7 @@ from vlens.checks import ModelFacts, check_budget
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
 from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 from vlens.results import Run, Trace
-from vlens.steering import Steer, edit_salt
+from vlens.edits import Steer, edit_salt
 
 __all__ = ["Request", "Runner", "env_flag", "live_engines"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from vlens.errors import VlensError
 from vlens.protocol.plan import Read
-from vlens.steering import PerPrompt, Steer
+from vlens.edits import Steer, per_prompt
 
 __all__ = [
     "ModelFacts",
@@ -28,7 +28,6 @@ __all__ = [
     "check_sites",
     "check_steer",
     "check_steers",
-    "steers_per_prompt",
 ]
 
 # Sampling settings vlens manages itself: the user sets them another way.
@@ -289,80 +288,12 @@ def check_span_fits(what: str, span: Any, prompt_len: int, max_new_tokens: int) 
 def check_steers(steer: Any, prompt_lens: Sequence[int], max_new_tokens: int,
                  facts: ModelFacts) -> list[list[Steer]]:
     """``steer=`` as the checked Steers of each prompt (see
-    :func:`steers_per_prompt`); ``prompt_lens``: each prompt's length."""
-    per_prompt = steers_per_prompt(steer, len(prompt_lens))
-    for n, steers in zip(prompt_lens, per_prompt):
+    :func:`vlens.edits.per_prompt`); ``prompt_lens``: each prompt's length."""
+    steers_each = per_prompt(steer, len(prompt_lens), Steer)
+    for n, steers in zip(prompt_lens, steers_each):
         for st in steers:
             check_steer(st, facts, n, max_new_tokens)
-    return per_prompt
-
-
-def _steer_key(st: Steer) -> tuple:
-    return (st.id, st.layer, st.site, float(st.scale), st.span, st.relative)
-
-
-def _no_twice(steers: list[Steer], where: str) -> list[Steer]:
-    seen = set()
-    for st in steers:
-        key = _steer_key(st)
-        if key in seen:
-            raise VlensError(
-                f"{where} holds the same Steer twice (layer {st.layer}, {st.site}, scale "
-                f"{st.scale}, span {st.span!r}): it would add it twice: use scale=2x "
-                f"({st.scale * 2:g}) instead"
-            )
-        seen.add(key)
-    return steers
-
-
-def steers_per_prompt(steer: Any, n_prompts: int) -> list[list[Steer]]:
-    """``steer=`` as one list of Steers per prompt.
-
-    A Steer or a list of Steers: all of them on every prompt. A list as long
-    as the prompts (two or more) is ambiguous and refused; so is a list
-    holding None or lists. :class:`~vlens.PerPrompt` gives one entry per
-    prompt."""
-    if steer is None:
-        return [[] for _ in range(n_prompts)]
-    if isinstance(steer, Steer):
-        return [[steer] for _ in range(n_prompts)]
-    if isinstance(steer, PerPrompt):
-        if len(steer) != n_prompts:
-            raise VlensError(
-                f"PerPrompt has {len(steer)} per-prompt entries for {n_prompts} prompts: "
-                "give one entry (a Steer, a list of Steers, or None) per prompt"
-            )
-        for i, e in enumerate(steer):
-            for x in e:
-                if not isinstance(x, Steer):
-                    raise VlensError(
-                        f"steer= PerPrompt entry {i} holds a {type(x).__name__}: steer= takes "
-                        "Steers (pass Ablates as ablate=)"
-                    )
-        return [_no_twice(list(e), f"PerPrompt entry {i}") for i, e in enumerate(steer)]
-    if isinstance(steer, (list, tuple)):
-        if any(x is None or isinstance(x, (list, tuple)) for x in steer):
-            raise VlensError(
-                "steer= is a list holding None or lists: for one entry per prompt write "
-                "vlens.PerPrompt([...]) (each entry a Steer, a list of Steers, or None)"
-            )
-        for x in steer:
-            if not isinstance(x, Steer):
-                raise VlensError(
-                    f"steer entries must be vlens.Steer objects, got {type(x).__name__}"
-                )
-        if len(steer) == n_prompts >= 2:
-            raise VlensError(
-                f"steer= lists {n_prompts} Steers for {n_prompts} prompts, which is "
-                "ambiguous. One each: steer=vlens.PerPrompt([s1, s2, ...]); all of them "
-                f"on every prompt: steer=vlens.PerPrompt([[s1, s2, ...]] * {n_prompts})"
-            )
-        steers = _no_twice(list(steer), "steer=")
-        return [list(steers) for _ in range(n_prompts)]
-    raise VlensError(
-        "steer must be a vlens.Steer, a list of them, vlens.PerPrompt([...]) or None; "
-        f"got {type(steer).__name__}"
-    )
+    return steers_each
 
 
 REMOTE_EDIT = (

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from vlens import ablation, checks
-from vlens.methods import patching
+from vlens import checks
+from vlens.methods import ablation, patching
 from vlens._runner import Runner, env_flag, live_engines
 from vlens.errors import VlensError
 from vlens.protocol.plan import Edit, Read
 from vlens.results import Run, Trace
-from vlens.steering import Comparison, Steer, Sweep, kl_per_position
+from vlens.edits import Ablate, Steer, per_prompt
+from vlens.results import Comparison, Sweep, kl_per_position
 
 __all__ = ["Session", "live_engines"]
 
@@ -236,7 +237,7 @@ class Session:
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
         per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
-        ablates = ablation.ablates_per_prompt(ablate, len(prompts))
+        ablates = per_prompt(ablate, len(prompts), Ablate)
         ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(edit, edit_at, facts,
                                   can_ship=self._runner.can_ship_functions,
@@ -323,7 +324,7 @@ class Session:
                        max_new_tokens: int = 16, **sampling: Any) -> Iterator[Any]:
         """``compare``, token by token: after every engine step a pair of
         partial Runs ``(baseline, steered)`` (tokens and text so far), and
-        last the finished :class:`~vlens.steering.Comparison`, exactly as
+        last the finished :class:`~vlens.results.Comparison`, exactly as
         ``compare`` returns it. Closing the iterator early aborts the run."""
         prompts, prompt_ids, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
         requests, assemble = self._steering_requests(prompts, prompt_ids, arms, max_new_tokens,

@@ -2,8 +2,8 @@
 
 A widget, a plot or an analysis that takes a Run can be tried without an
 engine. These builders make the same :class:`~vlens.results.Trace`,
-:class:`~vlens.results.Run`, :class:`~vlens.steering.Comparison` and
-:class:`~vlens.steering.Sweep` objects a Session returns, filled with the
+:class:`~vlens.results.Run`, :class:`~vlens.results.Comparison` and
+:class:`~vlens.results.Sweep` objects a Session returns, filled with the
 tensors you give. Each builder checks the shapes a Session would have
 produced, so code tried on them meets what a real run hands it::
 
@@ -24,7 +24,7 @@ from typing import Union
 import torch
 
 from vlens.results import Run, Trace
-from vlens.steering import Comparison, Sweep, kl_per_position
+from vlens.results import Comparison, Sweep, kl_per_position
 
 __all__ = ["make_comparison", "make_run", "make_sweep", "make_trace"]
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from vlens.plots._common import as_float
-from vlens.steering import _first_divergence as first_divergence
+from vlens.results.steering import first_divergence
 
 __all__ = ["QUANTITIES", "activation_values", "first_divergence", "pca_2d", "token_set_metric"]
 
@@ -93,7 +93,7 @@ def pca_2d(points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def token_set_metric(sweep: Any, token_ids: Sequence[int]) -> list[float]:
     """How much the model says any of ``token_ids``, one number per scale of
-    ``sweep`` (a :class:`~vlens.steering.Sweep`): the mean over generated
+    ``sweep`` (a :class:`~vlens.results.Sweep`): the mean over generated
     positions of P(next token in the set), from the output distribution the
     sweep read at the last layer (``trace.vocab_logprobs()``)."""
     ids = sorted({int(i) for i in token_ids})

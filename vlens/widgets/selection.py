@@ -128,7 +128,8 @@ class Controller(traitlets.HasTraits):
         (``session.stream(..., ablate=PerPrompt([None, ablate]))``); partial
         ``(baseline, ablated)`` Runs after every step, then a Comparison of
         the two (its ``steered`` is the ablated run; no KL is computed)."""
-        from vlens.steering import Comparison, PerPrompt
+        from vlens.edits import PerPrompt
+        from vlens.results import Comparison
 
         s = self.session
         last = None

@@ -1,7 +1,8 @@
 """Ablation: knock a site's rows (or single heads of ``z``) out of a run.
 
-``Ablate`` says what to knock out where: a site, a layer, zeros or a mean,
-optionally a few heads of ``z``, over a token span. The Session checks it
+:class:`~vlens.edits.Ablate` says what to knock out where: a site, a layer,
+zeros or a mean, optionally a few heads of ``z``, over a token span. The
+Session checks it (``check_ablates``)
 against the model and turns it into ``Set`` entries of the request's plan
 (:class:`vlens.protocol.plan.Set`): the workers apply every request's sets at a
 (site, layer) in one batched masked write per step, like the steering adds,
@@ -17,118 +18,16 @@ Nothing here touches the engine; :func:`fill_means` asks the Session.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vlens.checks import check_span_fits, check_write_site
+from vlens.edits import Ablate, vector_id
 from vlens.errors import VlensError
 from vlens.protocol.plan import Set
-from vlens.steering import PerPrompt, parse_span, span_positions, vector_id
 
-__all__ = ["Ablate", "ablates_per_prompt", "check_ablates", "fill_means", "plan_parts", "to_sets"]
-
-KINDS = ("zero", "mean")
-
-
-@dataclass(frozen=True)
-class Ablate:
-    """Replace ``site`` at ``layer`` with zeros (``kind="zero"``) or a mean
-    (``kind="mean"``) over ``span``.
-
-    * ``heads``: for ``site="z"`` only, the head indices to knock out (the
-      other heads' dims are left alone); None: the whole row;
-    * ``span``: ``"all"``, ``"prompt"``, ``"generated"`` or ``(start,
-      stop)`` token positions, as for :class:`~vlens.Steer`;
-    * ``mean``: with ``kind="mean"``, the replacement ``[width]`` (``z``:
-      ``[heads * head_dim]`` or ``[heads, head_dim]``); None: the site's
-      mean over every prompt token of the call (one extra read pass).
-    """
-
-    site: str
-    layer: int
-    kind: str = "zero"
-    heads: Sequence[int] | None = None
-    span: str | tuple[int, int] = "all"
-    mean: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.site, str):
-            raise VlensError(f"Ablate site must be a site name (str), got {self.site!r}")
-        if not isinstance(self.layer, int) or isinstance(self.layer, bool):
-            raise VlensError(f"Ablate layer must be an int, got {self.layer!r}")
-        if self.kind not in KINDS:
-            raise VlensError(f"Ablate kind must be one of {KINDS}, got {self.kind!r}")
-        if self.heads is not None:
-            heads = self.heads
-            if (isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range))
-                    or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
-                                            and h >= 0 for h in heads)):
-                raise VlensError(
-                    f"Ablate heads must be a non-empty list of head indices (ints >= 0), "
-                    f"got {heads!r}"
-                )
-            if len(set(heads)) != len(heads):
-                raise VlensError(f"Ablate heads {list(heads)} names a head twice")
-            object.__setattr__(self, "heads", tuple(sorted(int(h) for h in heads)))
-        object.__setattr__(self, "span", parse_span(self.span, "Ablate"))
-        mean = self.mean
-        if mean is not None:
-            if self.kind != "mean":
-                raise VlensError("Ablate mean= is only used with kind='mean'")
-            if (not isinstance(mean, torch.Tensor) or not mean.is_floating_point()
-                    or mean.dim() not in (1, 2) or mean.device.type == "meta"):
-                raise VlensError(
-                    "Ablate mean must be a floating-point torch.Tensor of shape [width] "
-                    f"(z: [heads, head_dim] also), got {getattr(mean, 'shape', type(mean))}"
-                )
-            if not bool(torch.isfinite(mean).all()):
-                raise VlensError("Ablate mean holds NaN or inf: compute it again from finite data")
-            object.__setattr__(self, "mean", mean.detach().to("cpu", torch.float32).reshape(-1))
-
-    def positions(self, prompt_len: int) -> tuple[int, int]:
-        """The span as token positions ``[start, stop)``; stop -1 = the end."""
-        return span_positions(self.span, prompt_len)
-
-    def with_mean(self, mean: torch.Tensor) -> Ablate:
-        return Ablate(self.site, self.layer, "mean", self.heads, self.span, mean)
-
-
-def ablates_per_prompt(ablate: Any, n_prompts: int) -> list[list[Ablate]]:
-    """``ablate=`` as one list of Ablates per prompt: an Ablate or a list of
-    them on every prompt, or :class:`~vlens.PerPrompt` (one entry each)."""
-    if ablate is None:
-        return [[] for _ in range(n_prompts)]
-    if isinstance(ablate, Ablate):
-        return [[ablate] for _ in range(n_prompts)]
-    if isinstance(ablate, PerPrompt):
-        if len(ablate) != n_prompts:
-            raise VlensError(
-                f"PerPrompt has {len(ablate)} per-prompt entries for {n_prompts} prompts: "
-                "give one entry (an Ablate, a list of Ablates, or None) per prompt"
-            )
-        out = [list(e) for e in ablate]
-    elif isinstance(ablate, (list, tuple)):
-        if len(ablate) == n_prompts >= 2:
-            raise VlensError(
-                f"ablate= lists {n_prompts} Ablates for {n_prompts} prompts, which is "
-                "ambiguous. One each: ablate=vlens.PerPrompt([a1, a2, ...]); all of them on "
-                f"every prompt: ablate=vlens.PerPrompt([[a1, a2, ...]] * {n_prompts})"
-            )
-        out = [list(ablate) for _ in range(n_prompts)]
-    else:
-        raise VlensError(
-            "ablate must be a vlens.Ablate, a list of them, vlens.PerPrompt([...]) or None; "
-            f"got {type(ablate).__name__}"
-        )
-    for entry in out:
-        for x in entry:
-            if not isinstance(x, Ablate):
-                raise VlensError(
-                    f"ablate entries must be vlens.Ablate objects, got {type(x).__name__}"
-                )
-    return out
+__all__ = ["check_ablates", "fill_means", "plan_parts", "to_sets"]
 
 
 def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -> None:

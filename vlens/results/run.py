@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlens.protocol.tensors import decode_tensor
 from vlens.protocol.plan import read_key
 
-__all__ = ["Run", "Trace", "decode_tensor"]
+__all__ = ["Run", "Trace"]
 
 
 @dataclass

@@ -1,0 +1,341 @@
+"""The edits a user asks for: what to write into a run, and where.
+
+``Steer`` adds a direction: a vector ``[hidden]``, a layer, a site, a scale
+and a token span. The Session checks it against the model, ships the vector
+to the workers once (named by :func:`vector_id`, a hash of its bytes), and
+puts a small add entry in each request's plan; the workers apply every
+request's adds at a site in one batched ``index_add_``. ``Ablate`` replaces
+a site's rows (or some heads of ``z``) with zeros or a mean: ``Set``
+entries of the plan (``vlens.methods.ablation``). ``PerPrompt`` gives each
+prompt of a call its own edits, and :func:`per_prompt` reads every spelling
+of ``steer=`` / ``ablate=`` as one list per prompt. A request with edits
+gets a prefix-cache salt (:func:`edit_salt`) so its KV stays apart.
+
+Plain values: nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlens.errors import VlensError
+
+__all__ = [
+    "Ablate",
+    "PerPrompt",
+    "SPANS",
+    "Steer",
+    "edit_salt",
+    "parse_span",
+    "per_prompt",
+    "span_positions",
+    "vector_id",
+]
+
+#: the named token spans of a Steer or an Ablate (or ``(start, stop)``)
+SPANS = ("all", "prompt", "generated")
+#: what an Ablate puts in the rows
+KINDS = ("zero", "mean")
+
+
+def parse_span(span: Any, what: str) -> str | tuple[int, int]:
+    """A Steer's or an Ablate's span, checked: one of :data:`SPANS` or
+    ``(start, stop)`` token positions with ``0 <= start < stop``."""
+    if isinstance(span, str):
+        if span not in SPANS:
+            raise VlensError(f"{what} span {span!r} is unknown: use one of {SPANS} or (start, stop)")
+        return span
+    if (isinstance(span, (tuple, list)) and len(span) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+        if not 0 <= span[0] < span[1]:
+            raise VlensError(
+                f"{what} span {tuple(span)} is empty or negative: give (start, stop) "
+                "token positions with 0 <= start < stop"
+            )
+        return int(span[0]), int(span[1])
+    raise VlensError(f"{what} span must be one of {SPANS} or (start, stop), got {span!r}")
+
+
+def span_positions(span: str | tuple[int, int], prompt_len: int) -> tuple[int, int]:
+    """A parsed span as token positions ``[start, stop)``; stop -1 = the end."""
+    if span == "all":
+        return 0, -1
+    if span == "prompt":
+        return 0, prompt_len
+    if span == "generated":
+        return prompt_len, -1
+    return span  # type: ignore[return-value]
+
+
+def vector_id(vector: torch.Tensor) -> str:
+    """A stable id for a vector: the hash of its float32 bytes."""
+    data = vector.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return "v" + hashlib.sha1(data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Steer:
+    """Add ``scale * vector`` at ``site`` of ``layer``, over ``span``.
+
+    ``span``: ``"all"`` (every token), ``"prompt"`` (the prompt's tokens),
+    ``"generated"`` (tokens the model generated, as they are fed back), or
+    ``(start, stop)`` token positions (``stop`` exclusive).
+
+    ``relative=True`` scales the push by each token's own activation norm:
+    at token t it adds ``scale * |x_t| * vector / |vector|``, so ``scale``
+    reads as "this fraction of the residual stream" whatever the layer
+    (the bundled toy-world model's sentiment recipe: layer 3, scale 0.75).
+    """
+
+    vector: torch.Tensor
+    layer: int
+    scale: float = 1.0
+    site: str = "resid_post"
+    span: str | tuple[int, int] = "all"
+    relative: bool = False
+
+    def __post_init__(self) -> None:
+        v = self.vector
+        if not isinstance(v, torch.Tensor):
+            raise VlensError(
+                f"Steer vector must be a torch.Tensor of shape [hidden], got {type(v).__name__}"
+            )
+        if v.dim() != 1:
+            raise VlensError(f"Steer vector must have shape [hidden], got {list(v.shape)}")
+        if v.device.type == "meta":
+            raise VlensError("Steer vector is on the meta device (it holds no data): pass real values")
+        if not v.is_floating_point():
+            raise VlensError(f"Steer vector must be floating point, got {v.dtype}")
+        if not bool(torch.isfinite(v).all()):
+            raise VlensError("Steer vector holds NaN or inf: compute it again from finite data")
+        if not isinstance(self.layer, int) or isinstance(self.layer, bool):
+            raise VlensError(f"Steer layer must be an int, got {self.layer!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise VlensError(f"Steer scale must be a number, got {self.scale!r}")
+        if not torch.isfinite(torch.tensor(float(self.scale))):
+            raise VlensError(f"Steer scale must be finite, got {self.scale!r}")
+        object.__setattr__(self, "span", parse_span(self.span, "Steer"))
+        if not isinstance(self.relative, bool):
+            raise VlensError(f"Steer relative must be True or False, got {self.relative!r}")
+        v = v.detach().to("cpu", torch.float32).contiguous()
+        if self.relative:
+            norm = float(v.norm())
+            if norm == 0.0:
+                raise VlensError("a relative Steer needs a non-zero vector (its direction is used)")
+            v = v / norm
+        object.__setattr__(self, "vector", v)
+
+    def with_scale(self, scale: float) -> Steer:
+        return Steer(self.vector, self.layer, scale, self.site, self.span, self.relative)
+
+    @property
+    def id(self) -> str:
+        return vector_id(self.vector)
+
+    def positions(self, prompt_len: int) -> tuple[int, int]:
+        """The span as token positions ``[start, stop)``; stop -1 = the end."""
+        return span_positions(self.span, prompt_len)
+
+
+@dataclass(frozen=True)
+class Ablate:
+    """Replace ``site`` at ``layer`` with zeros (``kind="zero"``) or a mean
+    (``kind="mean"``) over ``span``.
+
+    * ``heads``: for ``site="z"`` only, the head indices to knock out (the
+      other heads' dims are left alone); None: the whole row;
+    * ``span``: ``"all"``, ``"prompt"``, ``"generated"`` or ``(start,
+      stop)`` token positions, as for :class:`~vlens.Steer`;
+    * ``mean``: with ``kind="mean"``, the replacement ``[width]`` (``z``:
+      ``[heads * head_dim]`` or ``[heads, head_dim]``); None: the site's
+      mean over every prompt token of the call (one extra read pass).
+    """
+
+    site: str
+    layer: int
+    kind: str = "zero"
+    heads: Sequence[int] | None = None
+    span: str | tuple[int, int] = "all"
+    mean: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.site, str):
+            raise VlensError(f"Ablate site must be a site name (str), got {self.site!r}")
+        if not isinstance(self.layer, int) or isinstance(self.layer, bool):
+            raise VlensError(f"Ablate layer must be an int, got {self.layer!r}")
+        if self.kind not in KINDS:
+            raise VlensError(f"Ablate kind must be one of {KINDS}, got {self.kind!r}")
+        if self.heads is not None:
+            heads = self.heads
+            if (isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range))
+                    or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
+                                            and h >= 0 for h in heads)):
+                raise VlensError(
+                    f"Ablate heads must be a non-empty list of head indices (ints >= 0), "
+                    f"got {heads!r}"
+                )
+            if len(set(heads)) != len(heads):
+                raise VlensError(f"Ablate heads {list(heads)} names a head twice")
+            object.__setattr__(self, "heads", tuple(sorted(int(h) for h in heads)))
+        object.__setattr__(self, "span", parse_span(self.span, "Ablate"))
+        mean = self.mean
+        if mean is not None:
+            if self.kind != "mean":
+                raise VlensError("Ablate mean= is only used with kind='mean'")
+            if (not isinstance(mean, torch.Tensor) or not mean.is_floating_point()
+                    or mean.dim() not in (1, 2) or mean.device.type == "meta"):
+                raise VlensError(
+                    "Ablate mean must be a floating-point torch.Tensor of shape [width] "
+                    f"(z: [heads, head_dim] also), got {getattr(mean, 'shape', type(mean))}"
+                )
+            if not bool(torch.isfinite(mean).all()):
+                raise VlensError("Ablate mean holds NaN or inf: compute it again from finite data")
+            object.__setattr__(self, "mean", mean.detach().to("cpu", torch.float32).reshape(-1))
+
+    def positions(self, prompt_len: int) -> tuple[int, int]:
+        """The span as token positions ``[start, stop)``; stop -1 = the end."""
+        return span_positions(self.span, prompt_len)
+
+    def with_mean(self, mean: torch.Tensor) -> Ablate:
+        return Ablate(self.site, self.layer, "mean", self.heads, self.span, mean)
+
+
+
+class PerPrompt(Sequence):
+    """``steer=`` (or ``ablate=``) with one entry per prompt, in prompt
+    order: each entry a :class:`Steer` (:class:`~vlens.Ablate`), a list of
+    them (all on that prompt), or None (that prompt runs unchanged)::
+
+        s.trace([a, b, c], steer=vlens.PerPrompt([st, None, [st, st2]]))
+
+    A plain Steer or list of Steers means "all of these on every prompt";
+    this is the only spelling for "one each"."""
+
+    def __init__(self, entries: Sequence[Any]) -> None:
+        kinds = (Steer, Ablate)
+        if isinstance(entries, (str, *kinds)) or not isinstance(entries, (list, tuple)):
+            raise VlensError(
+                "PerPrompt takes a list with one entry per prompt (a Steer or Ablate, a list "
+                f"of them, or None), got {type(entries).__name__}"
+            )
+        out: list[tuple[Any, ...]] = []
+        for i, entry in enumerate(entries):
+            if entry is None:
+                out.append(())
+            elif isinstance(entry, kinds):
+                out.append((entry,))
+            elif isinstance(entry, (list, tuple)) and all(isinstance(x, kinds) for x in entry):
+                out.append(tuple(entry))
+            else:
+                raise VlensError(
+                    f"PerPrompt entry {i} is {entry!r:.80}: use a Steer (or Ablate), a list of "
+                    "them, or None"
+                )
+        self._entries = tuple(out)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._entries[i]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"PerPrompt({[len(e) for e in self._entries]} steers per prompt)"
+
+
+def edit_salt(writes: list[dict[str, Any]], edits: list[dict[str, Any]]) -> str | None:
+    """The prefix-cache salt of a request with these edits (None: no edits).
+
+    Same edits -> same salt, so identical steered requests still share KV
+    blocks; anything else keeps its steered KV apart from everyone else's."""
+    if not writes and not edits:
+        return None
+    canon = json.dumps({"w": writes, "e": edits}, sort_keys=True)
+    return "vlens-" + hashlib.sha1(canon.encode()).hexdigest()[:20]
+
+
+def _steer_key(st: Steer) -> tuple:
+    return (st.id, st.layer, st.site, float(st.scale), st.span, st.relative)
+
+
+def _no_twice(steers: list[Steer], where: str) -> list[Steer]:
+    """The same Steer twice on one prompt would add it twice: refused (an
+    Ablate twice is refused by its checks, which compare the dims written)."""
+    seen = set()
+    for st in steers:
+        key = _steer_key(st)
+        if key in seen:
+            raise VlensError(
+                f"{where} holds the same Steer twice (layer {st.layer}, {st.site}, scale "
+                f"{st.scale}, span {st.span!r}): it would add it twice: use scale=2x "
+                f"({st.scale * 2:g}) instead"
+            )
+        seen.add(key)
+    return steers
+
+
+def per_prompt(value: Any, n_prompts: int, kind: type = Steer) -> list[list[Any]]:
+    """``steer=`` (``kind=Steer``) or ``ablate=`` (``kind=Ablate``) as one
+    list of edits per prompt.
+
+    One edit or a list of them: all of them on every prompt. A list as long
+    as the prompts (two or more) is ambiguous and refused; so is a list
+    holding None or lists. :class:`PerPrompt` gives one entry per prompt."""
+    name = kind.__name__  # "Steer" / "Ablate"
+    kw = name.lower()  # the keyword: steer= / ablate=
+    if value is None:
+        return [[] for _ in range(n_prompts)]
+    if isinstance(value, kind):
+        return [[value] for _ in range(n_prompts)]
+    if isinstance(value, PerPrompt):
+        if len(value) != n_prompts:
+            raise VlensError(
+                f"PerPrompt has {len(value)} per-prompt entries for {n_prompts} prompts: "
+                f"give one entry (a{'n' if name[0] in 'AEIOU' else ''} {name}, a list of "
+                f"{name}s, or None) per prompt"
+            )
+        other = "Ablates as ablate=" if kind is Steer else "Steers as steer="
+        for i, e in enumerate(value):
+            for x in e:
+                if not isinstance(x, kind):
+                    raise VlensError(
+                        f"{kw}= PerPrompt entry {i} holds a {type(x).__name__}: {kw}= takes "
+                        f"{name}s (pass {other})"
+                    )
+        out = [list(e) for e in value]
+        if kind is Steer:
+            out = [_no_twice(e, f"PerPrompt entry {i}") for i, e in enumerate(out)]
+        return out
+    if isinstance(value, (list, tuple)):
+        if any(x is None or isinstance(x, (list, tuple)) for x in value):
+            raise VlensError(
+                f"{kw}= is a list holding None or lists: for one entry per prompt write "
+                f"vlens.PerPrompt([...]) (each entry a{'n' if name[0] in 'AEIOU' else ''} "
+                f"{name}, a list of {name}s, or None)"
+            )
+        for x in value:
+            if not isinstance(x, kind):
+                raise VlensError(
+                    f"{kw} entries must be vlens.{name} objects, got {type(x).__name__}"
+                )
+        if len(value) == n_prompts >= 2:
+            a = kw[0]
+            raise VlensError(
+                f"{kw}= lists {n_prompts} {name}s for {n_prompts} prompts, which is "
+                f"ambiguous. One each: {kw}=vlens.PerPrompt([{a}1, {a}2, ...]); all of them "
+                f"on every prompt: {kw}=vlens.PerPrompt([[{a}1, {a}2, ...]] * {n_prompts})"
+            )
+        edits = list(value)
+        if kind is Steer:
+            edits = _no_twice(edits, "steer=")
+        return [list(edits) for _ in range(n_prompts)]
+    raise VlensError(
+        f"{kw} must be a vlens.{name}, a list of them, vlens.PerPrompt([...]) or None; "
+        f"got {type(value).__name__}"
+    )

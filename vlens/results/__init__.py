@@ -1,0 +1,12 @@
+"""What a Session's calls return: plain holders, no engine.
+
+``Run`` / ``Trace`` (``run.py``: ``trace``, ``stream``, ``generate``),
+``Comparison`` / ``Sweep`` (``steering.py``: ``compare``, ``sweep``) and
+``Patching`` (``patching.py``: ``patch``; imported from there, or as
+``vlens.Patching``, since its figure needs the plots).
+"""
+
+from vlens.results.run import Run, Trace
+from vlens.results.steering import Comparison, Sweep, first_divergence, kl_per_position
+
+__all__ = ["Comparison", "Run", "Sweep", "Trace", "first_divergence", "kl_per_position"]

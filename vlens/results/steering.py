@@ -1,0 +1,120 @@
+"""What ``Session.compare`` and ``Session.sweep`` return.
+
+``Comparison`` holds baseline and steered runs of the same prompts,
+``Sweep`` one prompt at several scales; both turn into tidy frames. The
+KL between two log-probability tables (``kl_per_position``) is the one the
+Session and :mod:`vlens.testing` both use. Nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlens.results.run import Run
+
+__all__ = ["Comparison", "Sweep", "first_divergence", "kl_per_position"]
+
+
+def kl_per_position(base_lp: torch.Tensor, steer_lp: torch.Tensor) -> torch.Tensor:
+    """KL(base || steered) of two ``[n, vocab]`` log-probability tables,
+    position by position: ``[n]``."""
+    n = min(base_lp.shape[0], steer_lp.shape[0])
+    p = base_lp[:n]
+    return (p.exp() * (p - steer_lp[:n])).sum(-1).clamp_min(0)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class Comparison:
+    """Baseline and steered runs of the same prompts, made in one batch.
+
+    ``kl[i]`` is KL(baseline || steered) of the next-token distributions at
+    each generated position of prompt ``i`` (each run on its own prefix, so
+    after the first divergence it also reflects the different text).
+    ``first_divergence[i]``: index of the first generated token that differs
+    (None when the texts are identical).
+    """
+
+    baseline: Run
+    steered: Run
+    kl: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def first_divergence(self) -> list[int | None]:
+        return [
+            first_divergence(b.output_token_ids, s.output_token_ids)
+            for b, s in zip(self.baseline, self.steered)
+        ]
+
+    @property
+    def texts(self) -> list[tuple[str, str]]:
+        return [(b.text, s.text) for b, s in zip(self.baseline, self.steered)]
+
+    def to_frame(self):
+        """One row per (prompt, generated position): both tokens, both
+        logprobs, the KL at that position."""
+        import pandas as pd
+
+        rows = []
+        for i, (b, s) in enumerate(zip(self.baseline, self.steered)):
+            nb, ns = len(b.prompt_token_ids), len(s.prompt_token_ids)
+            n = max(len(b.output_token_ids), len(s.output_token_ids))
+            kl = self.kl[i] if i < len(self.kl) else torch.empty(0)
+            for j in range(n):
+                tb = b.output_token_ids[j] if j < len(b.output_token_ids) else None
+                ts = s.output_token_ids[j] if j < len(s.output_token_ids) else None
+                rows.append({
+                    "prompt": i,
+                    "position": nb + j,
+                    "token_base": None if tb is None else b.output_tokens[j],
+                    "token_steered": None if ts is None else s.output_tokens[j],
+                    "logprob_base": b.logprobs[nb + j] if tb is not None and b.logprobs else None,
+                    "logprob_steered": s.logprobs[ns + j] if ts is not None and s.logprobs else None,
+                    "kl": float(kl[j]) if j < len(kl) else None,
+                })
+        return pd.DataFrame(rows)
+
+
+@dataclass
+class Sweep:
+    """One prompt steered at several scales, all in one batch."""
+
+    prompt: str
+    scales: list[float]
+    runs: Run  # one trace per scale, in ``scales`` order
+    baseline: Any  # the Trace at scale 0 (run alongside when 0 is not a scale)
+    kl: list[torch.Tensor] = field(default_factory=list)
+
+    def to_frame(self):
+        """Tidy: one row per scale with the text, the mean logprob of the
+        generated tokens, mean and first-position KL from the baseline, and
+        the first generated position that differs from it."""
+        import pandas as pd
+
+        rows = []
+        for scale, t, kl in zip(self.scales, self.runs, self.kl):
+            n = len(t.prompt_token_ids)
+            gen = [x for x in t.logprobs[n:] if x is not None]
+            rows.append({
+                "scale": scale,
+                "text": t.text,
+                "n_generated": len(t.output_token_ids),
+                "mean_logprob": sum(gen) / len(gen) if gen else float("nan"),
+                "kl_first": float(kl[0]) if len(kl) else float("nan"),
+                "kl_mean": float(kl.mean()) if len(kl) else float("nan"),
+                "first_divergence": first_divergence(
+                    self.baseline.output_token_ids, t.output_token_ids
+                ),
+            })
+        return pd.DataFrame(rows)
