@@ -236,7 +236,7 @@ class Session:
                                    checks.check_heads(heads, sites, facts))
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
-        per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
+        steers_each = checks.check_steers(steer, lens, max_new_tokens, facts)
         ablates = per_prompt(ablate, len(prompts), Ablate)
         ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(edit, edit_at, facts,
@@ -253,7 +253,7 @@ class Session:
             self._runner.request(f"{call}-{i}", i, ids, reads, steers, edits, max_new_tokens,
                                  logprobs, sampling, clone=self.clone_reads,
                                  **ablation.plan_parts(abl, len(ids), facts.head_dim))
-            for i, (ids, steers, abl) in enumerate(zip(prompt_ids, per_prompt, ablates))
+            for i, (ids, steers, abl) in enumerate(zip(prompt_ids, steers_each, ablates))
         ]
         requests += [self._runner.background(ids, max_new_tokens, sampling) for ids in bg_ids]
         n = len(prompts)
@@ -341,10 +341,10 @@ class Session:
         prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
-        per_prompt = checks.check_steers(steer, lens, max_new_tokens, facts)
-        if not any(per_prompt):
+        steers_each = checks.check_steers(steer, lens, max_new_tokens, facts)
+        if not any(steers_each):
             raise VlensError("compare needs a steer= (nothing would differ)")
-        return prompts, prompt_ids, [("b", [[] for _ in prompts]), ("s", per_prompt)]
+        return prompts, prompt_ids, [("b", [[] for _ in prompts]), ("s", steers_each)]
 
     def sweep(self, prompt: str, *, steer: Steer, scales: Sequence[float],
               max_new_tokens: int = 16, progress: Any = None, **sampling: Any) -> Sweep:
@@ -388,8 +388,8 @@ class Session:
         requests = [
             self._runner.request(f"{call}-{arm}{i}", i, ids, reads, steers, [], max_new_tokens,
                                  True, sampling, clone=self.clone_reads)
-            for arm, per_prompt in arms
-            for i, (ids, steers) in enumerate(zip(prompt_ids, per_prompt))
+            for arm, arm_steers in arms
+            for i, (ids, steers) in enumerate(zip(prompt_ids, arm_steers))
         ]
         n = len(prompts)
 
