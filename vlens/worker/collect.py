@@ -1,9 +1,12 @@
-"""The client-facing part of the worker's hooks: collect, drop, status.
+"""What a worker keeps per request between steps, and hands back.
 
-A mixin of :class:`vlens.worker.hooks.WorkerHooks` (the RPCs in
-``extension.py`` call these): packing the records of finished tags (journaled
-steps replayed first), forgetting tags, and the counters ``s.status()``
-shows.
+:class:`RequestBook` is one part of :class:`vlens.worker.hooks.WorkerHooks`
+(composed, not mixed in): each request's parsed plan (or why it was
+refused), the records of traced requests, the journal of steps whose
+records are built when collected, the ``edit=`` functions, and the last
+batch's grouping. The RPCs in ``extension.py`` reach it for collect and
+drop: packing the records of finished tags (journaled steps replayed
+first) and forgetting tags.
 """
 
 from __future__ import annotations
@@ -12,21 +15,75 @@ from typing import Any
 
 import torch
 
-__all__ = ["ClientSide"]
+from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
+from vlens.worker.journal import Journal
+from vlens.worker.records import RequestRecord
+
+__all__ = ["RequestBook"]
 
 
-class ClientSide:
-    """Methods of WorkerHooks the client calls through the worker's RPCs."""
+class RequestBook:
+    """The per-request state of one worker (``runner``: vLLM's model
+    runner, whose ``requests`` and ``input_batch`` say which requests are
+    live; ``vectors``: the worker's VectorStore, whose device says whether
+    the steps' non-blocking copies must be waited for)."""
 
-    records: dict
-    plans: dict
-    journal: Any
+    def __init__(self, runner: Any, vectors: Any) -> None:
+        self.runner = runner
+        self.vectors = vectors
+        self.plans: dict[str, Plan | None] = {}  # req_id -> parsed plan (cache)
+        self.bad_plans: dict[str, str] = {}  # req_id -> why its plan was refused
+        self.records: dict[str, RequestRecord] = {}
+        self.journal = Journal()  # steps whose records are built when collected
+        self.edit_fns: dict[str, Any] = {}
+        # the last batch's request ids, plans, and batch indices of requests
+        # keeping records in the forward / journaled (reused while unchanged)
+        self.batch: tuple[list[str], list, list[int], list[int], Any] | None = None
+
+    def plan_for(self, req_id: str) -> Plan | None:
+        try:
+            return self.plans[req_id]
+        except KeyError:
+            pass
+        plan = None
+        state = self.runner.requests.get(req_id)
+        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
+        if extra and PLAN_KEY in extra:
+            raw = extra[PLAN_KEY]
+            try:
+                plan = parse_plan(raw)
+            except Exception as exc:  # the request learns why; the step goes on
+                tag = raw.get("tag") if isinstance(raw, dict) else None
+                plan = Plan(tag=str(tag))
+                self.bad_plans[req_id] = f"its plan was refused: {exc}"
+        if len(self.plans) > 8192:  # forget requests that left long ago
+            live = set(self.runner.input_batch.req_ids)
+            self.plans = {k: v for k, v in self.plans.items() if k in live}
+        self.plans[req_id] = plan
+        return plan
+
+    def record(self, req_id: str, plan: Plan) -> RequestRecord:
+        rec = self.records.get(req_id)
+        if rec is None:
+            rec = self.records[req_id] = RequestRecord(plan, req_id)
+            if req_id in self.bad_plans:
+                rec.error(self.bad_plans.pop(req_id))
+        return rec
+
+    def rec(self, req_id: str) -> RequestRecord | None:
+        """The record of a traced request (made now if it has none yet)."""
+        rec = self.records.get(req_id)
+        if rec is None:
+            plan = self.plans.get(req_id)
+            if plan is not None:
+                rec = self.record(req_id, plan)
+        return rec
 
     def _forget_plans(self, wanted: set[str]) -> None:
         """Drop cached plans of these tags, and no-plan entries of requests
         that have left the runner."""
         live = self.runner.requests
-        self._batch = None  # its cached plans may be among those dropped
+        self.batch = None  # its cached plans may be among those dropped
         self.plans = {
             r: p for r, p in self.plans.items()
             if (p is not None and p.tag not in wanted) or (p is None and r in live)
@@ -39,7 +96,7 @@ class ClientSide:
             torch.cuda.synchronize()  # the steps' reads were copied non-blocking
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in tags}
         journaled = self.journal.of_tags(wanted)
-        self.journal.replay(set(journaled), self._record)
+        self.journal.replay(set(journaled), self.record)
         self.journal.forget(journaled)
         for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
             rec = self.records.pop(req_id)
@@ -52,7 +109,7 @@ class ClientSide:
             n = len(set(self.records) | set(self.journal.pending))
             self.records.clear()
             self.journal.clear()
-            self._batch = None
+            self.batch = None
             self.plans.clear()
             self.bad_plans.clear()
             self.edit_fns.clear()
@@ -67,19 +124,10 @@ class ClientSide:
         self._forget_plans(wanted)
         return len(gone)
 
-    def status(self) -> dict[str, Any]:
+    def counts(self) -> dict[str, int]:
+        """What ``s.status()`` shows of the book."""
         return {
-            "hooks": len(self.handles),
             "records": len(set(self.records) | set(self.journal.pending)),
             "plans": sum(p is not None for p in self.plans.values()),
-            "vectors": len(self.vectors),
-            "vector_bytes": self.vectors.nbytes,
             "edit_fns": len(self.edit_fns),
-            "hook_errors": self.hook_errors,
-            "steps_seen": self.steps_seen,
-            "steps_planned": self.steps_planned,
-            "layout_ns": self.layout_ns,
-            "hook_ns": self.hook_ns,
-            "reduce_ns": self.reduce_ns,
-            **{f"decode_{k}": v for k, v in self.decode_counts.items()},
         }

@@ -109,14 +109,15 @@ class VlensWorkerExtension:
         return len(store)
 
     def vlens_put_edits(self, fns: dict[str, Any]) -> int:
-        self._vlens().edit_fns.update(fns)
-        return len(self._vlens().edit_fns)
+        book = self._vlens().book
+        book.edit_fns.update(fns)
+        return len(book.edit_fns)
 
     def vlens_drop_edits(self, ids: list[str]) -> int:
-        hooks = self._vlens()
+        book = self._vlens().book
         for i in ids:
-            hooks.edit_fns.pop(i, None)
-        return len(hooks.edit_fns)
+            book.edit_fns.pop(i, None)
+        return len(book.edit_fns)
 
     def vlens_collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
         """Hand back (and forget) what was read for requests with these tags."""

@@ -1,6 +1,6 @@
 """The head sites' part of the worker's hooks (q, k, v, z, attn_pattern).
 
-A mixin of :class:`vlens.worker.hooks.WorkerHooks`: the vector matrix a
+One part of :class:`vlens.worker.hooks.WorkerHooks`: the vector matrix a
 steering add at ``z`` draws from (one rank's columns under tensor
 parallelism), gathering heads across ranks, and ``attn_pattern``, scored
 per request from the keys its record keeps (``attention.py``).
@@ -16,20 +16,24 @@ from vlens.worker.layout import token_axis
 from vlens.worker.attention import AttentionShape, attention_probs
 from vlens.protocol.sites import HEAD_SITES
 
-__all__ = ["HeadSiteOps"]
+__all__ = ["HeadSites"]
 
 
-class HeadSiteOps:
-    """Methods of WorkerHooks for the head sites (they use its ``sites``,
-    ``vectors``, ``tp``, ``reader`` and ``records``)."""
+class HeadSites:
+    """The head sites' work in one worker: ``sites`` (the model's resolved
+    sites), ``vectors`` (its VectorStore), ``tp`` (tensor-parallel ranks),
+    ``reader`` (this rank keeps what it reads) and ``records`` (the traced
+    requests' records, shared with the worker's RequestBook)."""
 
-    sites: Any
-    vectors: Any
-    tp: int
-    reader: bool
-    records: dict
+    def __init__(self, sites: Any, vectors: Any, tp: int, reader: bool,
+                 records: dict[str, Any]) -> None:
+        self.sites = sites
+        self.vectors = vectors
+        self.tp = tp
+        self.reader = reader
+        self.records = records
 
-    def _add_matrix(self, site: str, layer: int, batch) -> torch.Tensor:
+    def add_matrix(self, site: str, layer: int, batch) -> torch.Tensor:
         """The vector matrix a steering add at ``site`` draws from: hidden
         wide, or for a head site every head's ``heads * head_dim`` (only the
         columns of this rank's heads under tensor parallelism)."""
@@ -49,7 +53,7 @@ class HeadSiteOps:
         rank = get_tensor_model_parallel_rank()
         return full[:, rank * local:(rank + 1) * local]
 
-    def _gather_heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def gather_heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's heads of ``x`` along ``dim`` (rank order is head
         order). Every rank must call this at the same point of the step."""
         if self.tp == 1:
@@ -58,7 +62,7 @@ class HeadSiteOps:
 
         return tensor_model_parallel_all_gather(x.contiguous(), dim)
 
-    def _read_pattern(self, step, qk, groups, layer, label) -> None:
+    def read_pattern(self, step, qk, groups, layer, label) -> None:
         """Keep each reading request's keys of this step, then its query
         rows' attention probabilities over every key so far (one request at
         a time: each has its own key length)."""
@@ -80,7 +84,7 @@ class HeadSiteOps:
                     probs = attention_probs(q[rows], keys, span.first_position, shape, heads)
                 else:  # each rank scores its own heads; the reading rank keeps them all
                     probs = attention_probs(q[rows], keys, span.first_position, shape)
-                    probs = self._gather_heads(probs, 1)
+                    probs = self.gather_heads(probs, 1)
                     if heads is not None:
                         probs = probs[:, heads]
                 if self.reader:

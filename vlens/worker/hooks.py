@@ -6,35 +6,69 @@ batch's grouping reused while the batch holds), runs each (site, layer)'s
 part of the plan (``site_ops``), keeps each step's reads once for all its
 requests in a :class:`~vlens.worker.records.StepLog` (journaled, ``journal.py``),
 and builds one :class:`~vlens.worker.records.RequestRecord` per traced request
-when the client collects. The head sites' own work is ``head_sites.py``,
-collect/drop/status ``collect.py``; the RPC surface the client calls
+when the client collects. Its parts are composed, each with its own
+declared state: the per-request state (plans, records, journal, edit
+functions: :class:`~vlens.worker.collect.RequestBook`, ``collect.py``),
+the head sites' work (:class:`~vlens.worker.head_sites.HeadSites`) and
+the step counters (:class:`Counters`); the RPC surface the client calls
 is ``extension.py``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vlens.protocol.sites import HEAD_SITES, ModelSites, resolve_sites
 from vlens.protocol.tensors import decode_tensor
-from vlens.worker.layout import token_axis
-from vlens.worker.head_sites import HeadSiteOps
-from vlens.worker.collect import ClientSide
-from vlens.worker.journal import Journal, StepArrays, kept, rows_of
 from vlens.worker.attention import head_refusals
+from vlens.worker.collect import RequestBook
+from vlens.worker.head_sites import HeadSites
+from vlens.worker.journal import StepArrays, kept, rows_of
+from vlens.worker.layout import token_axis
+from vlens.worker.planner import BatchGroups, StepPlan, plan_step
+from vlens.worker.records import StepLog, to_host
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
-from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
-from vlens.worker.planner import BatchGroups, StepPlan, plan_step
-from vlens.worker.records import RequestRecord, StepLog, to_host
-from vlens.protocol.sites import HEAD_SITES, ModelSites, resolve_sites
 
-__all__ = ["WorkerHooks"]
+__all__ = ["Counters", "WorkerHooks"]
 
 
-class WorkerHooks(HeadSiteOps, ClientSide):
+@dataclass
+class Counters:
+    """What ``s.status()`` shows of the worker's steps and their cost."""
+
+    hook_errors: int = 0
+    steps_seen: int = 0
+    steps_planned: int = 0
+    layout_ns: int = 0
+    hook_ns: int = 0
+    #: of hook_ns, the reads' own arithmetic (making a summed site's
+    #: value, then the norm, the logit lens...): work that grows with the
+    #: rows read, where the rest should not
+    reduce_ns: int = 0
+    #: the same figures over decode steps alone (one new row per request:
+    #: the steady state of a wide batch; a prefill step reads every
+    #: prompt token)
+    decode: dict[str, int] = field(default_factory=lambda: {
+        "steps": 0, "layout_ns": 0, "hook_ns": 0, "reduce_ns": 0})
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "hook_errors": self.hook_errors,
+            "steps_seen": self.steps_seen,
+            "steps_planned": self.steps_planned,
+            "layout_ns": self.layout_ns,
+            "hook_ns": self.hook_ns,
+            "reduce_ns": self.reduce_ns,
+            **{f"decode_{k}": v for k, v in self.decode.items()},
+        }
+
+
+class WorkerHooks:
     """The hook state of one worker: installed once, removed on teardown."""
 
     def __init__(self, worker: Any) -> None:
@@ -50,18 +84,15 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         cfg = self.runner.model_config.hf_config
         self.hidden = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
         self.handles: list[Any] = []
-        self.plans: dict[str, Plan | None] = {}  # req_id -> parsed plan (cache)
-        self.bad_plans: dict[str, str] = {}  # req_id -> why its plan was refused
-        self.records: dict[str, RequestRecord] = {}
         self.step: StepPlan | None = None
         self._last_step: StepPlan | None = None  # the last planned step (reused in decode)
         self.log: StepLog | None = None  # the current step's reads, for every request
-        self.journal = Journal()  # steps whose records are built when collected
-        # the last batch's request ids, plans, and batch indices of requests
-        # keeping records in the forward / journaled (reused while unchanged)
-        self._batch: tuple[list[str], list, list[int], list[int], BatchGroups] | None = None
         self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
-        self.edit_fns: dict[str, Any] = {}
+        #: plans, records, journal, edit functions: per request, between steps
+        self.book = RequestBook(self.runner, self.vectors)
+        self.heads = HeadSites(self.sites, self.vectors, self.tp, self.reader,
+                               self.book.records)
+        self.counters = Counters()
         self.compiled = False
         self._codes: list[tuple[Any, int]] = []  # compiled mode: code -> (spec, layer)
         self._code_of: dict[tuple[str, int], int] = {}  # (site, layer) -> code
@@ -70,19 +101,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         #: sites this engine leaves unhooked, and why (head sites in
         #: compiled mode and under tensor parallelism)
         self.unhooked: dict[str, str] = {}
-        self.hook_errors = 0
-        self.steps_seen = 0
-        self.steps_planned = 0
-        self.layout_ns = 0
-        self.hook_ns = 0
-        #: of hook_ns, the reads' own arithmetic (making a summed site's
-        #: value, then the norm, the logit lens...): work that grows with the
-        #: rows read, where the rest should not
-        self.reduce_ns = 0
-        #: the same figures over decode steps alone (one new row per request:
-        #: the steady state of a wide batch; a prefill step reads every
-        #: prompt token), and the current step's marks (None: not one)
-        self.decode_counts = {"steps": 0, "layout_ns": 0, "hook_ns": 0, "reduce_ns": 0}
+        # the current step's marks of the counters (None: not a decode step)
         self._decode_mark: tuple[int, int, int] | None = None
 
     # -- installation -------------------------------------------------------
@@ -98,7 +117,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
             self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
         )
         self.handles.append(self.model.register_forward_hook(self._end_step))
-        if compiled:
+        if compiled:  # (the operators are registered with torch only then)
             from vlens.worker import ops
 
             self._code_base = ops.register(self)
@@ -147,41 +166,27 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         return len(self.vectors)
 
     # -- per step -----------------------------------------------------------
-    def _plan_for(self, req_id: str) -> Plan | None:
-        try:
-            return self.plans[req_id]
-        except KeyError:
-            pass
-        plan = None
-        state = self.runner.requests.get(req_id)
-        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-        if extra and PLAN_KEY in extra:
-            raw = extra[PLAN_KEY]
-            try:
-                plan = parse_plan(raw)
-            except Exception as exc:  # the request learns why; the step goes on
-                tag = raw.get("tag") if isinstance(raw, dict) else None
-                plan = Plan(tag=str(tag))
-                self.bad_plans[req_id] = f"its plan was refused: {exc}"
-        if len(self.plans) > 8192:  # forget requests that left long ago
-            live = set(self.runner.input_batch.req_ids)
-            self.plans = {k: v for k, v in self.plans.items() if k in live}
-        self.plans[req_id] = plan
-        return plan
+    # -- the RPCs' part: what the client collects, drops, and sees ---------
+    def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
+        return self.book.collect(tags)
 
-    def _record(self, req_id: str, plan: Plan) -> RequestRecord:
-        rec = self.records.get(req_id)
-        if rec is None:
-            rec = self.records[req_id] = RequestRecord(plan, req_id)
-            if req_id in self.bad_plans:
-                rec.error(self.bad_plans.pop(req_id))
-        return rec
+    def drop(self, tags: list[str] | None) -> int:
+        return self.book.drop(tags)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "hooks": len(self.handles),
+            **self.book.counts(),
+            "vectors": len(self.vectors),
+            "vector_bytes": self.vectors.nbytes,
+            **self.counters.as_dict(),
+        }
 
     def _begin_step(self, module: Any, args: tuple, kwargs: dict) -> None:
         """Plan the step. Never raises: a failure is recorded on every
         traced request of the step, and the step runs unhooked."""
         self.step = None
-        self.steps_seen += 1
+        self.counters.steps_seen += 1
         req_ids: list[str] = []
         try:
             batch = self.runner.input_batch
@@ -192,12 +197,12 @@ class WorkerHooks(HeadSiteOps, ClientSide):
             self._plan_step(req_ids, args, kwargs)
         except Exception as exc:
             self.step = self._last_step = None
-            self.hook_errors += 1
+            self.counters.hook_errors += 1
             if self.reader:
                 for r in req_ids:
-                    plan = self.plans.get(r)
+                    plan = self.book.plans.get(r)
                     if plan is not None:
-                        self._record(r, plan).error(
+                        self.book.record(r, plan).error(
                             f"planning an engine step failed: {type(exc).__name__}: {exc}"
                         )
 
@@ -206,10 +211,10 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         the forward (those reading attn_pattern: every rank) and which are
         journaled (the others, on the reading rank). Worked out again only
         when the batch changes (a decode step usually runs the same one)."""
-        last = self._batch
+        last = self.book.batch
         if last is not None and last[0] == req_ids:
             return last[1:]
-        plans = [self._plan_for(r) for r in req_ids]
+        plans = [self.book.plan_for(r) for r in req_ids]
         eager, lazy = [], []
         for i, p in enumerate(plans):
             if p is None:
@@ -218,17 +223,17 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                 eager.append(i)
             elif self.reader:
                 lazy.append(i)
-        self._batch = (req_ids, plans, eager, lazy, BatchGroups.of(plans))
+        self.book.batch = (req_ids, plans, eager, lazy, BatchGroups.of(plans))
         if lazy:
-            self.journal.note(req_ids, plans, lazy)
-        return self._batch[1:]
+            self.book.journal.note(req_ids, plans, lazy)
+        return self.book.batch[1:]
 
     def _plan_step(self, req_ids: list[str], args: tuple, kwargs: dict) -> None:
         plans, eager, lazy, groups = self._batch_plans(req_ids)
         if not groups.planned.size:
             return
         t0 = time.perf_counter_ns()
-        self.steps_planned += 1
+        self.counters.steps_planned += 1
         n = len(req_ids)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
@@ -263,21 +268,22 @@ class WorkerHooks(HeadSiteOps, ClientSide):
             ids = rows_of(input_ids, rows, flat=True)
             pos = rows_of(positions, rows, flat=False)
             if lazy:  # one entry for the step; records are built when collected
-                self.journal.add(log, StepArrays(
+                self.book.journal.add(log, StepArrays(
                     req_ids, qsl, first, kept(ids), kept(pos), lazy))
             if eager:
                 self._begin_eager(step, eager, req_ids, ids, pos, log)
             for req_id, msgs in step.problems.items():
-                rec = self._rec(req_id)
+                rec = self.book.rec(req_id)
                 for msg in msgs if rec is not None else ():
                     rec.error(msg)
         self.step = step
         took = time.perf_counter_ns() - t0
-        self.layout_ns += took
+        self.counters.layout_ns += took
         # a decode step: one row per request (set every planned step, so a
         # forward that failed before _end_step leaves no stale mark behind)
         decode = step is not None and int(qsl[-1]) == n
-        self._decode_mark = (took, self.hook_ns, self.reduce_ns) if decode else None
+        c = self.counters
+        self._decode_mark = (took, c.hook_ns, c.reduce_ns) if decode else None
 
     def _begin_eager(self, step: StepPlan, eager: list[int], req_ids: list[str],
                      ids: torch.Tensor | None, pos: torch.Tensor | None, log: StepLog) -> None:
@@ -289,21 +295,12 @@ class WorkerHooks(HeadSiteOps, ClientSide):
             if entry is None:  # no rows in this step
                 continue
             plan, span = entry
-            self._record(span.key, plan).begin_step(
+            self.book.record(span.key, plan).begin_step(
                 span.first_position, span.length,
                 ids_l[span.start : span.stop] if ids_l is not None else None,
                 pos_l[span.start : span.stop] if pos_l is not None else None,
                 log,
             )
-
-    def _rec(self, req_id: str) -> RequestRecord | None:
-        """The record of a traced request (made now if it has none yet)."""
-        rec = self.records.get(req_id)
-        if rec is None:
-            plan = self.plans.get(req_id)
-            if plan is not None:
-                rec = self._record(req_id, plan)
-        return rec
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
@@ -311,17 +308,18 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         log, self.log = self.log, None
         mark, self._decode_mark = self._decode_mark, None
         if mark is not None and step is not None:
-            d = self.decode_counts
-            d["steps"] += 1
-            d["layout_ns"] += mark[0]
-            d["hook_ns"] += self.hook_ns - mark[1]
-            d["reduce_ns"] += self.reduce_ns - mark[2]
+            c = self.counters
+            c.decode["steps"] += 1
+            c.decode["layout_ns"] += mark[0]
+            c.decode["hook_ns"] += c.hook_ns - mark[1]
+            c.decode["reduce_ns"] += c.reduce_ns - mark[2]
         if step is not None and self.reader and self.vectors.matrix.device.type != "cpu":
             try:
                 if log is not None:
                     log.to_host()
                 if any(site == "attn_pattern" for site, _ in step.reads):  # kept per request
-                    to_host([self.records[r] for r in step.requests if r in self.records])
+                    records = self.book.records
+                    to_host([records[r] for r in step.requests if r in records])
             except Exception as exc:
                 self._fail(list(step.requests), ("(copy to host)", -1), exc)
 
@@ -362,11 +360,11 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         self._visit(step, key, spec, get_value, None if target is None else (lambda: target))
 
     def _fail(self, req_ids, key, exc: BaseException) -> None:
-        self.hook_errors += 1
+        self.counters.hook_errors += 1
         site, layer = key
         msg = f"site {site}, layer {layer}: {type(exc).__name__}: {exc}"
         for r in req_ids:
-            rec = self._rec(r)
+            rec = self.book.rec(r)
             if rec is not None:
                 rec.error(msg)
 
@@ -383,7 +381,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         sharded = self.tp > 1 and site in HEAD_SITES  # this rank holds only its heads
         if batch is not None:
             try:
-                matrix = self._add_matrix(site, layer, batch)
+                matrix = self.heads.add_matrix(site, layer, batch)
                 apply_adds(matrix, batch, step.layout, get_value, get_target, label)
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
@@ -393,11 +391,11 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                     raise ValueError(
                         "edit= functions at the head sites would see one tensor-parallel "
                         "rank's heads only: use a Steer at z, or tensor_parallel_size=1")
-                fn = self.edit_fns.get(call.edit.fn)
+                fn = self.book.edit_fns.get(call.edit.fn)
                 if fn is None:
                     raise LookupError(f"edit function {call.edit.fn} never reached this worker")
                 copied = run_edit(fn, step.layout, spec.name, get_value, get_target, call, label)
-                rec = self._rec(call.req_id) if copied else None
+                rec = self.book.rec(call.req_id) if copied else None
                 if rec is not None:
                     rec.copied_bytes += copied
             except Exception as exc:
@@ -406,15 +404,15 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         if groups:
             try:
                 if site == "attn_pattern":
-                    self._read_pattern(step, get_value(), groups, layer, label)
+                    self.heads.read_pattern(step, get_value(), groups, layer, label)
                 else:
                     t1 = time.perf_counter_ns()  # a summed site's sum: the read's own arithmetic
                     value = get_value()
-                    self.reduce_ns += time.perf_counter_ns() - t1
+                    self.counters.reduce_ns += time.perf_counter_ns() - t1
                     self._read(step, spec, value, groups, layer, label)
             except Exception as exc:  # reported to the client, never swallowed
                 self._fail([r for g in groups for r in g.req_ids], key, exc)
-        self.hook_ns += time.perf_counter_ns() - t0
+        self.counters.hook_ns += time.perf_counter_ns() - t0
 
     def _apply_sets(self, step: StepPlan, key, get_value, get_target, label: str) -> None:
         """Ablations and patched cells at one (site, layer): before the adds,
@@ -459,11 +457,11 @@ class WorkerHooks(HeadSiteOps, ClientSide):
             else:
                 rows = flat.index_select(0, g.index_on(flat.device))
             if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
-                rows = self._gather_heads(rows, -1)
+                rows = self.heads.gather_heads(rows, -1)
                 rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
             t0 = time.perf_counter_ns()
             parts = reduce_rows(self.model, rows, g.read)
-            self.reduce_ns += time.perf_counter_ns() - t0
+            self.counters.reduce_ns += time.perf_counter_ns() - t0
             if not self.reader or log is None:  # a non-reading rank joined a collective
                 continue
             for part, t in parts.items():
