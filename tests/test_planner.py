@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlens.worker.layout import StepLayout, add_rows, gather
+from vlens.worker.layout import StepLayout, add_rows, narrow
 from vlens.worker.vectors import VectorStore
 from vlens.errors import TokenAxisError
 from vlens.protocol.plan import Add, Edit, Plan, Read
@@ -272,7 +272,7 @@ def test_records_describe_one_clean_pass_through_restarts(reqs):
             rec.begin_step(span.first_position, span.length, [p + 7 for p in pos], pos)
         for (site, layer), groups in sp.reads.items():
             for g in groups:
-                rows = gather(values, sp.layout, list(g.spans))
+                rows = torch.cat([narrow(values, sp.layout, s) for s in g.spans])
                 for rid, chunk in zip(g.req_ids, rows.split(g.lengths)):
                     records[rid].keep(g.read.key, "value", layer, chunk)
     for rid, prompt_len, length, start, pieces, adds_ in reqs:

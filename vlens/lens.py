@@ -1,9 +1,13 @@
-"""Logit lens: what would the model predict if it stopped at layer i?
+"""The offline logit lens: the lens on activations a Run already holds.
 
-Apply the model's final norm and unembedding to a mid-layer residual stream.
-The weights come straight from the checkpoint (safetensors), in float32, so
-this works on activations a Run already holds, with no engine call. Llama-
-family models (RMSNorm, ``lm_head`` or tied embeddings) are supported.
+The logit lens of vlens is the worker's (``Session.trace(logit_lens=k)``:
+:func:`vlens.protocol.sites.lens_logits` runs the served model's own final
+norm and unembedding, for every architecture). This class is its offline
+fallback, for a Run that read ``resid_post`` in full and no lens: the
+final norm and unembedding come straight from the checkpoint
+(safetensors), in float32, with no engine call, for Llama-family models
+(RMSNorm, ``lm_head`` or tied embeddings); the top-k is the worker's own
+(:func:`~vlens.protocol.sites.lens_top`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from vlens.protocol.sites import lens_top
 
 __all__ = ["LogitLens"]
 
@@ -55,6 +61,4 @@ class LogitLens:
 
     def top(self, resid: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k token ids and their probabilities, each ``[..., k]``."""
-        probs = self.logits(resid).softmax(-1)
-        p, ids = probs.topk(k, dim=-1)
-        return ids, p
+        return lens_top(self.logits(resid), k)

@@ -25,9 +25,8 @@ from vlens.methods import ablation, patching
 from vlens._runner import Runner, env_flag, live_engines
 from vlens.errors import VlensError
 from vlens.protocol.plan import Edit, Read
-from vlens.results import Run, Trace
+from vlens.results import Comparison, Run, Sweep, generated_kl
 from vlens.edits import Ablate, Steer, per_prompt
-from vlens.results import Comparison, Sweep, kl_per_position
 
 __all__ = ["Session", "live_engines"]
 
@@ -375,7 +374,7 @@ class Session:
         baseline = traces[scales.index(0.0)] if 0.0 in scales else traces[-1]
         steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
         return Sweep(prompt, scales, steered, baseline,
-                     [_generated_kl(baseline, t) for t in steered])
+                     [generated_kl(baseline, t) for t in steered])
 
     def _steering_requests(self, prompts: list[str], prompt_ids: list[list[int]],
                            arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
@@ -447,11 +446,4 @@ class Session:
 
 
 def _comparison(base: Run, steered: Run) -> Comparison:
-    return Comparison(base, steered, [_generated_kl(b, s) for b, s in zip(base, steered)])
-
-
-def _generated_kl(base: Trace, steered: Trace) -> torch.Tensor:
-    """KL at each generated position: the distributions that chose each
-    generated token (rows prompt_len - 1 onwards)."""
-    start = len(base.prompt_token_ids) - 1
-    return kl_per_position(base.vocab_logprobs()[0, start:], steered.vocab_logprobs()[0, start:])
+    return Comparison(base, steered, [generated_kl(b, s) for b, s in zip(base, steered)])

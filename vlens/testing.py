@@ -23,8 +23,7 @@ from typing import Union
 
 import torch
 
-from vlens.results import Run, Trace
-from vlens.results import Comparison, Sweep, kl_per_position
+from vlens.results import Comparison, Run, Sweep, Trace, generated_kl
 
 __all__ = ["make_comparison", "make_run", "make_sweep", "make_trace"]
 
@@ -126,20 +125,13 @@ def make_run(traces: Sequence[Trace], *, prompts: Sequence[str] | None = None) -
     return Run(traces, prompts=list(prompts))
 
 
-def _kl(base: Trace, other: Trace) -> torch.Tensor:
-    # what Session.compare and Session.sweep compute: KL at each generated
-    # position, from the last layer's output distribution
-    start = len(base.prompt_token_ids) - 1
-    return kl_per_position(base.vocab_logprobs()[-1, start:], other.vocab_logprobs()[-1, start:])
-
-
 def make_comparison(baseline: Run, steered: Run) -> Comparison:
     """A Comparison of two runs of the same prompts. Each trace must hold the
     ``"resid_post:logprobs"`` read at the last layer, as a Session's does: the
     KL per generated position is computed from it."""
     if len(baseline) != len(steered):
         raise ValueError(f"{len(baseline)} baseline traces but {len(steered)} steered ones")
-    return Comparison(baseline, steered, [_kl(b, s) for b, s in zip(baseline, steered)])
+    return Comparison(baseline, steered, [generated_kl(b, s) for b, s in zip(baseline, steered)])
 
 
 def make_sweep(
@@ -156,4 +148,4 @@ def make_sweep(
             raise ValueError("no scale is 0: pass baseline= (the unsteered trace)")
         baseline = traces[scales.index(0.0)]
     runs = Run(list(traces), prompts=[prompt] * len(traces))
-    return Sweep(prompt, scales, runs, baseline, [_kl(baseline, t) for t in traces])
+    return Sweep(prompt, scales, runs, baseline, [generated_kl(baseline, t) for t in traces])

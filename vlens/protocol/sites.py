@@ -40,6 +40,7 @@ __all__ = [
     "ModelSites",
     "resolve_sites",
     "lens_logits",
+    "lens_top",
 ]
 
 #: site name -> what it is, in words (shown in errors, widgets and docs)
@@ -409,6 +410,17 @@ def resolve_sites(model: nn.Module) -> ModelSites:
     )
     _RESOLVED[model] = sites
     return sites
+
+
+def lens_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logit lens's top ``k`` token ids and their probabilities, each
+    ``[..., k]``, from ``[..., vocab]`` logits (no softmax of the whole
+    vocabulary: ``exp(top - logsumexp(logits))``). The worker's
+    ``logit_lens`` read and the offline :class:`vlens.lens.LogitLens` both
+    use it."""
+    top, ids = logits.topk(max(1, k), dim=-1)
+    probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+    return ids, probs
 
 
 def lens_logits(model: nn.Module, resid: torch.Tensor) -> torch.Tensor | None:

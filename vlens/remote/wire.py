@@ -7,8 +7,8 @@ in the data (a tensor's ``data``, a tokenizer file) travels as a blob and
 the header holds ``{"$blob": i}`` in its place, so a tensor costs its raw
 size and nothing is ever executed when a frame is read.
 
-vLLM's ``RequestOutput`` crosses as a small dict (:func:`output_to_wire`)
-and comes back as :class:`RemoteOutput`, which has the attributes the
+vLLM's ``RequestOutput`` crosses as a small dict (the server builds it,
+its logprobs through :func:`logprobs_to_wire`) and comes back as :class:`RemoteOutput`, which has the attributes the
 Session's runner reads (``outputs[i].token_ids``, ``.text``, ``.logprobs``,
 ``prompt_logprobs``...). ``SamplingParams`` crosses as a dict of the fields
 in :data:`PARAM_FIELDS` only.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FRAME_TYPE", "WireError", "pack", "unpack", "FrameReader", "PARAM_FIELDS",
-           "params_to_wire", "output_to_wire", "output_from_wire", "RemoteOutput",
+           "params_to_wire", "logprobs_to_wire", "output_from_wire", "RemoteOutput",
            "RemoteCompletion", "Logprob"]
 
 FRAME_TYPE = "application/x-vlens-frame"
@@ -203,23 +203,6 @@ def logprobs_to_wire(entries: Any) -> list[Any] | None:
         return None
     return [None if e is None else [[int(t), float(lp.logprob)] for t, lp in e.items()]
             for e in entries]
-
-
-def output_to_wire(out: Any, prompt_ids: list[int]) -> dict[str, Any] | None:
-    """vLLM RequestOutput (or None) -> plain data; only the logprobs of the
-    returned tokens cross (the sampled one, and the top-k or the given ids
-    that patching asks for)."""
-    if out is None:
-        return None
-    return {
-        "finished": bool(out.finished),
-        "prompt_logprobs": logprobs_to_wire(out.prompt_logprobs),
-        "outputs": [
-            {"index": int(c.index), "text": c.text, "token_ids": [int(t) for t in c.token_ids],
-             "logprobs": logprobs_to_wire(c.logprobs), "finish_reason": c.finish_reason}
-            for c in out.outputs
-        ],
-    }
 
 
 def _entries(raw: Any) -> list[dict[int, Logprob] | None] | None:

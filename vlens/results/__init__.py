@@ -7,6 +7,13 @@
 """
 
 from vlens.results.run import Run, Trace
-from vlens.results.steering import Comparison, Sweep, first_divergence, kl_per_position
+from vlens.results.steering import (
+    Comparison,
+    Sweep,
+    first_divergence,
+    generated_kl,
+    kl_per_position,
+)
 
-__all__ = ["Comparison", "Run", "Sweep", "Trace", "first_divergence", "kl_per_position"]
+__all__ = ["Comparison", "Run", "Sweep", "Trace", "first_divergence", "generated_kl",
+           "kl_per_position"]

@@ -16,7 +16,7 @@ import torch
 
 from vlens.results.run import Run
 
-__all__ = ["Comparison", "Sweep", "first_divergence", "kl_per_position"]
+__all__ = ["Comparison", "Sweep", "first_divergence", "generated_kl", "kl_per_position"]
 
 
 def kl_per_position(base_lp: torch.Tensor, steer_lp: torch.Tensor) -> torch.Tensor:
@@ -25,6 +25,14 @@ def kl_per_position(base_lp: torch.Tensor, steer_lp: torch.Tensor) -> torch.Tens
     n = min(base_lp.shape[0], steer_lp.shape[0])
     p = base_lp[:n]
     return (p.exp() * (p - steer_lp[:n])).sum(-1).clamp_min(0)
+
+
+def generated_kl(base: Any, other: Any) -> torch.Tensor:
+    """KL(base || other) at each generated position of two traces of one
+    prompt: the last read layer's output distributions that chose each
+    generated token (rows ``prompt_len - 1`` onwards), ``[generated]``."""
+    start = len(base.prompt_token_ids) - 1
+    return kl_per_position(base.vocab_logprobs()[-1, start:], other.vocab_logprobs()[-1, start:])
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

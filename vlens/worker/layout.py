@@ -18,7 +18,7 @@ through. ``token_axis`` finds the axis or raises :class:`TokenAxisError`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -32,7 +32,6 @@ __all__ = [
     "TokenAxisError",
     "narrow",
     "add_rows",
-    "gather",
     "token_axis",
     "widen",
 ]
@@ -181,12 +180,6 @@ class StepLayout:
     def keys(self) -> list[Hashable]:
         return [s.key for s in self.spans]
 
-    def row_index(self, keys: Iterable[Hashable]) -> torch.Tensor:
-        """Row numbers of the given requests, as one int64 tensor."""
-        wanted = set(keys)
-        parts = [torch.arange(s.start, s.stop) for s in self.spans if s.key in wanted]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-
 
 def token_axis(tensor: torch.Tensor, layout: StepLayout, *, site: str = "?") -> int:
     """The axis of ``tensor`` that runs over the step's tokens.
@@ -324,27 +317,3 @@ def add_rows(
     return tensor
 
 
-def gather(
-    tensor: torch.Tensor,
-    layout: StepLayout,
-    spans: list[RowSpan],
-    *,
-    axis: int | None = None,
-    site: str = "?",
-) -> torch.Tensor:
-    """The rows of several requests at once, as one new tensor.
-
-    Returns ``[sum of span lengths, *row_shape]`` (the token axis first,
-    whatever the layout), the spans' rows one after another: split it with
-    ``torch.split(result, [s.length for s in spans])``. Always a copy, so
-    it never aliases engine memory.
-    """
-    if not spans:
-        raise ValueError("gather needs at least one span")
-    for span in spans:
-        axis = _checked_axis(tensor, layout, span, axis, site)
-    flat = tensor[0] if axis == 1 else tensor
-    if axis == 1 and tensor.shape[0] != 1:
-        raise TokenAxisError(f"site {site}: expected [1, T, ...], got {list(tensor.shape)}")
-    index = torch.cat([torch.arange(s.start, s.stop) for s in spans]).to(flat.device)
-    return flat.index_select(0, index)

@@ -18,7 +18,7 @@ import torch
 from vlens.worker.layout import StepLayout, add_rows, narrow, token_axis, widen
 from vlens.protocol.plan import EditContext, Read
 from vlens.worker.planner import AddBatch, EditCall, SetBatch
-from vlens.protocol.sites import lens_logits
+from vlens.protocol.sites import lens_logits, lens_top
 
 __all__ = ["apply_adds", "apply_sets", "reduce_rows", "run_edit"]
 
@@ -145,7 +145,6 @@ def reduce_rows(model: Any, rows: torch.Tensor, read: Read) -> dict[str, torch.T
     if read.reduce == "logprobs":
         return {"value": logits.log_softmax(-1)}
     if read.reduce == "logit_lens":
-        top, ids = logits.topk(max(1, read.k), dim=-1)
-        probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+        ids, probs = lens_top(logits, read.k)
         return {"ids": ids, "probs": probs}
     raise ValueError(f"unknown reduction {read.reduce!r}")
