@@ -26,7 +26,7 @@ from vlens.checks import ModelFacts, check_budget
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
 from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 from vlens.results import Run, Trace
-from vlens.edits import Steer, edit_salt
+from vlens.edits import Steer, engine_prompt
 
 __all__ = ["Request", "Runner", "env_flag", "live_engines"]
 
@@ -241,7 +241,7 @@ class Runner:
         check_budget([(len(r.ids), r.plan.reads, r.params.max_tokens, r.params.n)
                       for r in requests if r.plan is not None], self.facts, budget)
         vectors = {vid: v for r in requests for vid, v in r.vectors.items()}
-        call = _Call(engine, [_engine_prompt(r) for r in requests],
+        call = _Call(engine, [engine_prompt(r.ids, r.plan) for r in requests],
                      [r.plan.tag for r in requests if r.plan is not None])
         try:
             with engine.lock, engine.hold_vectors(vectors):
@@ -360,19 +360,6 @@ class _Call:
         result = assemble(outputs, collected)
         self.done = True
         return result
-
-
-def _engine_prompt(req: Request) -> dict[str, Any]:
-    p: dict[str, Any] = {"prompt_token_ids": req.ids}
-    if req.plan is not None:
-        # steered, ablated or patched KV is kept apart from everyone else's
-        # in the prefix cache
-        salt = edit_salt([a.__dict__ for a in req.plan.adds]
-                         + [dict(w.__dict__, set=True) for w in req.plan.sets],
-                         [e.__dict__ for e in req.plan.edits])
-        if salt:
-            p["cache_salt"] = salt
-    return p
 
 
 def _match(i: int, prompt: str, req: Request, comp: Any,

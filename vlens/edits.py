@@ -32,6 +32,7 @@ __all__ = [
     "SPANS",
     "Steer",
     "edit_salt",
+    "engine_prompt",
     "parse_span",
     "per_prompt",
     "span_positions",
@@ -258,6 +259,20 @@ def edit_salt(writes: list[dict[str, Any]], edits: list[dict[str, Any]]) -> str 
         return None
     canon = json.dumps({"w": writes, "e": edits}, sort_keys=True)
     return "vlens-" + hashlib.sha1(canon.encode()).hexdigest()[:20]
+
+
+def engine_prompt(ids: list[int], plan: Any) -> dict[str, Any]:
+    """vLLM's prompt for a request: its token ids, and the prefix-cache salt
+    of its plan's edits (steered, ablated or patched KV is kept apart from
+    everyone else's). ``plan``: a :class:`vlens.protocol.plan.Plan` or None."""
+    p: dict[str, Any] = {"prompt_token_ids": ids}
+    if plan is not None:
+        salt = edit_salt([a.__dict__ for a in plan.adds]
+                         + [dict(w.__dict__, set=True) for w in plan.sets],
+                         [e.__dict__ for e in plan.edits])
+        if salt:
+            p["cache_salt"] = salt
+    return p
 
 
 def _steer_key(st: Steer) -> tuple:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,27 +22,13 @@ import torch
 from vlens import checks
 from vlens.methods import ablation, patching
 from vlens._runner import Runner, env_flag, live_engines
+from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
 from vlens.protocol.plan import Edit, Read
 from vlens.results import Comparison, Run, Sweep, generated_kl
 from vlens.edits import Ablate, Steer, per_prompt
 
 __all__ = ["Session", "live_engines"]
-
-
-def _resolve_model(model: str | os.PathLike | None) -> str:
-    if model is None:
-        from vlens.models import toyworld_path
-
-        return str(toyworld_path())
-    path = Path(model).expanduser()
-    if path.exists():
-        return str(path.resolve())
-    raise VlensError(
-        f"model {str(model)!r} is not a folder on this machine. vlens loads local "
-        "models only (no downloads): pass the folder that holds config.json and "
-        "the weights, or leave model out for the bundled toy-world model."
-    )
 
 
 class Session:
@@ -58,7 +43,7 @@ class Session:
 
     def __init__(self, model: str | os.PathLike | None = None, *, reuse: bool = True,
                  **llm_kwargs: Any) -> None:
-        self.model = _resolve_model(model)
+        self.model = resolve_model(model)
         self._runner = Runner(self.model, llm_kwargs, reuse=reuse)
         self._setup()
 

@@ -11,7 +11,6 @@ in-process and out of process.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import threading
 import weakref
@@ -21,37 +20,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vlens.protocol.tensors import encode_tensor
 from vlens.engine.doctor import require_startable
 from vlens.engine.env import apply_env_defaults
+from vlens.engine.startup import EXTENSION, Checkpoint, engine_info
 from vlens.errors import ClosedError, VlensError
+from vlens.protocol.tensors import encode_tensor
 
 __all__ = ["Engine", "EXTENSION"]
-
-EXTENSION = "vlens.worker.extension.VlensWorkerExtension"
 
 _REFUSED = {
     "worker_extension_cls": "vlens sets its own worker extension",
     "worker_cls": "vlens picks the worker class (compiled mode needs its own)",
 }
-
-
-def _saved_config(model: str) -> dict[str, Any] | None:
-    """A local checkpoint's config.json, if it has a readable one."""
-    try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
-def _saved_dtype(model: str) -> str | None:
-    """The dtype a local checkpoint's config.json declares, if any."""
-    cfg = _saved_config(model)
-    if cfg is None:
-        return None
-    text = cfg.get("text_config") or {}
-    return cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
 
 
 class Engine:
@@ -83,16 +63,9 @@ class Engine:
         self.llm_kwargs = dict(llm_kwargs)
         # An architecture vlens cannot hook is refused before vLLM starts
         # (nothing to shut down); vlens.protocol.architectures says which it knows.
-        config = _saved_config(self.model)
-        arch = None
-        if config is not None:
-            from vlens.protocol.architectures import check_model_config
-
-            arch = check_model_config(config, self.llm_kwargs.get("model_impl"))
-        if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
-            # vLLM downcasts float32 checkpoints to 16 bits by default; for
-            # looking inside a model the saved precision is the faithful one.
-            self.llm_kwargs["dtype"] = "float32"
+        checkpoint = Checkpoint.check(self.model, self.llm_kwargs.get("model_impl"))
+        if "dtype" not in self.llm_kwargs and checkpoint.default_dtype is not None:
+            self.llm_kwargs["dtype"] = checkpoint.default_dtype
         self.env = apply_env_defaults(self.llm_kwargs)
         self.lock = threading.RLock()
         self._closed = False
@@ -129,7 +102,7 @@ class Engine:
             ) from None
         self.tokenizer = self.llm.get_tokenizer()
         try:
-            self.info: dict[str, Any] = self.rpc("vlens_setup")[0]
+            setup = self.rpc("vlens_setup")[0]
         except BaseException:
             # a model the workers cannot hook leaves no engine behind
             self._closed = True
@@ -138,17 +111,10 @@ class Engine:
             if client is not None:
                 _shutdown(client, last=not any(e.in_process for e in _OPEN))
             raise
-        cfg = self.llm.llm_engine.model_config
-        self.info["max_model_len"] = int(cfg.max_model_len)
-        self.info["vocab_size"] = int(cfg.get_vocab_size())
-        self.info["compiled"] = self.compiled
-        self.info["device"] = str(self.llm.llm_engine.vllm_config.device_config.device_type)
-        # KV-cache blocks the engine got (how many tokens it can hold at once)
-        self.info["kv_cache_blocks"] = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        self.info["kv_block_size"] = self.llm.llm_engine.vllm_config.cache_config.block_size
-        # sites this architecture lacks, and why (for the Session's errors)
-        self.info["absent_sites"] = {**self.info.pop("worker_absent", {}),
-                                     **(arch.absent_sites(config) if arch is not None else {})}
+        engine = self.llm.llm_engine
+        self.info: dict[str, Any] = engine_info(
+            setup, engine.model_config, engine.vllm_config, compiled=self.compiled,
+            checkpoint=checkpoint)
         _OPEN.add(self)
 
     # -- state --------------------------------------------------------------

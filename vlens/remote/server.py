@@ -147,7 +147,7 @@ class Server:
 
     async def run(self, client: _Client, call: Checked, stream: bool):
         """The frames of one admitted call (an async iterator of bytes)."""
-        from vlens._runner import Request, _engine_prompt
+        from vlens.edits import engine_prompt
         from vlens.protocol.plan import PLAN_KEY, parse_plan
 
         n = len(call.ids)
@@ -162,7 +162,7 @@ class Server:
         async def pump(i: int) -> None:
             sp = call.params[i]
             plan = parse_plan(sp.extra_args[PLAN_KEY]) if sp.extra_args else None
-            prompt = _engine_prompt(Request(call.ids[i], plan, sp))
+            prompt = engine_prompt(call.ids[i], plan)
             try:
                 async for out in self.llm.generate(prompt, sp, rids[i]):
                     queue.put_nowait((i, out))
@@ -346,11 +346,9 @@ async def _serve(args: Any, argv: list[str]) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vlens.protocol.architectures import check_model_config
-    from vlens.engine.engine import EXTENSION, _saved_config, _saved_dtype
     from vlens.engine.env import apply_env_defaults
+    from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, resolve_model
     from vlens.errors import VlensError
-    from vlens.session import _resolve_model
 
     if any(a.startswith("--worker-extension-cls") or a.startswith("--worker-cls")
            for a in argv):
@@ -359,30 +357,23 @@ async def _serve(args: Any, argv: list[str]) -> None:
     tokens = load_tokens(args.token_file)
     explicit = args.model_tag or (args.model if any(a.startswith("--model") for a in argv)
                                   else None)
-    args.model = _resolve_model(explicit)
-    config = _saved_config(args.model)
-    arch = check_model_config(config, args.model_impl) if config is not None else None
-    if not any(a.startswith("--dtype") for a in argv) and _saved_dtype(args.model) == "float32":
-        args.dtype = "float32"  # the saved precision is the faithful one
+    args.model = resolve_model(explicit)
+    checkpoint = Checkpoint.check(args.model, args.model_impl)
+    if not any(a.startswith("--dtype") for a in argv) and checkpoint.default_dtype is not None:
+        args.dtype = checkpoint.default_dtype
     args.worker_extension_cls = EXTENSION
     args.enforce_eager = True  # hooks must run every step (compiled mode is not served)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     apply_env_defaults({"kv_cache_memory_bytes": engine_args.kv_cache_memory_bytes})
     llm = AsyncLLM.from_engine_args(engine_args)
     try:
-        info = (await llm.collective_rpc("vlens_setup"))[0]
-        cfg = llm.model_config
-        info["max_model_len"] = int(cfg.max_model_len)
-        info["vocab_size"] = int(cfg.get_vocab_size())
-        info["compiled"] = False
+        setup = (await llm.collective_rpc("vlens_setup"))[0]
+        # compiled mode is not served
+        info = engine_info(setup, llm.model_config, llm.vllm_config, compiled=False,
+                           checkpoint=checkpoint)
         from vlens.models.recipes import is_toyworld
 
         info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
-        info["device"] = str(llm.vllm_config.device_config.device_type)
-        info["kv_cache_blocks"] = llm.vllm_config.cache_config.num_gpu_blocks
-        info["kv_block_size"] = llm.vllm_config.cache_config.block_size
-        info["absent_sites"] = {**info.pop("worker_absent", {}),
-                                **(arch.absent_sites(config) if arch is not None else {})}
         limits = Limits(
             read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
             prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
