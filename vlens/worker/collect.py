@@ -6,11 +6,13 @@ refused), the records of traced requests, the journal of steps whose
 records are built when collected, the ``edit=`` functions, and the last
 batch's grouping. The RPCs in ``extension.py`` reach it for collect and
 drop: packing the records of finished tags (journaled steps replayed
-first) and forgetting tags.
+first) and forgetting tags. :class:`Counters` are the step figures
+``s.status()`` shows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
 from vlens.worker.journal import Journal
 from vlens.worker.records import RequestRecord
 
-__all__ = ["RequestBook"]
+__all__ = ["Counters", "RequestBook"]
 
 
 class RequestBook:
@@ -130,4 +132,35 @@ class RequestBook:
             "records": len(set(self.records) | set(self.journal.pending)),
             "plans": sum(p is not None for p in self.plans.values()),
             "edit_fns": len(self.edit_fns),
+        }
+
+
+@dataclass
+class Counters:
+    """What ``s.status()`` shows of the worker's steps and their cost."""
+
+    hook_errors: int = 0
+    steps_seen: int = 0
+    steps_planned: int = 0
+    layout_ns: int = 0
+    hook_ns: int = 0
+    #: of hook_ns, the reads' own arithmetic (making a summed site's
+    #: value, then the norm, the logit lens...): work that grows with the
+    #: rows read, where the rest should not
+    reduce_ns: int = 0
+    #: the same figures over decode steps alone (one new row per request:
+    #: the steady state of a wide batch; a prefill step reads every
+    #: prompt token)
+    decode: dict[str, int] = field(default_factory=lambda: {
+        "steps": 0, "layout_ns": 0, "hook_ns": 0, "reduce_ns": 0})
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "hook_errors": self.hook_errors,
+            "steps_seen": self.steps_seen,
+            "steps_planned": self.steps_planned,
+            "layout_ns": self.layout_ns,
+            "hook_ns": self.hook_ns,
+            "reduce_ns": self.reduce_ns,
+            **{f"decode_{k}": v for k, v in self.decode.items()},
         }

@@ -10,14 +10,13 @@ when the client collects. Its parts are composed, each with its own
 declared state: the per-request state (plans, records, journal, edit
 functions: :class:`~vlens.worker.collect.RequestBook`, ``collect.py``),
 the head sites' work (:class:`~vlens.worker.head_sites.HeadSites`) and
-the step counters (:class:`Counters`); the RPC surface the client calls
+the step counters (:class:`~vlens.worker.collect.Counters`); the RPC surface the client calls
 is ``extension.py``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from vlens.protocol.sites import HEAD_SITES, ModelSites, resolve_sites
 from vlens.protocol.tensors import decode_tensor
 from vlens.worker.attention import head_refusals
-from vlens.worker.collect import RequestBook
+from vlens.worker.collect import Counters, RequestBook
 from vlens.worker.head_sites import HeadSites
 from vlens.worker.journal import StepArrays, kept, rows_of
 from vlens.worker.layout import token_axis
@@ -34,38 +33,7 @@ from vlens.worker.records import StepLog, to_host
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
 
-__all__ = ["Counters", "WorkerHooks"]
-
-
-@dataclass
-class Counters:
-    """What ``s.status()`` shows of the worker's steps and their cost."""
-
-    hook_errors: int = 0
-    steps_seen: int = 0
-    steps_planned: int = 0
-    layout_ns: int = 0
-    hook_ns: int = 0
-    #: of hook_ns, the reads' own arithmetic (making a summed site's
-    #: value, then the norm, the logit lens...): work that grows with the
-    #: rows read, where the rest should not
-    reduce_ns: int = 0
-    #: the same figures over decode steps alone (one new row per request:
-    #: the steady state of a wide batch; a prefill step reads every
-    #: prompt token)
-    decode: dict[str, int] = field(default_factory=lambda: {
-        "steps": 0, "layout_ns": 0, "hook_ns": 0, "reduce_ns": 0})
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "hook_errors": self.hook_errors,
-            "steps_seen": self.steps_seen,
-            "steps_planned": self.steps_planned,
-            "layout_ns": self.layout_ns,
-            "hook_ns": self.hook_ns,
-            "reduce_ns": self.reduce_ns,
-            **{f"decode_{k}": v for k, v in self.decode.items()},
-        }
+__all__ = ["WorkerHooks"]
 
 
 class WorkerHooks:

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vlens.worker.layout import RowSpan, StepLayout
-from vlens.protocol.plan import Add, Edit, Plan, Read, Set
+from vlens.protocol.plan import Edit, Plan, Read
 from vlens.worker.groups import BatchGroups, _Requests
+from vlens.worker.layout import RowSpan, StepLayout
+from vlens.worker.writes import AddBatch, SetBatch, add_batch, clip_adds, clip_sets, set_batch
 
-__all__ = ["AddBatch", "BatchGroups", "EditCall", "ReadGroup", "SetBatch", "StepPlan", "plan_step", "COLLECTIVE",
-           "GATHERED"]
+__all__ = ["AddBatch", "BatchGroups", "EditCall", "ReadGroup", "SetBatch", "StepPlan", "plan_step",
+           "COLLECTIVE", "GATHERED"]
 
 #: reductions that every tensor-parallel rank must join (the unembedding
 #: gathers across ranks), though only the reading rank keeps the result
@@ -118,42 +119,6 @@ class ReadGroup:
     @property
     def req_ids(self) -> list[str]:
         return [s.key for s in self.spans]
-
-
-@dataclass(frozen=True)
-class AddBatch:
-    """Every steering add at one (site, layer) in one step.
-
-    Row ``rows[i]`` of the step gets ``scales[i] * matrix[vectors[i]]``
-    (times the row's own norm where ``relative[i]``)."""
-
-    rows: torch.Tensor  # [m] int64 row numbers in the step
-    vectors: torch.Tensor  # [m] int64 rows of the worker's vector matrix
-    scales: torch.Tensor  # [m] float32
-    relative: torch.Tensor | None  # [m] bool, None when no add is relative
-    req_ids: tuple[str, ...]  # the requests concerned
-    #: ``(lo, hi, vector row, scale)`` when every add is the same fixed
-    #: (not relative) vector and scale on rows ``lo, …, hi - 1``, as when
-    #: one Steer covers a whole decode batch: one slice add, no index
-    uniform: tuple[int, int, int, float] | None = None
-    #: the hooks' scratch for this batch (the uniform add's scaled vector),
-    #: kept while decode steps reuse the plan
-    cache: dict = field(default_factory=dict, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class SetBatch:
-    """Every set (ablation, patched cell) at one (site, layer) in one step.
-
-    Dims ``[lo[i], hi[i])`` of row ``rows[i]`` become those of
-    ``matrix[vectors[i]]`` (zeros where ``vectors[i] < 0``)."""
-
-    rows: torch.Tensor  # [m] int64 row numbers in the step
-    vectors: torch.Tensor  # [m] int64 rows of the worker's vector matrix, -1: zeros
-    lo: torch.Tensor  # [m] int64 first dim replaced
-    hi: torch.Tensor  # [m] int64 dim after the last replaced
-    any_vector: bool  # False: every set writes zeros (no matrix needed)
-    req_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -260,6 +225,33 @@ def plan_step(
         if counts[i] > 0:
             for edit in plans[i].edits:
                 edits[(edit.site, edit.layer)].append(EditCall(layout.spans[i], edit, plans[i]))
+    reads = _plan_reads(groups, live, qsl, layout, reader, device)
+    where = (qsl, first, counts, req_ids)
+    add_parts: dict[Key, list] = defaultdict(list)
+    problems: dict[str, list[str]] = defaultdict(list)
+    for plan, idx in groups.adds:
+        clip_adds(plan, live(idx), where, vector_rows or {}, add_parts, problems)
+    set_parts: dict[Key, list] = defaultdict(list)
+    for plan, idx in groups.sets:
+        clip_sets(plan, live(idx), where, vector_rows or {}, set_parts, problems)
+    return StepPlan(
+        layout=layout,
+        requests=requests,
+        reads=reads,
+        adds={key: add_batch(parts, layout, device) for key, parts in add_parts.items()},
+        sets={key: set_batch(parts, layout, device) for key, parts in set_parts.items()},
+        edits={key: tuple(calls) for key, calls in edits.items()},
+        problems=dict(problems),
+        basis=basis,
+    )
+
+
+def _plan_reads(groups: BatchGroups, live, qsl: np.ndarray, layout: StepLayout, reader: bool,
+                device: torch.device | str) -> dict[Key, tuple[ReadGroup, ...]]:
+    """The step's read groups per (site, layer): requests that read it the
+    same way share one group (``live``: the requests of a plan group with
+    rows in this step). Ranks other than the reader plan only the reads
+    every rank must join."""
     # (site, layer) -> (how read) -> [read, spans, row indices of each plan group]
     read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
     for plan, idx in groups.reads:
@@ -277,28 +269,10 @@ def plan_step(
                     group = read_spans[where][how] = [read, [], []]
                 group[1].append(idx)
                 group[2].append(rows)
-    reads = {
+    return {
         key: tuple(_read_group(g[0], layout, g[1], g[2]) for g in groups_.values())
         for key, groups_ in read_spans.items()
     }
-    where = (qsl, first, counts, req_ids)
-    add_parts: dict[Key, list] = defaultdict(list)
-    problems: dict[str, list[str]] = defaultdict(list)
-    for plan, idx in groups.adds:
-        _clip_adds(plan, live(idx), where, vector_rows or {}, add_parts, problems)
-    set_parts: dict[Key, list] = defaultdict(list)
-    for plan, idx in groups.sets:
-        _clip_sets(plan, live(idx), where, vector_rows or {}, set_parts, problems)
-    return StepPlan(
-        layout=layout,
-        requests=requests,
-        reads=reads,
-        adds={key: _add_batch(parts, layout, device) for key, parts in add_parts.items()},
-        sets={key: _set_batch(parts, layout, device) for key, parts in set_parts.items()},
-        edits={key: tuple(calls) for key, calls in edits.items()},
-        problems=dict(problems),
-        basis=basis,
-    )
 
 
 def _same_decode(last: tuple | None, now: tuple) -> bool:
@@ -353,114 +327,3 @@ def _span_rows(qsl: np.ndarray, batch_idx: np.ndarray) -> np.ndarray:
         return lo
     offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(lo, counts) + offsets
-
-
-def _clip_adds(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[str, int],
-               add_parts: dict, problems: dict) -> None:
-    """Each add of ``plan``, clipped to the rows of the requests at batch
-    indices ``idx`` whose positions fall in its ``[start, stop)`` (``stop <
-    0``: to the end): appends ``(first rows, last rows + 1, vector row,
-    scale, relative, request ids)`` to ``add_parts[(site, layer)]``."""
-    for add, rows_lo, rows_hi, keys in _clipped(plan.adds, idx, where):
-        vec = vector_rows.get(add.vec)
-        if vec is None:
-            for key in keys:
-                problems[key].append(
-                    f"site {add.site}, layer {add.layer}: steering vector {add.vec} "
-                    "never reached this worker"
-                )
-            continue
-        add_parts[(add.site, add.layer)].append(
-            (rows_lo, rows_hi, vec, add.scale, add.relative, keys))
-
-
-def _clip_sets(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[str, int],
-               set_parts: dict, problems: dict) -> None:
-    """Like :func:`_clip_adds` for the plan's sets: appends ``(first rows,
-    last rows + 1, vector row or -1, lo, hi, request ids)``."""
-    for st, rows_lo, rows_hi, keys in _clipped(plan.sets, idx, where):
-        vec = vector_rows.get(st.vec, None) if st.vec else -1
-        if vec is None:
-            for key in keys:
-                problems[key].append(
-                    f"site {st.site}, layer {st.layer}: vector {st.vec} never reached "
-                    "this worker"
-                )
-            continue
-        set_parts[(st.site, st.layer)].append((rows_lo, rows_hi, vec, st.lo, st.hi, keys))
-
-
-def _clipped(entries: Sequence[Add | Set], idx: np.ndarray, where: tuple):
-    """For each entry with a ``[start, stop)`` token span, the step rows of
-    the requests at batch indices ``idx`` inside it (``where``: the step's
-    row offsets, tokens computed before it, row counts and request ids):
-    yields ``(entry, first rows [k], last rows + 1 [k], the k request ids)``
-    for entries that cover any row."""
-    qsl, computed, counts, req_ids = where
-    start = qsl[idx]
-    first = computed[idx]
-    end = first + counts[idx]
-    for entry in entries:
-        lo = np.maximum(entry.start, first)
-        hi = end if entry.stop < 0 else np.minimum(entry.stop, end)
-        hit = np.nonzero(lo < hi)[0]
-        if hit.size:
-            yield (entry, start[hit] + lo[hit] - first[hit], start[hit] + hi[hit] - first[hit],
-                   [req_ids[i] for i in idx[hit].tolist()])
-
-
-def _add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> AddBatch:
-    """One index for all of a (site, layer)'s adds, built on the host and
-    checked there, so applying it needs no device-to-host read."""
-    rows, per_part = _rows_of(parts, layout)
-    vec = np.repeat(np.array([p[2] for p in parts], dtype=np.int64), per_part)
-    scale = np.repeat(np.array([p[3] for p in parts], dtype=np.float32), per_part)
-    rel = np.array([p[4] for p in parts], dtype=bool)
-    relative = torch.from_numpy(np.repeat(rel, per_part)).to(device) if rel.any() else None
-    uniform = None
-    if relative is None and rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size and (
-            rows.size == 1 or bool((rows[1:] > rows[:-1]).all())) and (
-            len({(p[2], p[3]) for p in parts}) == 1):
-        uniform = (int(rows[0]), int(rows[-1]) + 1, int(parts[0][2]), float(scale[0]))
-    return AddBatch(
-        torch.from_numpy(rows).to(device),
-        torch.from_numpy(vec).to(device),
-        torch.from_numpy(scale).to(device),
-        relative,
-        tuple(r for p in parts for r in p[5]),
-        uniform,
-    )
-
-
-def _rows_of(parts: list, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
-    """The step rows of ``parts`` (each with arrays of first rows and last
-    rows + 1 as its first two items), and how many rows each part has."""
-    lo = np.concatenate([p[0] for p in parts])
-    hi = np.concatenate([p[1] for p in parts])
-    if lo.min() < 0 or hi.max() > layout.num_actual:
-        raise ValueError(f"edited rows outside the step's {layout.num_actual} rows")
-    counts = hi - lo
-    sizes = [len(p[0]) for p in parts]
-    # row numbers: each part's first row, repeated, plus 0, 1, … within the part
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    rows = np.repeat(lo, counts) + offsets
-    per_part = np.add.reduceat(counts, np.cumsum([0] + sizes[:-1]))
-    return rows, per_part
-
-
-def _set_batch(parts: list, layout: StepLayout, device: torch.device | str) -> SetBatch:
-    """One index for all of a (site, layer)'s sets; ``hi == -1`` becomes a
-    bound past any row width."""
-    rows, per_part = _rows_of(parts, layout)
-    vec = np.array([p[2] for p in parts], dtype=np.int64)
-    hi = np.array([p[4] for p in parts], dtype=np.int64)
-    hi = np.where(hi < 0, np.iinfo(np.int64).max, hi)
-    return SetBatch(
-        torch.from_numpy(rows).to(device),
-        torch.from_numpy(np.repeat(vec, per_part)).to(device),
-        torch.from_numpy(np.repeat(np.array([p[3] for p in parts], dtype=np.int64),
-                                   per_part)).to(device),
-        torch.from_numpy(np.repeat(hi, per_part)).to(device),
-        bool((vec >= 0).any()),
-        tuple(r for p in parts for r in p[5]),
-    )

@@ -17,7 +17,8 @@ import torch
 
 from vlens.worker.layout import StepLayout, add_rows, narrow, token_axis, widen
 from vlens.protocol.plan import EditContext, Read
-from vlens.worker.planner import AddBatch, EditCall, SetBatch
+from vlens.worker.planner import EditCall
+from vlens.worker.writes import AddBatch, SetBatch
 from vlens.protocol.sites import lens_logits, lens_top
 
 __all__ = ["apply_adds", "apply_sets", "reduce_rows", "run_edit"]
