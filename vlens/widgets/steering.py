@@ -21,7 +21,7 @@ import ipywidgets as widgets
 import traitlets
 
 from vlens.plots import baseline_vs_steered, dose_response, token_set_metric
-from vlens.steering import Steer
+from vlens.edits import Steer
 from vlens.widgets._base import View, figure_widget, show_figure
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
 from vlens.widgets.pickers import HeadPicker, LayerPicker, SitePicker
