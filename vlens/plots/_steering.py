@@ -134,6 +134,24 @@ def baseline_vs_steered(
         row=2,
         col=1,
     )
+    shapes = _divergence_shapes(divergence, n_prompt, xs)
+    where = "no divergence" if divergence is None else f"first divergence at position {divergence}"
+    fig.update_layout(
+        title={"text": title or f"baseline vs steered ({where})"},
+        showlegend=False,
+        shapes=shapes,
+        height=420,
+    )
+    fig.update_yaxes(title_text="Δ logprob", row=1, col=1)
+    fig.update_yaxes(autorange="reversed", row=2, col=1)
+    fig.update_xaxes(title_text="position", row=2, col=1)
+    return fig
+
+
+def _divergence_shapes(divergence: int | None, n_prompt: int | None,
+                       xs: list[int]) -> list[dict]:
+    """The first divergence outlined on the token rows, and the
+    prompt|generated boundary on both panels (positions in ``xs`` units)."""
     shapes = []
     if divergence is not None:
         shapes.append(
@@ -164,14 +182,4 @@ def baseline_vs_steered(
                     "name": "prompt|generated",
                 }
             )
-    where = "no divergence" if divergence is None else f"first divergence at position {divergence}"
-    fig.update_layout(
-        title={"text": title or f"baseline vs steered ({where})"},
-        showlegend=False,
-        shapes=shapes,
-        height=420,
-    )
-    fig.update_yaxes(title_text="Δ logprob", row=1, col=1)
-    fig.update_yaxes(autorange="reversed", row=2, col=1)
-    fig.update_xaxes(title_text="position", row=2, col=1)
-    return fig
+    return shapes
