@@ -9,6 +9,7 @@ working; the next successful callback clears it.
 
 from __future__ import annotations
 
+import html
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,7 +23,8 @@ from vlens.results import Run
 from vlens.widgets.selection import Selection, token_sites
 
 __all__ = [
-    "Panel", "View", "figure_widget", "full_sites", "layers_spanned", "show_figure",
+    "Panel", "View", "figure_widget", "full_sites", "layers_spanned", "lines_of", "show_figure",
+    "texts_html",
 ]
 
 
@@ -167,3 +169,16 @@ class View(Panel):
     layer = _selected("layer")
     span = _selected("span")
     site = _selected("site")
+
+
+def texts_html(baseline: str, other: str, name: str = "steered") -> str:
+    """Two texts side by side (baseline and steered/ablated), escaped."""
+    cell = '<div style="flex:1;white-space:pre-wrap"><b>{}</b><br>{}</div>'
+    return ('<div class="vlens-stream" style="display:flex;gap:1.5em">'
+            + cell.format("baseline", html.escape(baseline))
+            + cell.format(name, html.escape(other)) + "</div>")
+
+
+def lines_of(text: str) -> list[str]:
+    """The non-blank lines of a text box, stripped."""
+    return [line.strip() for line in text.splitlines() if line.strip()]

@@ -12,8 +12,6 @@ relative, the sweep's scales) is :func:`steering_defaults`.
 
 from __future__ import annotations
 
-import html
-
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +20,7 @@ import traitlets
 
 from vlens.plots import baseline_vs_steered, dose_response, token_set_metric
 from vlens.edits import Steer
-from vlens.widgets._base import View, figure_widget, show_figure
+from vlens.widgets._base import View, figure_widget, lines_of, show_figure, texts_html
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
 from vlens.widgets.pickers import HeadPicker, LayerPicker, SitePicker
 from vlens.widgets.selection import Controller, Selection, token_sites
@@ -34,20 +32,9 @@ SPAN_MODES = ("all", "prompt", "generated", "selection")
 MODES = ("steer", "ablate")
 
 
-def _texts_html(baseline: str, steered: str, name: str = "steered") -> str:
-    cell = '<div style="flex:1;white-space:pre-wrap"><b>{}</b><br>{}</div>'
-    return ('<div class="vlens-stream" style="display:flex;gap:1.5em">'
-            + cell.format("baseline", html.escape(baseline))
-            + cell.format(name, html.escape(steered)) + "</div>")
-
-
 def _text_of(run: Any) -> str:
     """The text so far of a one-prompt partial Run ('' before its first token)."""
     return run[0].text if len(run) else ""
-
-
-def _lines(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 class SteeringPanel(View):
@@ -143,7 +130,24 @@ class SteeringPanel(View):
         self.auto_run = auto_run
         self._sweep_frame = None
         reach = max([abs(x) for x in self.scales] + [abs(scale), 1.0])
+        self._make_controls(s, start, positive, negative, vector, prompt, scale, reach,
+                            relative, token_set, metric, span_picker)
+        super().__init__([
+            self._mode, self._note, self._source, self._lists, self._vector_row,
+            widgets.HBox([self._prompt]), *([self.span_picker] if span_picker else []),
+            widgets.HBox([self.layer_picker, self.site_picker, self._span_mode],
+                         layout={"flex_flow": "row wrap"}),
+            self._ablate_row, self._scale_row, self._run_button,
+            self._texts, self.comparison_figure, self._sweep_box,
+        ])
 
+        self._connect(scale, metric, vector, span)
+
+    def _make_controls(self, s: Any, start: SteeringDefaults, positive: Sequence[str],
+                       negative: Sequence[str], vector: Any, prompt: str | None, scale: float,
+                       reach: float, relative: bool | None, token_set: str, metric: str,
+                       span_picker: bool) -> None:
+        """The panel's controls and figures (``s``: the session)."""
         self._source = widgets.ToggleButtons(
             options=[("two prompt lists", "prompts"), ("saved vector", "vector")],
             value="vector" if vector is not None and not positive else "prompts",
@@ -202,17 +206,12 @@ class SteeringPanel(View):
         # a box around the dose figure: a FigureWidget's layout is plotly's
         self._sweep_box = widgets.VBox(
             [widgets.HBox([self._metric, self._token_set]), self.dose_figure])
-        super().__init__([
-            self._mode, self._note, self._source, self._lists, self._vector_row,
-            widgets.HBox([self._prompt]), *([self.span_picker] if span_picker else []),
-            widgets.HBox([self.layer_picker, self.site_picker, self._span_mode],
-                         layout={"flex_flow": "row wrap"}),
-            self._ablate_row, self._scale_row, self._run_button,
-            self._texts, self.comparison_figure, self._sweep_box,
-        ])
 
+    def _connect(self, scale: float, metric: str, vector: Any,
+                 span: str | tuple[int, int]) -> None:
+        """The traits' first values, links and observers."""
         self.source = self._source.value
-        self.observe(lambda change: setattr(self._texts, "value", _texts_html(
+        self.observe(lambda change: setattr(self._texts, "value", texts_html(
             *change["new"], "steered" if self.mode == "steer" else "ablated")),
             names="live_texts")
         self.scale = scale
@@ -253,11 +252,11 @@ class SteeringPanel(View):
 
     @property
     def positive(self) -> list[str]:
-        return _lines(self._positive.value)
+        return lines_of(self._positive.value)
 
     @property
     def negative(self) -> list[str]:
-        return _lines(self._negative.value)
+        return lines_of(self._negative.value)
 
     def set_prompt(self, prompt: str) -> None:
         """Steer ``prompt``; its tokens become the chips a span is picked on."""
