@@ -126,7 +126,9 @@ def one_call_each(s, clean, corrupt, layers, positions, answer):
     from vlens.methods.patching import patch_call
 
     pc = patch_call(s, clean, corrupt, layers=layers, positions=positions, answer=answer)
-    outs = [s._runner.run([req], lambda o, got: o[0], budget=s.read_budget)
+    from vlens.calls import Call
+
+    outs = [s._runner.run(Call([req], lambda o, got: o[0]), budget=s.read_budget)
             for req in pc.requests]
     return pc.result(outs).diffs
 

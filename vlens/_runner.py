@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlens._progress import progress_factory
+from vlens.calls import Call
 from vlens.protocol.tensors import decode_tensor
 from vlens.checks import ModelFacts, check_budget
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
@@ -176,10 +177,11 @@ class Runner:
         except Exception as exc:  # vLLM's own validation errors vary by version
             raise VlensError(f"bad sampling settings {sampling!r}: {exc}") from None
 
-    def request(self, tag: str, index: int, ids: list[int], reads: Sequence[Read],
-                steers: Sequence[Steer], edits: Sequence[Edit], max_new_tokens: int,
-                logprobs: bool, sampling: dict[str, Any], *, clone: bool,
+    def request(self, tag: str, index: int, ids: list[int], *, max_new_tokens: int,
+                logprobs: bool, clone: bool, reads: Sequence[Read] = (),
+                steers: Sequence[Steer] = (), edits: Sequence[Edit] = (),
                 sets: Sequence[Set] = (), vectors: dict[str, Any] | None = None,
+                sampling: dict[str, Any] | None = None,
                 score: dict[str, Any] | None = None) -> Request:
         """One traced request. Every traced request carries a plan, even one
         that reads and writes nothing, so its processed tokens are recorded.
@@ -192,7 +194,7 @@ class Runner:
         )
         plan = Plan(tag=tag, reads=tuple(reads), adds=adds, sets=tuple(sets), edits=tuple(edits),
                     clone=clone, prompt_len=len(ids), index=index)
-        params = self.sampling_params(max_new_tokens, logprobs, plan, sampling, score)
+        params = self.sampling_params(max_new_tokens, logprobs, plan, sampling or {}, score)
         return Request(ids, plan, params, {**{st.id: st.vector for st in steers}, **(vectors or {})})
 
     def background(self, ids: list[int], max_new_tokens: int, sampling: dict[str, Any]) -> Request:
@@ -200,10 +202,9 @@ class Runner:
         return Request(ids, None, self.sampling_params(max_new_tokens, False, None, sampling))
 
     # -- one run --------------------------------------------------------------
-    def run(self, requests: Sequence[Request], assemble: Callable[[list, dict], Any], *,
-            budget: int, progress: Any = None, edit_fns: dict[str, Any] | None = None) -> Any:
-        """Run ``requests`` in ONE engine batch and return
-        ``assemble(vLLM outputs, records by tag)``.
+    def run(self, call: Call, *, budget: int, progress: Any = None) -> Any:
+        """Run ``call.requests`` in ONE engine batch and return
+        ``call.assemble(vLLM outputs, records by tag)``.
 
         Runs are serialised per engine (two widget callbacks at once queue,
         they do not interleave). The vectors the requests name are held for
@@ -211,37 +212,39 @@ class Runner:
         anything fails, the engine aborts what is left and the workers forget
         this call's records before the exception goes on."""
         factory = progress_factory(progress)
-        with self._calling(requests, budget, edit_fns) as call:
-            outputs = call.engine.generate(call.prompts, [r.params for r in requests], factory)
-            return call.finish(assemble, outputs)
+        params = [r.params for r in call.requests]
+        with self._calling(call.requests, budget, call.edit_fns) as running:
+            outputs = running.engine.generate(running.prompts, params, factory)
+            return running.finish(call.assemble, outputs)
 
-    def stream(self, requests: Sequence[Request], assemble: Callable[[list, dict], Any],
-               partial: Callable[[list], Any], *, budget: int,
-               edit_fns: dict[str, Any] | None = None) -> Iterator[Any]:
+    def stream(self, call: Call, *, budget: int) -> Iterator[Any]:
         """Like :meth:`run`, step by step: after every engine step yield
-        ``partial(latest vLLM outputs)`` (None for a request with no token
-        yet), and last ``assemble(outputs, records)``. Closing the iterator
-        early aborts the requests and cleans up as an interrupt does."""
-        with self._calling(requests, budget, edit_fns) as call:
+        ``call.partial(latest vLLM outputs)`` (None for a request with no
+        token yet), and last ``call.assemble(outputs, records)``. Closing
+        the iterator early aborts the requests and cleans up as an
+        interrupt does."""
+        if call.partial is None:
+            raise TypeError("a streamed call needs its partial= (what to yield each step)")
+        with self._calling(call.requests, budget, call.edit_fns) as running:
             outputs: list = []
-            steps = call.engine.stream(call.prompts, [r.params for r in requests])
+            steps = running.engine.stream(running.prompts, [r.params for r in call.requests])
             try:
                 for outputs in steps:
-                    yield partial(outputs)
+                    yield call.partial(outputs)
             finally:
                 steps.close()  # closed early: the engine aborts what is left
-            result = call.finish(assemble, outputs)
+            result = running.finish(call.assemble, outputs)
         yield result
 
     @contextmanager
     def _calling(self, requests: Sequence[Request], budget: int,
-                 edit_fns: dict[str, Any] | None) -> Iterator[_Call]:
+                 edit_fns: dict[str, Any] | None) -> Iterator[_InFlight]:
         """One call's set-up and clean-up around running its batch."""
         engine = self.engine
         check_budget([(len(r.ids), r.plan.reads, r.params.max_tokens, r.params.n)
                       for r in requests if r.plan is not None], self.facts, budget)
         vectors = {vid: v for r in requests for vid, v in r.vectors.items()}
-        call = _Call(engine, [engine_prompt(r.ids, r.plan) for r in requests],
+        call = _InFlight(engine, [engine_prompt(r.ids, r.plan) for r in requests],
                      [r.plan.tag for r in requests if r.plan is not None])
         try:
             with engine.lock, engine.hold_vectors(vectors):
@@ -346,7 +349,7 @@ class Runner:
 
 
 @dataclass
-class _Call:
+class _InFlight:
     """A call in flight: its engine, the prompts as vLLM takes them, the
     tags whose records it must collect (or drop), and whether it finished."""
 

@@ -26,6 +26,7 @@ from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
 from vlens.protocol.plan import Edit, Read
 from vlens.results import Comparison, Run, Sweep, generated_kl
+from vlens.calls import Call, TraceParams
 from vlens.edits import Ablate, Steer, per_prompt
 
 __all__ = ["Session", "live_engines"]
@@ -180,62 +181,53 @@ class Session:
         at its first token) is recorded (``steered_rows == 0``) with a
         :class:`~vlens.errors.VlensWarning` naming the prompts.
         """
-        requests, assemble, edit_fns, _ = self._trace_call(
-            prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
-            reduce, logit_lens, sampling, heads, ablate)
-        return self._runner.run(requests, assemble, budget=self.read_budget, progress=progress,
-                                edit_fns=edit_fns)
+        params = TraceParams(
+            layers=layers, sites=sites, max_new_tokens=max_new_tokens, logprobs=logprobs,
+            background=background, steer=steer, ablate=ablate, edit=edit, edit_at=edit_at,
+            reduce=reduce, logit_lens=logit_lens, heads=heads, sampling=sampling)
+        return self._runner.run(self._trace_call(prompts, params), budget=self.read_budget,
+                                progress=progress)
 
-    def stream(self, prompts: str | Sequence[str], *, layers: int | Sequence[int] | None = None,
-               sites: str | Sequence[str] = ("resid_post",), max_new_tokens: int = 16,
-               logprobs: bool = True, background: Sequence[str] = (), steer: Any = None,
-               ablate: Any = None, edit: Any = None,
-               edit_at: Sequence[tuple[str, int]] | None = None,
-               reduce: str = "full", logit_lens: int = 0,
-               heads: int | Sequence[int] | None = None, **sampling: Any) -> Iterator[Run]:
-        """``trace``, token by token: an iterator of Runs. After every engine
-        step it yields a partial Run (each sample's tokens and text so far,
-        no reads; ``finish_reason`` None while it runs); the last item is the
-        finished Run, with reads, exactly as ``trace`` returns it. Closing
-        the iterator early (a closed widget, an interrupt) aborts the
-        requests and leaves the engine clean."""
-        requests, assemble, edit_fns, prompts = self._trace_call(
-            prompts, layers, sites, max_new_tokens, logprobs, background, steer, edit, edit_at,
-            reduce, logit_lens, sampling, heads, ablate)
-        n = len(prompts)
-        return self._runner.stream(
-            requests, assemble,
-            lambda outs: self._runner.partial_run(prompts, requests[:n], outs[:n]),
-            budget=self.read_budget, edit_fns=edit_fns)
+    def stream(self, prompts: str | Sequence[str], **options: Any) -> Iterator[Run]:
+        """``trace``, token by token, with the same keywords (but
+        ``progress``): an iterator of Runs. After every engine step it yields
+        a partial Run (each sample's tokens and text so far, no reads;
+        ``finish_reason`` None while it runs); the last item is the finished
+        Run, with reads, exactly as ``trace`` returns it. Closing the
+        iterator early (a closed widget, an interrupt) aborts the requests
+        and leaves the engine clean."""
+        return self._runner.stream(self._trace_call(prompts, TraceParams.of(**options)),
+                                   budget=self.read_budget)
 
-    def _trace_call(self, prompts, layers, sites, max_new_tokens, logprobs, background, steer,
-                    edit, edit_at, reduce, logit_lens, sampling, heads=None, ablate=None):
-        """Check a trace's arguments and build its requests: ``(requests,
-        assemble, edit functions, prompts)``."""
+    def _trace_call(self, prompts: str | Sequence[str], params: TraceParams) -> Call:
+        """Check a trace's arguments and build its call (which streams too)."""
         facts = self._facts
+        layers, sites, max_new_tokens = params.layers, params.sites, params.max_new_tokens
+        logprobs, sampling = params.logprobs, params.sampling
         prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
         layers = checks.check_layers(layers, facts)
         sites = checks.check_sites(sites, facts)
-        reads = checks.check_reads(sites, layers, reduce, logit_lens, facts,
-                                   checks.check_heads(heads, sites, facts))
+        reads = checks.check_reads(sites, layers, params.reduce, params.logit_lens, facts,
+                                   checks.check_heads(params.heads, sites, facts))
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
-        steers_each = checks.check_steers(steer, lens, max_new_tokens, facts)
-        ablates = per_prompt(ablate, len(prompts), Ablate)
+        steers_each = checks.check_steers(params.steer, lens, max_new_tokens, facts)
+        ablates = per_prompt(params.ablate, len(prompts), Ablate)
         ablation.check_ablates(ablates, facts, lens, max_new_tokens)
-        pairs = checks.check_edit(edit, edit_at, facts,
+        pairs = checks.check_edit(params.edit, params.edit_at, facts,
                                   can_ship=self._runner.can_ship_functions,
                                   remote=self._runner.remote)
         bg_ids = []
-        if background:
-            bg_ids = checks.check_prompts(list(background), facts, self.tokenize)[1]
+        if params.background:
+            bg_ids = checks.check_prompts(list(params.background), facts, self.tokenize)[1]
         ablates = ablation.fill_means(self, prompts, ablates)  # may read once first
         fid = f"fn-{uuid.uuid4().hex[:12]}"
         edits = [Edit(site, layer, fid) for site, layer in pairs]
         call = self._runner.next_call()
         requests = [
-            self._runner.request(f"{call}-{i}", i, ids, reads, steers, edits, max_new_tokens,
-                                 logprobs, sampling, clone=self.clone_reads,
+            self._runner.request(f"{call}-{i}", i, ids, reads=reads, steers=steers, edits=edits,
+                                 max_new_tokens=max_new_tokens, logprobs=logprobs,
+                                 sampling=sampling, clone=self.clone_reads,
                                  **ablation.plan_parts(abl, len(ids), facts.head_dim))
             for i, (ids, steers, abl) in enumerate(zip(prompt_ids, steers_each, ablates))
         ]
@@ -247,7 +239,9 @@ class Session:
             run.background_texts = [o.outputs[0].text for o in outputs[n:]]
             return run
 
-        return requests, assemble, ({fid: edit} if edits else None), prompts
+        return Call(requests, assemble,
+                    partial=lambda outs: self._runner.partial_run(prompts, requests[:n], outs[:n]),
+                    edit_fns={fid: params.edit} if edits else {})
 
     def generate(self, prompts: str | Sequence[str], *, max_new_tokens: int = 16,
                  **sampling: Any) -> list[str]:
@@ -255,7 +249,7 @@ class Session:
         _, prompt_ids = checks.check_prompts(prompts, self._facts, self.tokenize)
         checks.check_generation(max_new_tokens, sampling, self._facts)
         requests = [self._runner.background(ids, max_new_tokens, sampling) for ids in prompt_ids]
-        return self._runner.run(requests, lambda outs, _: [o.outputs[0].text for o in outs],
+        return self._runner.run(Call(requests, lambda outs, _: [o.outputs[0].text for o in outs]),
                                 budget=self.read_budget)
 
     # -- steering workflows ---------------------------------------------------
@@ -299,10 +293,8 @@ class Session:
         batch: both texts, per-token logprobs, KL per position, first
         divergence. ``steer`` takes the same forms as in ``trace``."""
         prompts, prompt_ids, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
-        requests, assemble = self._steering_requests(prompts, prompt_ids, arms, max_new_tokens,
-                                                     sampling)
-        return _comparison(*self._runner.run(requests, assemble, budget=self.read_budget,
-                                             progress=progress))
+        call = self._steering_call(prompts, prompt_ids, arms, max_new_tokens, sampling)
+        return _comparison(*self._runner.run(call, budget=self.read_budget, progress=progress))
 
     def stream_compare(self, prompts: str | Sequence[str], *, steer: Any,
                        max_new_tokens: int = 16, **sampling: Any) -> Iterator[Any]:
@@ -311,14 +303,10 @@ class Session:
         last the finished :class:`~vlens.results.Comparison`, exactly as
         ``compare`` returns it. Closing the iterator early aborts the run."""
         prompts, prompt_ids, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
-        requests, assemble = self._steering_requests(prompts, prompt_ids, arms, max_new_tokens,
-                                                     sampling)
-        n = len(prompts)
-        return self._runner.stream(
-            requests, lambda outs, got: _comparison(*assemble(outs, got)),
-            lambda outs: tuple(self._runner.partial_run(prompts, requests[k:k + n],
-                                                        outs[k:k + n]) for k in (0, n)),
-            budget=self.read_budget)
+        call = self._steering_call(prompts, prompt_ids, arms, max_new_tokens, sampling)
+        assemble = call.assemble
+        call.assemble = lambda outs, got: _comparison(*assemble(outs, got))
+        return self._runner.stream(call, budget=self.read_budget)
 
     def _compare_arms(self, prompts, steer, max_new_tokens, sampling):
         facts = self._facts
@@ -352,26 +340,26 @@ class Session:
         arms = [(str(j), [[] if st.scale == 0 else [st]]) for j, st in enumerate(variants)]
         if 0.0 not in scales:
             arms.append(("base", [[]]))
-        requests, assemble = self._steering_requests([prompt], prompt_ids, arms, max_new_tokens,
-                                                     sampling)
-        runs = self._runner.run(requests, assemble, budget=self.read_budget, progress=progress)
+        call = self._steering_call([prompt], prompt_ids, arms, max_new_tokens, sampling)
+        runs = self._runner.run(call, budget=self.read_budget, progress=progress)
         traces = [run[0] for run in runs]
         baseline = traces[scales.index(0.0)] if 0.0 in scales else traces[-1]
         steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
         return Sweep(prompt, scales, steered, baseline,
                      [generated_kl(baseline, t) for t in steered])
 
-    def _steering_requests(self, prompts: list[str], prompt_ids: list[list[int]],
-                           arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
-                           sampling: dict[str, Any]):
+    def _steering_call(self, prompts: list[str], prompt_ids: list[list[int]],
+                       arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
+                       sampling: dict[str, Any]) -> Call:
         """Every arm (a name and the steers of each prompt) over ``prompts``
-        for ONE batch, each request reading the last layer's logprobs:
-        ``(requests, assemble)``, where assemble makes one Run per arm."""
+        for ONE batch, each request reading the last layer's logprobs: its
+        assemble makes one Run per arm, its partial one partial Run per arm."""
         reads = [Read("resid_post", (self.n_layers - 1,), "logprobs")]
         call = self._runner.next_call()
         requests = [
-            self._runner.request(f"{call}-{arm}{i}", i, ids, reads, steers, [], max_new_tokens,
-                                 True, sampling, clone=self.clone_reads)
+            self._runner.request(f"{call}-{arm}{i}", i, ids, reads=reads, steers=steers,
+                                 max_new_tokens=max_new_tokens, logprobs=True,
+                                 sampling=sampling, clone=self.clone_reads)
             for arm, arm_steers in arms
             for i, (ids, steers) in enumerate(zip(prompt_ids, arm_steers))
         ]
@@ -382,7 +370,11 @@ class Session:
                                            collected, True)
                     for k in range(0, len(requests), n)]
 
-        return requests, assemble
+        def partial(outputs: list) -> tuple[Run, ...]:
+            return tuple(self._runner.partial_run(prompts, requests[k:k + n], outputs[k:k + n])
+                         for k in range(0, len(requests), n))
+
+        return Call(requests, assemble, partial=partial)
 
     # -- methods: patching ---------------------------------------------------
     def patch(self, clean: str, corrupt: str, *, site: str = "resid_post", layers: Any = None,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from vlens import checks
+from vlens.calls import Call
 from vlens.errors import EngineError, VlensError
 from vlens.protocol.plan import Read, Set
 from vlens.edits import vector_id
@@ -127,8 +128,8 @@ def _read_pass(session: Any, ids: list[list[int]], site: str, layers: list[int])
     runner = session._runner
     call = runner.next_call()
     reads = [Read(site, tuple(layers), "full")]
-    requests = [runner.request(f"{call}-{name}", i, row, reads, [], [], 1, False, {},
-                               clone=False, score={"logprobs": TOP_K})
+    requests = [runner.request(f"{call}-{name}", i, row, reads=reads, max_new_tokens=1,
+                               logprobs=False, clone=False, score={"logprobs": TOP_K})
                 for i, (name, row) in enumerate(zip(("clean", "corrupt"), ids))]
 
     def assemble(outputs, collected):
@@ -137,7 +138,7 @@ def _read_pass(session: Any, ids: list[list[int]], site: str, layers: list[int])
         acts = [a.reshape(a.shape[0], a.shape[1], -1) for a in acts]  # z: [L, T, heads*hd]
         return acts, [_top(o.outputs[0]) for o in outputs]
 
-    return runner.run(requests, assemble, budget=session.read_budget)
+    return runner.run(Call(requests, assemble), budget=session.read_budget)
 
 
 @dataclass
@@ -192,6 +193,11 @@ class _PatchCall:
         _check_records(self.requests, collected)
         return self.result(outputs)
 
+    def call(self) -> Call:
+        """The cell batch as the runner takes it (streamed: NaN where a cell
+        has not finished)."""
+        return Call(self.requests, self.assemble, partial=self.result)
+
 
 def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                layers: Any = None, positions: Any = None, answer: Any = None,
@@ -223,8 +229,8 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
     runner = session._runner
     call = runner.next_call()
     corrupt_ids = ids[1]
-    requests = [runner.request(f"{call}-{name}", i, row, [], [], [], 1, False, {}, clone=False,
-                               score=score)
+    requests = [runner.request(f"{call}-{name}", i, row, max_new_tokens=1, logprobs=False,
+                               clone=False, score=score)
                 for i, (name, row) in enumerate(zip(("clean", "corrupt"), ids))]
     cells: list[tuple[int, int]] = []
     vecs = {}  # (layer row, position) -> (vector id, clean row)
@@ -244,7 +250,7 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                 vid, row = vecs[(i, col)]
                 sets, used = [Set(site, layer, vid, 0, -1, col, col + 1)], {vid: row}
             requests.append(runner.request(
-                f"{call}-{i}.{j}", len(requests), corrupt_ids, [], [], [], 1, False, {},
+                f"{call}-{i}.{j}", len(requests), corrupt_ids, max_new_tokens=1, logprobs=False,
                 clone=False, sets=sets, vectors=used, score=score))
             cells.append((i, j))
     shape = (len(layers), len(columns))
@@ -259,10 +265,9 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
 
 def run_patch(session: Any, *args: Any, **kwargs: Any) -> Patching:
     pc = patch_call(session, *args, **kwargs)
-    return session._runner.run(pc.requests, pc.assemble, budget=session.read_budget)
+    return session._runner.run(pc.call(), budget=session.read_budget)
 
 
 def stream_patch(session: Any, *args: Any, **kwargs: Any) -> Iterator[Patching]:
     pc = patch_call(session, *args, **kwargs)
-    return session._runner.stream(pc.requests, pc.assemble, pc.result,
-                                  budget=session.read_budget)
+    return session._runner.stream(pc.call(), budget=session.read_budget)
