@@ -9,6 +9,7 @@ running anything.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -482,7 +483,7 @@ def _extras(r: dict) -> list[str]:
         out += [(f"Pending: {w.get('why')}. When that script lands, `make bench` runs it "
                 "(`benchmarks/widget_latency.py --json FILE`) and puts its figures here."), ""]
     elif w.get("figures"):
-        out += [(f"From `{w.get('command')}` ({w.get('seconds')} s, run after the other "
+        out += [(f"From `{_portable(w.get('command'))}` ({w.get('seconds')} s, run after the other "
                 "conditions, in its own process):"), ""]
         out += [f"* {f['line']}" for f in w["figures"]] + [""]
         if w.get("status") != "ran":
@@ -490,6 +491,12 @@ def _extras(r: dict) -> list[str]:
     else:
         out += [f"`benchmarks/widget_latency.py` {w.get('status')}: `{w.get('error') or w.get('why')}`.", ""]
     return out
+
+
+def _portable(command: str | None) -> str:
+    """A recorded command with the measuring machine's checkout paths made
+    relative to the repository (the page is read on other machines)."""
+    return re.sub(r"(?<![\w.])/[^\s`]*?/(vlens|benchmarks|tests|scripts)/", r"\1/", command or "")
 
 
 def _serve_section(s: dict | None) -> list[str]:

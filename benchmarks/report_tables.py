@@ -197,7 +197,7 @@ def _step_row(mode: str, steps: str, sites: int, x: dict) -> list[str]:
 
 
 def compiled_goal_rows(r: dict) -> list[str]:
-    """Rows of the goal summary for issue 15's targets, one cell per model."""
+    """Rows of the goal summary for the compiled-mode targets, one cell per model."""
     out = []
     for key in ("c_comp", "f_comp", "g_comp", "h_comp"):
         ref, goal = GOALS[key]

@@ -18,7 +18,7 @@ DEV = {
 
 
 LAYOUT_FIX = (
-    "Done (issue 15): the worker plans a step from the runner's arrays "
+    "Done: the worker plans a step from the runner's arrays "
     "(`query_start_loc`, `num_computed_tokens`, the request ids) with numpy, not per "
     "request. Requests are grouped by plan once per batch (`BatchGroups`, "
     "vlens/worker/groups.py), kept while decode steps run the same requests in the same "
@@ -102,7 +102,7 @@ prompt token, thousands of rows). The next columns split the per-site
 figure into the reads' own arithmetic (`reduce_ns`: making the value where a
 site's value is a sum, `hidden + residual`, then the norm itself; both read
 8× the rows at the wide batch) and the rest, vlens's work around it. The
-goals are issue 15's for the wide batch. These conditions run in the first
+goals are those for the wide batch. These conditions run in the first
 repetitions only. `benchmarks/step_cost.py` measures the same split on its
 own, with a control (see "The step cost (the design)")."""
 
@@ -196,7 +196,7 @@ GOALS_TEXT = """\
 Aims of the performance issues (not test assertions). Against (a), the
 eager engine with the hooks removed: (b) ≤ 1.02, (c) ≤ 1.03, (d) ≤ 1.10,
 (e) ≤ 1.05 × (c), (f) ≤ 1.10, (g) ≤ 1.05, (h) ≤ 1.10, and (j) slower than
-(c). Against what users run (issue 15), vlens compiled against (a*), plain
+(c). Against what users run, vlens compiled against (a*), plain
 vLLM at its defaults: steering one layer (c*) ≤ 1.03, reading one layer
 (f*) ≤ 1.05, norms at every layer (g*) ≤ 1.10; the logit lens at every
 layer (h*) ≤ 1.10 × its arithmetic floor ((a*) plus the unembedding products
@@ -286,7 +286,7 @@ it is a real miss. On a quiet machine re-run `make bench`.
 STEP_DESIGN = """## The step cost (the design)
 
 What vlens does per engine step, and why it should not grow with the number
-of requests in the batch (issue 15):
+of requests in the batch:
 
 * **Plan once per step, from the runner's arrays.** A pre-hook on the whole
   model reads vLLM's `query_start_loc`, `num_computed_tokens` and the

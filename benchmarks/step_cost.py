@@ -1,4 +1,4 @@
-"""Per-step worker cost at 32 requests and at a wide batch (issue 15, (k)).
+"""Per-step worker cost at 32 requests and at a wide batch ((k)).
 
 One engine, one plan: ``resid_pre``, ``resid_post``, ``attn_out`` and
 ``mlp_out`` read at layers 2 and 6 (4 sites x 2 layers), reduced to norms in

@@ -41,7 +41,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "g_comp": ("a_star", 1.10),
     "h_comp": ("floor_star", 1.10),
 }
-# per step at the wide batch, compiled (issue 15): layout and per-site
+# per step at the wide batch, compiled: layout and per-site
 # microseconds, and how much either may grow from 32 requests
 STEP_GOALS = {"layout_us": 150.0, "site_us": 40.0, "growth": 1.5}
 
@@ -302,7 +302,7 @@ def per_step(steps: int, layout_ns: float, hook_ns: float, reduce_ns: float,
 
 
 def step_costs(summary: dict) -> dict[str, Any] | None:
-    """The per-step table of issue 15: layout and per-site microseconds at
+    """The per-step table: layout and per-site microseconds at
     32 requests and at the wide batch, per engine, with the goals; over
     every planned step, and (``decode``) over decode steps alone."""
     out: dict[str, Any] = {}
