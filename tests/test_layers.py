@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vlens"
 NOTEBOOK_SIDE = (
     "vlens.session", "vlens._runner", "vlens.checks", "vlens.widgets", "vlens.plots",
     "vlens.remote", "vlens.engine", "vlens.results", "vlens.edits", "vlens.methods",
-    "vlens.testing", "vlens.cli",
+    "vlens.testing", "vlens.cli", "vlens.calls", "vlens._progress", "vlens.lens",
 )
 
 

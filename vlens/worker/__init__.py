@@ -10,5 +10,5 @@ do at one (site, layer) (``hooks``, ``site_ops``, ``head_sites``,
 
 Nothing here imports the notebook side (the session, the runner, checks,
 widgets, plots, remote, the engine); it imports only :mod:`vlens.protocol`,
-:mod:`vlens.errors` and torch (``tests/test_layers.py`` says so).
+:mod:`vlens.errors`, torch and vLLM (``tests/test_layers.py`` says so).
 """
