@@ -24,7 +24,8 @@ class ClosedError(VlensError):
 
 class TokenAxisError(VlensError):
     """A tensor's token axis could not be found, or a span does not fit it
-    (raised by the batcher; a ValueError like every input error)."""
+    (raised by the row layout, ``vlens.worker.layout``; a ValueError like
+    every input error)."""
 
 
 class VlensWarning(UserWarning):

@@ -10,7 +10,7 @@ then only execute it.
 
 This is the code that decides which rows are whose, so it is pure (torch
 only, no vLLM import) and tested with plain data (tests/test_planner.py),
-like the batcher it builds on. Rules it keeps:
+like the row layout (``layout.py``) it builds on. Rules it keeps:
 
 * the layout covers every request in the step, with or without a plan:
   rows of untraced requests still shift everyone after them;
