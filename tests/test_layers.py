@@ -156,3 +156,17 @@ def test_no_module_over_450_lines_and_no_function_over_100():
                 if n > 100:
                     too_long.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
     assert not too_long, "\n".join(too_long)
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A name starting with ``_`` is its module's own; what another module
+    needs has a public name in a proper home (the server once imported
+    ``_runner._engine_prompt``, ``engine._saved_config``,
+    ``session._resolve_model``)."""
+    private = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vlens"):
+                private += [f"{path.relative_to(PACKAGE.parent)}: {node.module}.{a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert not private, "\n".join(private)

@@ -4,7 +4,7 @@
 reads, adds and sets; a worker keeps it while the batch keeps the same
 requests in the same order (decode steps usually do), so planning a step
 costs array arithmetic per group, not Python work per request.
-``_Requests`` is the step's ``req_id -> (plan, span)`` map, made only when
+``StepRequests`` is the step's ``req_id -> (plan, span)`` map, made only when
 something looks at it. Pure (numpy only).
 """
 
@@ -21,7 +21,7 @@ from vlens.protocol.plan import Plan
 if TYPE_CHECKING:
     from vlens.worker.layout import StepLayout
 
-__all__ = ["BatchGroups"]
+__all__ = ["BatchGroups", "StepRequests"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class BatchGroups:
 
 
 
-class _Requests(dict):
+class StepRequests(dict):
     """req_id -> (plan, span) of the step's planned requests, built only
     when first looked at (the hooks rarely need it)."""
 

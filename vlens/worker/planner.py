@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from vlens.protocol.plan import Edit, Plan, Read
-from vlens.worker.groups import BatchGroups, _Requests
+from vlens.worker.groups import BatchGroups, StepRequests
 from vlens.worker.layout import RowSpan, StepLayout
 from vlens.worker.writes import AddBatch, SetBatch, add_batch, clip_adds, clip_sets, set_batch
 
@@ -208,7 +208,7 @@ def plan_step(
     basis = (qsl, first, layout.num_padded, groups, vector_version)
     if previous is not None and _same_decode(previous.basis, basis):
         return StepPlan(
-            layout, _Requests(plans, layout, groups.planned),
+            layout, StepRequests(plans, layout, groups.planned),
             {key: tuple(g.on(layout) for g in gs) for key, gs in previous.reads.items()},
             previous.adds, previous.sets, previous.edits, previous.problems, basis,
             previous.scratch,
@@ -219,7 +219,7 @@ def plan_step(
         return idx if bool((counts[idx] > 0).all()) else idx[counts[idx] > 0]
 
     planned = live(groups.planned)
-    requests = _Requests(plans, layout, planned)
+    requests = StepRequests(plans, layout, planned)
     edits: dict[Key, list[EditCall]] = defaultdict(list)
     for i in groups.edits:
         if counts[i] > 0:
