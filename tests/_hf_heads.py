@@ -1,0 +1,83 @@
+"""Hugging Face reference values of the head sites, for any architecture.
+
+Run as a script in a fresh process (``python tests/_hf_heads.py spec.json
+out.pt``): vLLM patches Hugging Face model classes in any process where it
+has built a Transformers-backend engine. ``spec`` is ``{"path": model
+folder, "ids": [[token ids], ...]}``; the output is one dict per sequence
+with ``q``, ``k``, ``v``, ``z`` as ``[layers, T, heads, head_dim]`` and
+``attn_pattern`` ``[layers, heads, T, T]``.
+
+The model runs with eager attention (``attn_implementation="eager"``).
+q, k and v are what Hugging Face's eager attention function receives (q and
+k after rotary, whatever rotary the family uses: partial in GPT-NeoX, after
+OLMo2's q/k norms), recorded by wrapping the modeling file's own
+``eager_attention_forward``; z is the input of the attention's output
+projection; the patterns are ``outputs.attentions``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from _hf_reference import _get, site_module
+from vlens.architectures import ARCHITECTURES
+
+
+def _per_token(x: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, T, d]`` -> ``[T, heads, d]``."""
+    return x[0].transpose(0, 1).clone()
+
+
+def head_values(model, ids: list[int]) -> dict[str, torch.Tensor]:
+    arch = ARCHITECTURES[model.config.architectures[0]]
+    layers = _get(model, arch.hf.layers)
+    got: dict[str, list] = {s: [] for s in ("q", "k", "v", "z")}
+    handles, patched = [], {}
+    attn_modules = {id(_get(layer, arch.hf.attn)) for layer in layers}
+    for layer in layers:
+        module = sys.modules[type(_get(layer, arch.hf.attn)).__module__]
+        if module.__name__ in patched:
+            continue
+        eager = module.eager_attention_forward
+
+        def recording(mod, query, key, value, *args, _eager=eager, **kwargs):
+            if id(mod) in attn_modules:
+                got["q"].append(_per_token(query))
+                got["k"].append(_per_token(key))
+                got["v"].append(_per_token(value))
+            return _eager(mod, query, key, value, *args, **kwargs)
+
+        patched[module.__name__] = (module, eager)
+        module.eager_attention_forward = recording
+    n_heads = model.config.num_attention_heads
+    for layer in layers:
+        proj, _ = site_module(layer, arch.hf, "z")
+        handles.append(proj.register_forward_pre_hook(
+            lambda m, args: got["z"].append(args[0][0].reshape(args[0].shape[1], n_heads, -1)
+                                            .clone())))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_attentions=True)
+    finally:
+        for h in handles:
+            h.remove()
+        for module, eager in patched.values():
+            module.eager_attention_forward = eager
+    ref = {s: torch.stack(v) for s, v in got.items()}
+    ref["attn_pattern"] = torch.stack([a[0] for a in out.attentions])
+    return ref
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["path"], dtype=torch.float32, attn_implementation="eager").eval()
+    torch.save([head_values(model, ids) for ids in spec["ids"]], sys.argv[2])
+
+
+if __name__ == "__main__":
+    main()
