@@ -18,7 +18,7 @@ from typing import Any
 
 from vlens.checks import REMOTE_EDIT, ModelFacts, check_budget
 from vlens.errors import VlensError
-from vlens.plan import PLAN_KEY, Plan, parse_plan
+from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
 from vlens.remote.wire import PARAM_FIELDS
 
 __all__ = ["Refused", "Limits", "Checked", "check_call"]
@@ -93,7 +93,7 @@ def check_vector(vid: Any, payload: Any, widths: set[int]) -> dict[str, Any]:
         raise _bad(f"vector {vid}: data must be {shape[0] * size} bytes")
     import torch
 
-    from vlens._wire import decode_tensor
+    from vlens.protocol.tensors import decode_tensor
 
     if not torch.isfinite(decode_tensor(payload).float()).all():
         raise _bad(f"vector {vid} holds NaN or infinite values")
