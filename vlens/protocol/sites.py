@@ -30,7 +30,7 @@ from torch import nn
 
 from vlens.protocol.architectures import Architecture, Layout, find_architecture
 from vlens.errors import VlensError
-from vlens.head_tap import attach_taps
+from vlens.protocol.head_tap import attach_taps
 
 __all__ = [
     "SITES",
@@ -328,8 +328,8 @@ def _find_heads(impl: str, layers: Any, arch: Architecture) -> tuple[tuple, dict
 
     On the Transformers backend that module is called past its hooks (the
     attention function vLLM registers calls its ``forward``), so the head
-    sites sit on a :class:`~vlens.head_tap.HeadTap` beside it instead; see
-    :func:`vlens.head_tap.attach_taps`."""
+    sites sit on a :class:`~vlens.protocol.head_tap.HeadTap` beside it instead; see
+    :func:`vlens.protocol.head_tap.attach_taps`."""
     found = tuple(_attention_module(layer) for layer in layers)
     if any(m is None for m in found):
         return (), dict.fromkeys(HEAD_SITES, "vlens found no vLLM attention layer in some "

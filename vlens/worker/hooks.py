@@ -105,7 +105,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         total_kv = int(self.runner.model_config.get_total_num_kv_heads()) if self.tp > 1 else 0
         self.unhooked = head_refusals(self.sites, self.tp, total_kv)
         if self.sites.impl == "transformers":  # the head taps need vLLM's attention function
-            from vlens.engine.tf_attention import route_heads
+            from vlens.worker.tf_attention import route_heads
 
             self.unhooked.update(route_heads(self.sites))
         for layer_idx, layer in enumerate(self.sites.layers):

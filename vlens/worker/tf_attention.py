@@ -13,7 +13,7 @@ its output projection.
 
 :func:`route_heads` replaces that registry entry, once per process, by a
 wrapper around it. For a module that carries a
-:class:`~vlens.head_tap.HeadTap` (one vlens resolved the sites of) the
+:class:`~vlens.protocol.head_tap.HeadTap` (one vlens resolved the sites of) the
 wrapper flattens q, k, v to ``[T, heads * head_dim]`` (what vLLM's function
 would do first), calls the tap with them -- the tap's hooks are the head
 sites -- and the tap calls vLLM's function on views of the same tensors.
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vlens.head_tap import TAP
+from vlens.protocol.head_tap import TAP
 
 __all__ = ["route_heads", "tapped"]
 

@@ -8,7 +8,7 @@ transformers' registry (``ALL_ATTENTION_FUNCTIONS["vllm"]``, registered by
 vLLM); that function calls the vLLM layer's ``forward`` directly, past any
 hook on it. vlens therefore puts a :class:`HeadTap` on each Hugging Face
 attention module (child ``vlens_heads``, beside vLLM's ``attn``) and wraps
-the registered function (``vlens/engine/tf_attention.py``) so that it calls
+the registered function (``vlens/worker/tf_attention.py``) so that it calls
 the tap with the native layout:
 
     tap(query [T, heads * head_dim], key [T, kv_heads * head_dim],
