@@ -3,9 +3,10 @@
 Run as a script in a fresh process (``python tests/_hf_heads.py spec.json
 out.pt``): vLLM patches Hugging Face model classes in any process where it
 has built a Transformers-backend engine. ``spec`` is ``{"path": model
-folder, "ids": [[token ids], ...]}``; the output is one dict per sequence
-with ``q``, ``k``, ``v``, ``z`` as ``[layers, T, heads, head_dim]`` and
-``attn_pattern`` ``[layers, heads, T, T]``.
+folder, "ids": [[token ids], ...], "jobs": [...]}``; the output is
+``{"heads": one dict per sequence with q, k, v, z as [layers, T, heads,
+head_dim] and attn_pattern [layers, heads, T, T], "jobs": the results of
+tests/_hf_methods.py's ablation and patching jobs}``, from one process.
 
 The model runs with eager attention (``attn_implementation="eager"``).
 q, k and v are what Hugging Face's eager attention function receives (q and
@@ -23,6 +24,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
+from _hf_methods import ablate, patch
 from _hf_reference import _get, site_module
 from vlens.architectures import ARCHITECTURES
 
@@ -76,7 +78,11 @@ def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     model = AutoModelForCausalLM.from_pretrained(
         spec["path"], dtype=torch.float32, attn_implementation="eager").eval()
-    torch.save([head_values(model, ids) for ids in spec["ids"]], sys.argv[2])
+    arch = ARCHITECTURES[model.config.architectures[0]]
+    jobs = [ablate(model, arch, job) if job["kind"] == "ablate" else patch(model, arch, job)
+            for job in spec.get("jobs", [])]
+    torch.save({"heads": [head_values(model, ids) for ids in spec.get("ids", [])],
+                "jobs": jobs}, sys.argv[2])
 
 
 if __name__ == "__main__":
