@@ -12,7 +12,7 @@ The model runs with eager attention (``attn_implementation="eager"``).
 q, k and v are what Hugging Face's eager attention function receives (q and
 k after rotary, whatever rotary the family uses: partial in GPT-NeoX, after
 OLMo2's q/k norms), recorded by wrapping the modeling file's own
-``eager_attention_forward``; z is the input of the attention's output
+``eager_attention_forward`` (GPT-J's own ``_attn`` method); z is the input of the attention's output
 projection; the patterns are ``outputs.attentions``.
 """
 
@@ -40,17 +40,33 @@ def head_values(model, ids: list[int]) -> dict[str, torch.Tensor]:
     got: dict[str, list] = {s: [] for s in ("q", "k", "v", "z")}
     handles, patched = [], {}
     attn_modules = {id(_get(layer, arch.hf.attn)) for layer in layers}
+
+    def record(query, key, value):
+        got["q"].append(_per_token(query))
+        got["k"].append(_per_token(key))
+        got["v"].append(_per_token(value))
+
+    own = []  # modules with their own attention method (GPT-J's ``_attn``)
     for layer in layers:
-        module = sys.modules[type(_get(layer, arch.hf.attn)).__module__]
+        attn = _get(layer, arch.hf.attn)
+        if hasattr(attn, "_attn"):
+            inner = attn._attn
+
+            def recording_method(query, key, value, *args, _inner=inner, **kwargs):
+                record(query, key, value)
+                return _inner(query, key, value, *args, **kwargs)
+
+            attn._attn = recording_method
+            own.append(attn)
+            continue
+        module = sys.modules[type(attn).__module__]
         if module.__name__ in patched:
             continue
         eager = module.eager_attention_forward
 
         def recording(mod, query, key, value, *args, _eager=eager, **kwargs):
             if id(mod) in attn_modules:
-                got["q"].append(_per_token(query))
-                got["k"].append(_per_token(key))
-                got["v"].append(_per_token(value))
+                record(query, key, value)
             return _eager(mod, query, key, value, *args, **kwargs)
 
         patched[module.__name__] = (module, eager)
@@ -69,6 +85,8 @@ def head_values(model, ids: list[int]) -> dict[str, torch.Tensor]:
             h.remove()
         for module, eager in patched.values():
             module.eager_attention_forward = eager
+        for attn in own:
+            del attn._attn  # the class's method again
     ref = {s: torch.stack(v) for s, v in got.items()}
     ref["attn_pattern"] = torch.stack([a[0] for a in out.attentions])
     return ref

@@ -8,7 +8,9 @@ For each, a tiny random model is made here (query/key scales raised so the
 attention patterns are far from uniform; GPT-NeoX with parallel residual
 and a rotary over a quarter of each head, as Pythia), opened with prefill
 chunks smaller than the prompt and a KV cache of three 128-token blocks, so
-long requests are preempted and recomputed. What vlens gives must equal
+long requests are preempted and recomputed (GPT-NeoX also in vLLM's
+compiled mode, where the tap's hooks are vlens's operators in the graph).
+What vlens gives must equal
 Hugging Face eager attention on the same tokens (``tests/_hf_heads.py``, in
 a fresh process): the head sites, a head ablation and per-head patching.
 
@@ -139,15 +141,17 @@ def _check_shapes(s, got: dict) -> None:
     assert any(x.restarts > 0 for x in got["ablated"]), "no ablated request was preempted"
 
 
-@pytest.fixture(scope="module", params=["gpt_neox", "olmo2"],
-                ids=["gpt_neox-transformers", "olmo2-transformers"])
+@pytest.fixture(scope="module", params=[("gpt_neox", False), ("olmo2", False), ("gpt_neox", True)],
+                ids=["gpt_neox-transformers", "olmo2-transformers",
+                     "gpt_neox-transformers-compiled"])
 def measured(request, tf_models, tmp_path_factory):
-    """One engine per family: what vlens gave, and Hugging Face's values."""
-    arch = request.param
+    """One engine per family (and GPT-NeoX in vLLM's compiled mode too):
+    what vlens gave, and Hugging Face's values."""
+    arch, compiled = request.param
     path = tf_models[arch]
-    s = _crowded(path)
+    s = _crowded(path, enforce_eager=not compiled)
     try:
-        assert s.info["impl"] == "transformers"
+        assert s.info["impl"] == "transformers" and s.info["compiled"] == compiled
         assert set(HEADS) <= set(s.sites)
         got = _exercise(s)
         info = dict(s.info)
@@ -162,6 +166,8 @@ def measured(request, tf_models, tmp_path_factory):
                  "heads": True, "head_dim": info["head_dim"], "n_heads": info["n_heads"]})
     ids = [got["one"].token_ids] + [t.token_ids for t in got["crowded"]]
     ref = _hf(path, ids, jobs, tmp_path_factory.mktemp(f"hf-{arch}"))
+    if compiled:
+        arch += " (compiled)"
     return arch, got, ref
 
 
