@@ -48,8 +48,9 @@ ABLATE = dict(site="z", layer=1, heads=[1])  # head 1's dims of layer 1's z
 
 
 def _sharpen(path: Path) -> None:
-    """Raise the query/key scales (random init gives near-uniform patterns):
-    the projections, or OLMo2's q/k norms (which undo a projection's scale)."""
+    """Raise the query/key scales (random init gives near-uniform patterns).
+    OLMo2 is left as it is: its q/k norms undo a projection's scale, and its
+    widened norm weights already give patterns far from uniform."""
     from safetensors.torch import load_file, save_file
 
     file = path / "model.safetensors"
@@ -58,8 +59,6 @@ def _sharpen(path: Path) -> None:
     for name, w in weights.items():
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             w.mul_(6.0)
-        elif name.endswith(("q_norm.weight", "k_norm.weight")):
-            w.mul_(3.0)
         elif name.endswith("query_key_value.weight"):  # GPT-NeoX: [heads, (q, k, v), d] rows
             w.view(heads, 3, -1, w.shape[-1])[:, :2].mul_(4.0)
     save_file(weights, file, metadata={"format": "pt"})

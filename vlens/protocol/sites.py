@@ -323,7 +323,7 @@ def _head_specs(find: Callable[[nn.Module], nn.Module]) -> dict[str, SiteSpec]:
     }
 
 
-def _find_heads(impl: str, layers: Any, arch: Architecture) -> tuple[tuple, dict[str, str]]:
+def _find_heads(impl: str, layers: Any) -> tuple[tuple, dict[str, str]]:
     """Each layer's vLLM attention module, or why the head sites are absent.
 
     On the Transformers backend that module is called past its hooks (the
@@ -376,7 +376,7 @@ def resolve_sites(model: nn.Module) -> ModelSites:
             "out differently from the row in vlens/protocol/architectures.py"
         )
     absent = arch.absent_sites(getattr(model, "config", None))
-    attention, no_heads = _find_heads(impl, layers, arch)
+    attention, no_heads = _find_heads(impl, layers)
     absent = {**absent, **no_heads}
     specs = _specs(layout, model)
     if attention:
