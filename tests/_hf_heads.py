@@ -12,7 +12,9 @@ The model runs with eager attention (``attn_implementation="eager"``).
 q, k and v are what Hugging Face's eager attention function receives (q and
 k after rotary, whatever rotary the family uses: partial in GPT-NeoX, after
 OLMo2's q/k norms), recorded by wrapping the modeling file's own
-``eager_attention_forward`` (GPT-J's own ``_attn`` method); z is the input of the attention's output
+``eager_attention_forward`` (GPT-J's own ``_attn`` method), with q taken
+as vLLM's kernel receives it (OPT scales q before the function; that scale
+is divided back out); z is the input of the attention's output
 projection; the patterns are ``outputs.attentions``.
 """
 
@@ -66,7 +68,12 @@ def head_values(model, ids: list[int]) -> dict[str, torch.Tensor]:
 
         def recording(mod, query, key, value, *args, _eager=eager, **kwargs):
             if id(mod) in attn_modules:
-                record(query, key, value)
+                # OPT multiplies q by its scaling before the attention function
+                # and passes scaling=1.0; vLLM's kernel receives q unscaled and
+                # applies the scale itself: take the scale back out
+                passed, own = kwargs.get("scaling"), getattr(mod, "scaling", None)
+                pre = passed is not None and own is not None and passed != own
+                record(query * (passed / own) if pre else query, key, value)
             return _eager(mod, query, key, value, *args, **kwargs)
 
         patched[module.__name__] = (module, eager)

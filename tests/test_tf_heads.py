@@ -121,7 +121,7 @@ def _exercise(s) -> dict:
             "patched": patched}
 
 
-def _check_shapes(s, got: dict) -> None:
+def _check_shapes(s, got: dict, sharp: bool = True) -> None:
     t = got["one"]
     n = len(t.token_ids)
     assert n == len(t.prompt_token_ids) + NEW - 1
@@ -134,8 +134,9 @@ def _check_shapes(s, got: dict) -> None:
     assert pattern.shape == (layers, heads, n, n)
     assert torch.allclose(pattern.sum(-1), torch.ones(layers, heads, n), atol=1e-5)
     assert not pattern.triu(1).any()
-    uniform = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]
-    assert float((pattern - uniform).abs().max()) > 0.2  # far from uniform
+    if sharp:  # the models made here; conftest's tiny Llama is near uniform
+        uniform = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]
+        assert float((pattern - uniform).abs().max()) > 0.2  # far from uniform
     assert any(x.restarts > 0 for x in got["crowded"]), "no request was preempted"
     assert any(x.restarts > 0 for x in got["ablated"]), "no ablated request was preempted"
 
@@ -216,7 +217,7 @@ def llama_routes(tiny_llama, llama_session):
     try:
         assert s.info["impl"] == "transformers"
         tf = _exercise(s)
-        _check_shapes(s, tf)
+        _check_shapes(s, tf, sharp=False)
     finally:
         s.close()
     native = _exercise(llama_session)
