@@ -70,7 +70,8 @@ SITES: dict[str, str] = {
 #: residual-width sites that can be written (steered / edited)
 WRITABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 
-#: sites on vLLM's attention layer, one value per head
+#: sites of the attention computation, one value per head (on vLLM's attention
+#: layer natively, on a HeadTap beside it on the Transformers backend)
 HEAD_SITES = ("q", "k", "v", "z", "attn_pattern")
 
 #: head sites that can be written: the vector is flat, heads * head_dim wide
