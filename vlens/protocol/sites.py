@@ -355,7 +355,9 @@ def _architectures_of(model: nn.Module) -> list[str]:
 
 
 def resolve_sites(model: nn.Module) -> ModelSites:
-    """Find the layers of a vLLM model and the way to read each site."""
+    """Find the layers of a vLLM model and the way to read each site. On
+    the Transformers backend this gives each Hugging Face attention module
+    its head tap (once; :func:`~vlens.protocol.head_tap.attach_taps`)."""
     cached = _RESOLVED.get(model)
     if cached is not None:
         return cached
