@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vlens.protocol.architectures import ARCHITECTURES  # noqa: E402
-from vlens.protocol.sites import SITES, WRITABLE  # noqa: E402
+from vlens.protocol.sites import HEAD_SITES, SITES, WRITABLE  # noqa: E402
 
 TOL = 1e-4
 
@@ -77,22 +77,33 @@ def render(results: dict) -> str:
         "* **steer**: a `Steer` added at the site of layer 0, then every site and the",
         "  lens read back;",
         "* **edit**: an `edit=` function returning `rows * 0.5` at the site of layer 0,",
-        "  then every site and the lens read back.",
+        "  then every site and the lens read back;",
+        "* **head sites**: `q`, `k`, `v`, `z` and `attn_pattern` at every layer, against",
+        "  Hugging Face's eager attention (q and k after rotary, z the output",
+        "  projection's input, the patterns its `output_attentions`). On the",
+        "  Transformers backend vlens reads them where vLLM's attention function",
+        "  (transformers' `ALL_ATTENTION_FUNCTIONS[\"vllm\"]`) receives q, k, v, in",
+        "  eager and compiled mode; `tests/test_attention.py` and",
+        "  `tests/test_tf_heads.py` check patterns, head ablation and per-head",
+        "  patching under chunked prefill and preemption.",
         "",
         "## Architectures",
         "",
-        "| architecture | `config.json` name | vLLM route | sites | largest error |",
-        "| --- | --- | --- | --- | --- |",
+        "| architecture | `config.json` name | vLLM route | sites | head sites | largest error |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, route in wanted:
         r = results[f"{name}/{route}"]
+        heads = r.get("heads", {})
         worst = max([*r["read"].values(), r["lens"], *r["steer"].values(),
-                     *r["edit"].values()])
+                     *r["edit"].values(), *heads.values()])
         route_text = "native" if route == "native" else "Transformers backend"
         if route == "transformers" and ARCHITECTURES[name].native is not None:
             route_text += ' (`model_impl="transformers"`)'
         sites = ", ".join(f"`{s}`" for s in r["sites"])
-        out.append(f"| {r['family']} | `{name}` | {route_text} | {sites} | {_fmt(worst)} |")
+        head_text = ", ".join(f"`{s}`" for s in HEAD_SITES if s in heads) or "none"
+        out.append(f"| {r['family']} | `{name}` | {route_text} | {sites} | {head_text} | "
+                   f"{_fmt(worst)} |")
     out += [
         "",
         "`route` is how vLLM runs the model: its own implementation (native) or",
@@ -113,6 +124,10 @@ def render(results: dict) -> str:
             out.append(f"| {r['family']} | {route} | `{site}` | {_fmt(r['read'][site])} | "
                        f"{_fmt(r['steer'].get(site))} | {_fmt(r['edit'].get(site))} |")
         out.append(f"| {r['family']} | {route} | logit lens | {_fmt(r['lens'])} | | |")
+        for site in HEAD_SITES:
+            if site in r.get("heads", {}):
+                out.append(f"| {r['family']} | {route} | `{site}` | {_fmt(r['heads'][site])} "
+                           "| | |")
     out += [
         "",
         "`positions` (read-only) is checked to equal 0, 1, 2 … on every architecture.",

@@ -10,7 +10,8 @@ modules named in the architecture's row (``resid_pre`` / ``resid_post`` also
 from ``hidden_states``, independently of the row), the logit lens of every
 layer through the model's own final norm, head and softcapping, and the same
 again with each writable site of one layer steered (``+ vector``) or edited
-(``* 0.5``). Modifications are made in place, as vlens's are, so a module's
+(``* 0.5``), and the head sites q, k, v, z, attn_pattern of the clean run
+(``tests/_hf_heads.py``). Modifications are made in place, as vlens's are, so a module's
 input that is also the block's residual changes in both roles.
 """
 
@@ -150,6 +151,11 @@ def reference(path, arch, prompt, sites, vector, write_layer):
     for site in sites:
         out[f"steer:{site}"] = run((site, write_layer, lambda x: x + vector))[0]
         out[f"edit:{site}"] = run((site, write_layer, lambda x: x * 0.5))[0]
+    from _hf_heads import head_values  # the head sites, from eager attention
+
+    eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    out["heads"] = head_values(eager, ids)
     return out
 
 

@@ -301,13 +301,25 @@ def test_patterns_survive_preemption_and_samples(crowded_session, attn_models):
             assert diff <= TOL, (site, t.index, t.sample, t.restarts, diff)
 
 
-def test_the_transformers_backend_refuses_head_sites_with_the_way_out(llama_tf_session):
-    s = llama_tf_session
-    assert "q" not in s.sites and "attn_pattern" not in s.sites
-    for site in SITES:
-        with pytest.raises(VlensError, match="without model_impl='transformers'"):
-            s.trace("w1 w2 w3", sites=[site], max_new_tokens=1)
-    assert s.trace("w1 w2 w3", max_new_tokens=1)[0].activations().shape[0] == 3
+def test_the_transformers_backend_reads_and_steers_heads_as_native(llama_tf_session,
+                                                                    llama_session):
+    """The same Llama weights through vLLM's Transformers backend give the
+    native route's head sites, and a Steer at z lands the same way
+    (tests/test_tf_heads.py: GPT-NeoX, OLMo2, preemption, ablation, patching)."""
+    assert llama_tf_session.info["impl"] == "transformers"
+    assert set(SITES) <= set(llama_tf_session.sites)
+    width = llama_session.info["n_heads"] * llama_session.info["head_dim"]
+    steer = vlens.Steer(torch.linspace(-1, 1, width), layer=1, site="z", scale=0.5)
+    prompts = ["w1 w2 w3", PROMPT]
+    for kw in ({}, {"steer": steer}):
+        native, tf = (s.trace(prompts, sites=SITES, max_new_tokens=4, **kw)
+                      for s in (llama_session, llama_tf_session))
+        for a, b in zip(native, tf):
+            assert a.token_ids == b.token_ids and a.steered_rows == b.steered_rows
+            for site in SITES:
+                diff = float((a.activations(site) - b.activations(site)).abs().max())
+                assert diff <= TOL, (kw, site, diff)
+    assert native[1].steered_rows > 0
 
 
 _TP2_SCRIPT = r"""

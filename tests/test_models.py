@@ -8,6 +8,9 @@ compared with Hugging Face transformers on the same weights (float32):
 * the logit lens of every layer (final norm, head, softcapping),
 * steering (``Steer``) at every writable site of layer 0,
 * an ``edit=`` write (``rows * 0.5``) at every writable site of layer 0,
+* the head sites (q, k, v, z, attn_pattern) on every route, the native
+  one and vLLM's Transformers backend alike, against Hugging Face's eager
+  attention (``tests/_hf_heads.py``),
 
 each read back at every site and through the lens. The largest difference
 per architecture, method and site goes to test-artifacts/models.json, which
@@ -33,7 +36,7 @@ import torch
 
 from vlens.protocol.architectures import ARCHITECTURES, check_model_config
 from vlens.errors import VlensError
-from vlens.protocol.sites import HEAD_SITES, WRITABLE
+from vlens.protocol.sites import HEAD_SITES, SITES, WRITABLE
 
 pytestmark = pytest.mark.engine
 
@@ -160,8 +163,11 @@ def test_architecture_matches_transformers(case, tiny_models, hf_refs, results):
                       **kw)
     try:
         assert s.info["impl"] == route
-        # the head sites (tests/test_attention.py) exist on vLLM's native route only
-        heads = sorted(HEAD_SITES) if route == "native" else []
+        # the head sites exist on every route (tests/test_attention.py,
+        # tests/test_tf_heads.py); none of these families lacks one
+        heads = list(HEAD_SITES)
+        head_absent = {k: v for k, v in s.info["absent_sites"].items() if k in HEAD_SITES}
+        assert not head_absent, head_absent
         assert s.sites == sorted(writable + ["positions"] + heads)
         vocab = s.info["vocab_size"]
         for site, why in absent.items():  # asking for an absent site says why
@@ -185,6 +191,9 @@ def test_architecture_matches_transformers(case, tiny_models, hf_refs, results):
                                   _err(clean.activations("resid_post")[:-1], c["hs_resid_post"]))
         reads["lens"] = max(reads["lens"],
                             _err(_lens_probs(clean, vocab)[-1], c["final_probs"]))
+        head_trace = s.trace(PROMPT, sites=heads, max_new_tokens=1, logprobs=False)[0]
+        assert head_trace.token_ids == ref["ids"]
+        head_err = {h: _err(head_trace.activations(h), ref["heads"][h]) for h in heads}
         rp = clean.activations("resid_post")
         assert (rp[0] - rp[-1]).abs().max() > 1e-2  # layers differ: the comparison means something
 
@@ -213,11 +222,12 @@ def test_architecture_matches_transformers(case, tiny_models, hf_refs, results):
         s.close()
     assert live_engines() == before
     lens_err = reads.pop("lens")
-    passed = max([*reads.values(), lens_err, *steer_err.values(), *edit_err.values()]) <= TOL
+    passed = max([*reads.values(), lens_err, *steer_err.values(), *edit_err.values(),
+                  *head_err.values()]) <= TOL
     results[f"{name}/{route}"] = {
         "architecture": name, "family": arch.family, "route": route,
-        "sites": writable + ["positions"], "absent": absent,
-        "read": reads, "lens": lens_err, "steer": steer_err, "edit": edit_err,
+        "sites": writable + ["positions"], "absent": {**absent, **head_absent},
+        "heads": head_err, "read": reads, "lens": lens_err, "steer": steer_err, "edit": edit_err,
         "passed": passed, "seconds": round(time.perf_counter() - t0, 1),
     }
     assert passed, results[f"{name}/{route}"]
@@ -257,6 +267,18 @@ def test_supported_architectures_lists_the_table():
         assert must in table
     # every row has a test case on each of its routes
     assert {n for n, _ in CASES} == set(table)
+    detail = vlens.supported_architectures(sites=True)
+    assert set(detail) == set(table)
+    for name, entry in detail.items():
+        arch = ARCHITECTURES[name]
+        assert entry["family"] == arch.family and tuple(entry["routes"]) == arch.routes
+        for route, sites in entry["routes"].items():  # heads on every route
+            assert set(HEAD_SITES) <= set(sites), (name, route)
+            assert set(sites) == set(SITES) - set(arch.absent_sites({})), (name, route)
+    neox = detail["GPTNeoXForCausalLM"]["routes"]
+    assert list(neox) == ["transformers"] and "resid_mid" not in neox["transformers"]
+    with pytest.raises(VlensError, match="sites must be True or False"):
+        vlens.supported_architectures(sites="all")
 
 
 def test_docs_table_covers_every_architecture():

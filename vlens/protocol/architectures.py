@@ -188,11 +188,31 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 )}
 
 
-def supported_architectures() -> dict[str, str]:
+def supported_architectures(sites: bool = False) -> dict[str, Any]:
     """The architectures vlens opens: ``{Hugging Face architecture name:
-    family}``, as in a model's ``config.json``. The sites, backends and
-    measured errors of each are in docs/models.md."""
-    return {name: a.family for name, a in ARCHITECTURES.items()}
+    family}``, as in a model's ``config.json``. The measured errors of each
+    are in docs/models.md.
+
+    ``sites=True``: ``{name: {"family": family, "routes": {route: [site
+    names]}}}`` instead, the sites each route vLLM can take offers (route
+    ``"native"``: vLLM's own implementation; ``"transformers"``: its
+    Transformers backend, the only route for GPT-NeoX and OLMo2, or
+    ``model_impl="transformers"``), for the family's default config (a
+    config can remove a site: a GPT-NeoX without parallel residual has
+    ``resid_mid``). The head sites (q, k, v, z, attn_pattern) are offered on
+    every route."""
+    if not isinstance(sites, bool):
+        raise VlensError(f"sites must be True or False, got {sites!r}")
+    if not sites:
+        return {name: a.family for name, a in ARCHITECTURES.items()}
+    from vlens.protocol.sites import SITES  # names only; sites.py imports this module
+
+    out: dict[str, Any] = {}
+    for name, a in ARCHITECTURES.items():
+        absent = a.absent_sites({})
+        offered = [s for s in SITES if s not in absent]
+        out[name] = {"family": a.family, "routes": {r: list(offered) for r in a.routes}}
+    return out
 
 
 def find_architecture(names: list[str] | tuple[str, ...] | None) -> Architecture | None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from vlens.protocol.architectures import Architecture, Layout, find_architecture
 from vlens.errors import VlensError
+from vlens.protocol.head_tap import attach_taps
 
 __all__ = [
     "SITES",
@@ -70,7 +71,8 @@ SITES: dict[str, str] = {
 #: residual-width sites that can be written (steered / edited)
 WRITABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 
-#: sites on vLLM's attention layer, one value per head
+#: sites of the attention computation, one value per head (on vLLM's attention
+#: layer natively, on a HeadTap beside it on the Transformers backend)
 HEAD_SITES = ("q", "k", "v", "z", "attn_pattern")
 
 #: head sites that can be written: the vector is flat, heads * head_dim wide
@@ -323,23 +325,17 @@ def _head_specs(find: Callable[[nn.Module], nn.Module]) -> dict[str, SiteSpec]:
     }
 
 
-_TF_HEADS = (
-    "vLLM's Transformers backend calls its attention layer's forward directly, past "
-    "vlens's hooks, so the head sites (q, k, v, z, attn_pattern) are not available there"
-)
+def _find_heads(impl: str, layers: Any) -> tuple[tuple, dict[str, str]]:
+    """Each layer's vLLM attention module, or why the head sites are absent.
 
-
-def _find_heads(impl: str, layers: Any, arch: Architecture) -> tuple[tuple, dict[str, str]]:
-    """Each layer's attention module, or why the head sites are absent."""
-    if impl != "native":
-        way = (": open the model without model_impl='transformers' (vLLM runs "
-               f"{arch.family} natively)" if arch.native is not None else
-               f" ({arch.family} has no native vLLM implementation)")
-        return (), dict.fromkeys(HEAD_SITES, _TF_HEADS + way)
+    On the Transformers backend that module is called past its hooks (the
+    attention function vLLM registers calls its ``forward``), so the head
+    sites sit on a :class:`~vlens.protocol.head_tap.HeadTap` beside it instead; see
+    :func:`vlens.protocol.head_tap.attach_taps`."""
     found = tuple(_attention_module(layer) for layer in layers)
     if any(m is None for m in found):
         return (), dict.fromkeys(HEAD_SITES, "vlens found no vLLM attention layer in some "
-                                 "decoder layer of this model")
+                                 f"decoder layer of this model ({impl} route)")
     absent = {}
     for m in found:
         impl_ = m.impl
@@ -360,7 +356,9 @@ def _architectures_of(model: nn.Module) -> list[str]:
 
 
 def resolve_sites(model: nn.Module) -> ModelSites:
-    """Find the layers of a vLLM model and the way to read each site."""
+    """Find the layers of a vLLM model and the way to read each site. On
+    the Transformers backend this gives each Hugging Face attention module
+    its head tap (once; :func:`~vlens.protocol.head_tap.attach_taps`)."""
     cached = _RESOLVED.get(model)
     if cached is not None:
         return cached
@@ -382,12 +380,14 @@ def resolve_sites(model: nn.Module) -> ModelSites:
             "out differently from the row in vlens/protocol/architectures.py"
         )
     absent = arch.absent_sites(getattr(model, "config", None))
-    attention, no_heads = _find_heads(impl, layers, arch)
+    attention, no_heads = _find_heads(impl, layers)
     absent = {**absent, **no_heads}
     specs = _specs(layout, model)
     if attention:
         index = {id(layer): i for i, layer in enumerate(layers)}
-        specs.update(_head_specs(lambda layer: attention[index[id(layer)]]))
+        # native: the attention module itself; Transformers backend: its tap
+        at = attention if impl == "native" else attach_taps(layers, attention)
+        specs.update(_head_specs(lambda layer: at[index[id(layer)]]))
     specs = {k: v for k, v in specs.items() if k not in absent}
     for i, layer in enumerate(layers):
         for spec in specs.values():

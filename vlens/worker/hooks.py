@@ -91,6 +91,10 @@ class WorkerHooks:
             self._code_base = ops.register(self)
         total_kv = int(self.runner.model_config.get_total_num_kv_heads()) if self.tp > 1 else 0
         self.unhooked = head_refusals(self.sites, self.tp, total_kv)
+        if self.sites.impl == "transformers":  # the head taps need vLLM's attention function
+            from vlens.worker.tf_attention import route_heads
+
+            self.unhooked.update(route_heads(self.sites))
         for layer_idx, layer in enumerate(self.sites.layers):
             for spec in self.sites.specs.values():
                 if spec.name in self.unhooked:
