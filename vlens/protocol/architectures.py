@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlens.errors import VlensError
+from vlens.protocol.site_names import SITES
 
 __all__ = [
     "Architecture",
@@ -205,8 +206,6 @@ def supported_architectures(sites: bool = False) -> dict[str, Any]:
         raise VlensError(f"sites must be True or False, got {sites!r}")
     if not sites:
         return {name: a.family for name, a in ARCHITECTURES.items()}
-    from vlens.protocol.sites import SITES  # names only; sites.py imports this module
-
     out: dict[str, Any] = {}
     for name, a in ARCHITECTURES.items():
         absent = a.absent_sites({})
