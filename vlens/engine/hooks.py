@@ -71,6 +71,12 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         #: compiled mode and under tensor parallelism)
         self.unhooked: dict[str, str] = {}
         self.hook_errors = 0
+        #: this step's writes, to check for non-finite rows when it ends:
+        #: (ok per written row [m] bool, rows written, (site, layer), what
+        #: wrote, the step's layout)
+        self._written: list[tuple[torch.Tensor, Any, tuple[str, int], str, Any]] = []
+        #: writes that turned non-finite (their rows were restored)
+        self.nonfinite_writes = 0
         self.steps_seen = 0
         self.steps_planned = 0
         self.layout_ns = 0
@@ -181,6 +187,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         """Plan the step. Never raises: a failure is recorded on every
         traced request of the step, and the step runs unhooked."""
         self.step = None
+        self._written = []  # a forward that failed before its end leaves none behind
         self.steps_seen += 1
         req_ids: list[str] = []
         try:
@@ -307,6 +314,8 @@ class WorkerHooks(HeadSiteOps, ClientSide):
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
+        if self._written:
+            self._check_written()
         step, self.step = self.step, None
         log, self.log = self.log, None
         mark, self._decode_mark = self._decode_mark, None
@@ -324,6 +333,45 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                     to_host([self.records[r] for r in step.requests if r in self.records])
             except Exception as exc:
                 self._fail(list(step.requests), ("(copy to host)", -1), exc)
+
+    def _check_written(self) -> None:
+        """The step's writes, checked once when it ends (one read back to
+        the host for all of them): a request whose write turned a row
+        non-finite gets an error naming it. Its rows were already restored
+        in the step (``site_ops.keep_finite``), so nothing non-finite went
+        on into later layers or the KV cache."""
+        written, self._written = self._written, []
+        try:
+            oks = [w[0] for w in written]
+            if bool(torch.cat(oks).all() if len(oks) > 1 else oks[0].all()):
+                return
+            for ok, rows, (site, layer), what, layout in written:
+                bad = (~ok).nonzero().flatten().tolist()
+                if not bad:
+                    continue
+                self.nonfinite_writes += 1
+                if isinstance(rows, tuple):
+                    idx = [rows[0] + i for i in bad]
+                elif rows is None:
+                    idx = None
+                else:
+                    idx = rows[bad].tolist()
+                spans = layout.spans if idx is not None else ()
+                hit = {sp.key for sp in spans for r in idx if sp.start <= r < sp.stop}
+                if isinstance(what, tuple):  # an edit call: its own request
+                    what, hit = what[0], {what[1]}
+                for r in hit:
+                    rec = self._rec(r)
+                    if rec is not None:
+                        rec.error(
+                            f"site {site}, layer {layer}: {what} turned this request's values "
+                            "non-finite (inf or NaN); vlens put back the values it had before "
+                            "the write, so the engine and other requests stay clean, and "
+                            "refuses this request's results. Use a smaller scale or vector")
+        except Exception as exc:  # pragma: no cover - reported, never raised into vLLM
+            self.hook_errors += 1
+            for *_, layout in written[:1]:
+                self._fail([sp.key for sp in layout.spans], ("(finite check)", -1), exc)
 
     def _make_hook(self, spec: Any, layer: int):
         key = (spec.name, layer)
@@ -384,7 +432,8 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         if batch is not None:
             try:
                 matrix = self._add_matrix(site, layer, batch)
-                apply_adds(matrix, batch, step.layout, get_value, get_target, label)
+                ok, rows = apply_adds(matrix, batch, step.layout, get_value, get_target, label)
+                self._written.append((ok, rows, key, "a steering add", step.layout))
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
         for call in step.edits.get(key, ()):
@@ -396,7 +445,11 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                 fn = self.edit_fns.get(call.edit.fn)
                 if fn is None:
                     raise LookupError(f"edit function {call.edit.fn} never reached this worker")
-                copied = run_edit(fn, step.layout, spec.name, get_value, get_target, call, label)
+                copied, ok = run_edit(fn, step.layout, spec.name, get_value, get_target, call,
+                                      label)
+                if ok is not None:
+                    self._written.append((ok, None, key, ("its edit= function", call.req_id),
+                                          step.layout))
                 rec = self._rec(call.req_id) if copied else None
                 if rec is not None:
                     rec.copied_bytes += copied
@@ -430,7 +483,9 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                     f"ablating or patching {key[0]} under tensor parallelism ({self.tp} ranks, "
                     "each holding its own heads) is not supported yet: use "
                     "tensor_parallel_size=1, or a residual site")
-            apply_sets(self.vectors.matrix_of, batch, step.layout, get_value, get_target, label)
+            ok, rows = apply_sets(self.vectors.matrix_of, batch, step.layout, get_value,
+                                  get_target, label)
+            self._written.append((ok, rows, key, "an ablation or patched cell", step.layout))
         except Exception as exc:  # the requests concerned get the error
             self._fail(batch.req_ids, key, exc)
 

@@ -76,6 +76,7 @@ class ClientSide:
             "vector_bytes": self.vectors.nbytes,
             "edit_fns": len(self.edit_fns),
             "hook_errors": self.hook_errors,
+            "nonfinite_writes": self.nonfinite_writes,
             "steps_seen": self.steps_seen,
             "steps_planned": self.steps_planned,
             "layout_ns": self.layout_ns,

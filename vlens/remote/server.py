@@ -236,7 +236,7 @@ class Server:
         worker = (await self.llm.collective_rpc("vlens_status"))[0]
         return {
             **{k: worker[k] for k in ("records", "plans", "vectors", "vector_bytes",
-                                      "hook_errors", "steps_seen", "steps_planned", "hooks",
+                                      "hook_errors", "nonfinite_writes", "steps_seen", "steps_planned", "hooks",
                                       "edit_fns")},
             "unfinished": int(self.llm.output_processor.get_num_unfinished_requests()),
             "calls": self.calls,
