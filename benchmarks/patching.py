@@ -71,7 +71,7 @@ class HFPatch:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from vlens.architectures import ARCHITECTURES
+        from vlens.protocol.architectures import ARCHITECTURES
 
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -123,7 +123,7 @@ class HFPatch:
 def one_call_each(s, clean, corrupt, layers, positions, answer):
     """The same cell requests as ``Session.patch`` builds, one engine call
     each (after the same read pass)."""
-    from vlens.patching import patch_call
+    from vlens.methods.patching import patch_call
 
     pc = patch_call(s, clean, corrupt, layers=layers, positions=positions, answer=answer)
     outs = [s._runner.run([req], lambda o, got: o[0], budget=s.read_budget)

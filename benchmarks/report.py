@@ -140,7 +140,7 @@ def _analysis(key: str, r: dict) -> str | None:
             "every layer show.")
     elif key == "h":
         text.append(
-            "The lens (`lens_logits`, vlens/sites.py) first ran once per request per layer "
+            "The lens (`lens_logits`, vlens/protocol/sites.py) first ran once per request per layer "
             "per step: in a decode step the unembedding ran as 32 matrix-vector products, "
             "each reading the whole unembedding matrix (py-spy: ~60 % of all samples of (h) "
             "in the `onednn_mm` of `compute_logits`). It now runs once per (site, layer) per "

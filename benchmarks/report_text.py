@@ -21,12 +21,12 @@ LAYOUT_FIX = (
     "Done (issue 15): the worker plans a step from the runner's arrays "
     "(`query_start_loc`, `num_computed_tokens`, the request ids) with numpy, not per "
     "request. Requests are grouped by plan once per batch (`BatchGroups`, "
-    "vlens/step_groups.py), kept while decode steps run the same requests in the same "
+    "vlens/worker/groups.py), kept while decode steps run the same requests in the same "
     "order; each group's rows come from array arithmetic (`np.repeat`/`np.arange`); a "
     "step's spans (`RowSpan`, a named tuple) are made only when something asks for "
     "them; and the per-request records are not touched inside the forward: each step "
     "leaves one `StepLog` (its arrays and its reads) in the worker's journal "
-    "(vlens/engine/journal.py), replayed into per-request records when the client "
+    "(vlens/worker/journal.py), replayed into per-request records when the client "
     "collects (requests reading `attn_pattern` keep their records in the forward: "
     "they need their keys every step). Each (site, layer)'s write index is one tensor "
     "built from those arrays. A decode step that runs the same batch one position "
@@ -44,7 +44,7 @@ OPS_FIX = (
     "layer) of every step, planned or not (about 10 sites × 8 layers here). Declared "
     "with `torch.library.custom_op` each call cost ~10 µs of Python dispatch on this "
     "CPU; declared with a plain `torch.library.Library` and one kernel it costs "
-    "~1.5 µs (vlens/engine/compiled.py). That was most of the gap between (b*) and (a*)."
+    "~1.5 µs (vlens/worker/ops.py). That was most of the gap between (b*) and (a*)."
 )
 
 
@@ -290,7 +290,7 @@ of requests in the batch (issue 15):
 
 * **Plan once per step, from the runner's arrays.** A pre-hook on the whole
   model reads vLLM's `query_start_loc`, `num_computed_tokens` and the
-  batch's request ids, and `vlens.planner.plan_step` turns them into one
+  batch's request ids, and `vlens.worker.planner.plan_step` turns them into one
   `StepPlan`: per (site, layer), the read groups (one index for every
   request reading it the same way), one batched add, one batched set, the
   edit calls. Requests are grouped by plan once per batch (`BatchGroups`),
@@ -308,7 +308,7 @@ of requests in the batch (issue 15):
   hooks).
 * **Reads are kept per step, cut per request after the run.** Each
   reduction leaves one tensor per (site, layer, step) in the step's log
-  (`vlens/engine/journal.py`); on a GPU the step's reads go to the host in
+  (`vlens/worker/journal.py`); on a GPU the step's reads go to the host in
   one non-blocking copy per dtype into pinned memory at the end of the
   step. Per-request records are built when the client collects.
 * **Compiled mode** calls one operator per hooked (site, layer) per step

@@ -59,8 +59,8 @@ def main() -> None:
     torch.set_num_threads(1)
     import vlens
     from suite import per_step
-    from vlens.engine import hooks as hooks_mod
-    from vlens.records import StepLog
+    from vlens.worker import hooks as hooks_mod
+    from vlens.worker.records import StepLog
     from vlens.tiny import make_tiny_model
 
     sizes = [int(x) for x in args.sizes.split(",")]

@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vlens.architectures import ARCHITECTURES  # noqa: E402
-from vlens.sites import SITES, WRITABLE  # noqa: E402
+from vlens.protocol.architectures import ARCHITECTURES  # noqa: E402
+from vlens.protocol.sites import SITES, WRITABLE  # noqa: E402
 
 TOL = 1e-4
 
@@ -59,7 +59,7 @@ def render(results: dict) -> str:
         "     measurements of tests/test_models.py. Do not edit by hand. -->",
         "",
         "vlens opens these architectures (`vlens.supported_architectures()` lists",
-        "them; the rows live in `vlens/architectures.py`). Every number below is",
+        "them; the rows live in `vlens/protocol/architectures.py`). Every number below is",
         "the largest absolute difference a test measured between vlens on vLLM",
         "and Hugging Face transformers on the same random weights, in float32,",
         "over every layer and token (a tiny 2-layer model, hidden size 64). Tests",
@@ -143,7 +143,7 @@ def render(results: dict) -> str:
         "",
         "## Adding an architecture",
         "",
-        "1. Add a row to `vlens/architectures.py`: where the layers, attention, MLP,",
+        "1. Add a row to `vlens/protocol/architectures.py`: where the layers, attention, MLP,",
         "   the input of the pre-MLP norm (`resid_mid`) and the final norm live in",
         "   Hugging Face's model and, if vLLM has its own implementation, in vLLM's",
         "   (`pair` for layers that return `(hidden, residual)`, `stream` for layers",

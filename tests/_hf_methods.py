@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from _hf_reference import _first, _get, _input, _rows, site_module
-from vlens.architectures import ARCHITECTURES
+from vlens.protocol.architectures import ARCHITECTURES
 
 
 def _where(model, arch, site, layer_idx):

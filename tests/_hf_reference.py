@@ -22,7 +22,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vlens.architectures import ARCHITECTURES
+from vlens.protocol.architectures import ARCHITECTURES
 
 
 def _get(root, path):

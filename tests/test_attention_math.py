@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from vlens.engine.attention import AttentionShape, attention_probs
-from vlens.plan import Plan, Read
-from vlens.records import RequestRecord
+from vlens.worker.attention import AttentionShape, attention_probs
+from vlens.protocol.plan import Plan, Read
+from vlens.worker.records import RequestRecord
 
 
 def _loop(q, keys, first, shape, heads):

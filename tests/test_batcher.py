@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlens.batcher import RowSpan, StepLayout, narrow, token_axis, widen
+from vlens.worker.layout import RowSpan, StepLayout, narrow, token_axis, widen
 from vlens.errors import TokenAxisError
 
 
@@ -184,7 +184,7 @@ def test_span_outside_the_step_is_refused():
 @given(steps())
 @settings(max_examples=200, deadline=None)
 def test_gather_equals_narrow_per_request_and_copies(step):
-    from vlens.batcher import gather
+    from vlens.worker.layout import gather
 
     layout, hidden, batched, planned = step
     x = _step_tensor(layout, hidden, batched)

@@ -10,7 +10,7 @@ import torch
 import vlens
 from vlens import checks
 from vlens.errors import VlensError
-from vlens.plan import Read
+from vlens.protocol.plan import Read
 
 FACTS = checks.ModelFacts(n_layers=3, hidden_size=8, sites=("attn_out", "positions", "resid_post"),
                           writable=("attn_out", "resid_post"), max_model_len=32, vocab_size=50)

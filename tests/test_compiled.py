@@ -2,7 +2,7 @@
 
 A compiled engine (``enforce_eager=False``) traces the model once with
 torch.compile; vlens's hooks are in the graph as opaque operators (see
-vlens/engine/compiled.py). Everything a user can do must give what the eager
+vlens/worker/ops.py). Everything a user can do must give what the eager
 engine gives. tests/test_scale_out.py re-runs the isolation, parity,
 steering and recompute tests on a compiled engine too.
 """
@@ -75,7 +75,7 @@ class _NoHostSync:
     NAMES = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu")
 
     def __init__(self, monkeypatch):
-        from vlens.engine import hooks
+        from vlens.worker import hooks
 
         self.inside = False
         self.calls: list[str] = []

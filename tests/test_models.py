@@ -1,6 +1,6 @@
 """Every supported architecture, checked against Hugging Face.
 
-For each row of vlens/architectures.py a tiny random-weight model is made
+For each row of vlens/protocol/architectures.py a tiny random-weight model is made
 here (never downloaded, never committed), opened on its vLLM route(s), and
 compared with Hugging Face transformers on the same weights (float32):
 
@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlens.architectures import ARCHITECTURES, check_model_config
+from vlens.protocol.architectures import ARCHITECTURES, check_model_config
 from vlens.errors import VlensError
-from vlens.sites import HEAD_SITES, WRITABLE
+from vlens.protocol.sites import HEAD_SITES, WRITABLE
 
 pytestmark = pytest.mark.engine
 

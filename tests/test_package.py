@@ -26,7 +26,7 @@ def test_import_vlens_imports_neither_vllm_nor_torch_nor_changes_env():
 
 def test_pure_modules_load_without_vllm():
     got = _modules_after(
-        "import vlens.batcher, vlens.plots, vlens.results, vlens.steering, vlens.lens, vlens.plan"
+        "import vlens.worker.layout, vlens.plots, vlens.results, vlens.steering, vlens.lens, vlens.protocol.plan"
     )
     assert "vllm" not in set(got["mods"])
 

@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlens.batcher import StepLayout, add_rows, gather
-from vlens.engine.vectors import VectorStore
+from vlens.worker.layout import StepLayout, add_rows, gather
+from vlens.worker.vectors import VectorStore
 from vlens.errors import TokenAxisError
-from vlens.plan import Add, Edit, Plan, Read
-from vlens.planner import COLLECTIVE, plan_step
-from vlens.records import RequestRecord
+from vlens.protocol.plan import Add, Edit, Plan, Read
+from vlens.worker.planner import COLLECTIVE, plan_step
+from vlens.worker.records import RequestRecord
 
 SITES = ["resid_pre", "resid_post", "mlp_out"]
 VECS = {"va": 0, "vb": 3, "vc": 1}  # vector id -> matrix row ("vmissing" is absent)
@@ -293,7 +293,7 @@ def test_records_describe_one_clean_pass_through_restarts(reqs):
         assert packed["steered_rows"] == steered
 
 
-from vlens._wire import decode_tensor  # noqa: E402
+from vlens.protocol.tensors import decode_tensor  # noqa: E402
 
 
 def test_a_gap_in_the_rows_is_reported_not_hidden():
@@ -363,7 +363,7 @@ def _plan_content(sp):
 @given(decode_runs())
 @settings(max_examples=200, deadline=None)
 def test_a_decode_step_reusing_the_last_plan_plans_what_a_fresh_one_would(run):
-    from vlens.step_groups import BatchGroups
+    from vlens.worker.groups import BatchGroups
 
     ids, plan_list, start, n_steps = run
     groups = BatchGroups.of(plan_list)
@@ -392,7 +392,7 @@ def test_a_decode_step_reusing_the_last_plan_plans_what_a_fresh_one_would(run):
 
 
 def test_a_reused_plan_is_dropped_when_a_vector_leaves_or_the_rows_change():
-    from vlens.step_groups import BatchGroups
+    from vlens.worker.groups import BatchGroups
 
     plan = Plan(tag="t", adds=(Add("resid_post", 1, "va", 2.0, 0, -1, False),), prompt_len=3)
     groups = BatchGroups.of([plan, None])

@@ -272,7 +272,7 @@ def _call_body(server, ids: list[int], *, tag: str = "t-0", reads=None, adds=(),
     """A /v1/generate body made by hand (as a hostile client would)."""
     from vllm import SamplingParams
 
-    from vlens.plan import parse_plan
+    from vlens.protocol.plan import parse_plan
 
     plan = {"v": 3, "tag": tag, "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": reads if reads is not None else

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlens.engine.site_ops import apply_sets
-from vlens.engine.vectors import VectorStore
-from vlens.plan import Plan, Set, parse_plan
-from vlens.planner import plan_step
+from vlens.worker.site_ops import apply_sets
+from vlens.worker.vectors import VectorStore
+from vlens.protocol.plan import Plan, Set, parse_plan
+from vlens.worker.planner import plan_step
 
 
 def _step(lengths):

@@ -214,7 +214,7 @@ def test_records_that_start_after_cached_rows_are_matched_and_checked():
     from vllm.outputs import CompletionOutput
 
     from vlens._runner import Request, _match
-    from vlens.plan import Add, Plan, Read
+    from vlens.protocol.plan import Add, Plan, Read
 
     comp = CompletionOutput(index=0, text="", token_ids=[7, 8, 9], cumulative_logprob=None,
                             logprobs=None)
@@ -233,7 +233,7 @@ def test_records_that_start_after_cached_rows_are_matched_and_checked():
 
 def test_cached_rows_count_as_steered_within_each_span():
     from vlens._runner import _cached_adds
-    from vlens.plan import Add
+    from vlens.protocol.plan import Add
 
     adds = [Add("resid_post", 1, "v", 1.0, 0, -1), Add("resid_post", 1, "v", 1.0, 5, 9),
             Add("resid_post", 1, "v", 1.0, 12, -1)]

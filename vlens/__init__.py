@@ -18,11 +18,11 @@ from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError
 
 if TYPE_CHECKING:
     from vlens.ablation import Ablate
-    from vlens.patching import Patching
-    from vlens.plan import EditContext
+    from vlens.methods.patching import Patching
+    from vlens.protocol.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
-    from vlens.architectures import supported_architectures
+    from vlens.protocol.architectures import supported_architectures
     from vlens.steering import PerPrompt, Steer
     from vlens.widgets import explore
     from vlens.remote.client import connect
@@ -50,8 +50,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Ablate": "vlens.ablation",
-    "Patching": "vlens.patching",
-    "EditContext": "vlens.plan",
+    "Patching": "vlens.methods.patching",
+    "EditContext": "vlens.protocol.plan",
     "PerPrompt": "vlens.steering",
     "Session": "vlens.session",
     "Steer": "vlens.steering",
@@ -59,7 +59,7 @@ _LAZY = {
     "Trace": "vlens.results",
     "explore": "vlens.widgets",
     "connect": "vlens.remote.client",
-    "supported_architectures": "vlens.architectures",
+    "supported_architectures": "vlens.protocol.architectures",
 }
 
 

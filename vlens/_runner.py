@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlens._progress import progress_factory
-from vlens._wire import decode_tensor
+from vlens.protocol.tensors import decode_tensor
 from vlens.checks import ModelFacts, check_budget, check_plan
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
-from vlens.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
+from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 from vlens.results import Run, Trace
 from vlens.steering import Steer, edit_salt
 

@@ -3,7 +3,7 @@
 ``Ablate`` says what to knock out where: a site, a layer, zeros or a mean,
 optionally a few heads of ``z``, over a token span. The Session checks it
 against the model and turns it into ``Set`` entries of the request's plan
-(:class:`vlens.plan.Set`): the workers apply every request's sets at a
+(:class:`vlens.protocol.plan.Set`): the workers apply every request's sets at a
 (site, layer) in one batched masked write per step, like the steering adds,
 and the request's prefix-cache salt includes them, so ablated KV is never
 served to anyone else.
@@ -24,7 +24,7 @@ import torch
 
 from vlens.checks import check_set_values, check_span_fits, check_write_site
 from vlens.errors import VlensError
-from vlens.plan import Set
+from vlens.protocol.plan import Set
 from vlens.steering import PerPrompt, parse_span, span_positions, vector_id
 
 __all__ = ["Ablate", "ablates_per_prompt", "check_ablates", "fill_means", "plan_parts", "to_sets"]

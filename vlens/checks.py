@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlens.errors import VlensError
-from vlens.plan import Plan, Read
+from vlens.protocol.plan import Plan, Read
 from vlens.steering import PerPrompt, Steer
 
 __all__ = [
@@ -100,7 +100,7 @@ class ModelFacts:
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> ModelFacts:
         """From ``Engine.info``."""
-        from vlens.sites import HEAD_WRITABLE, WRITABLE
+        from vlens.protocol.sites import HEAD_WRITABLE, WRITABLE
 
         sites = tuple(info["sites"])
         return cls(

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="uninstall the packages the report says to remove, then check again")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from vlens.doctor import main as doctor_main
+        from vlens.engine.doctor import main as doctor_main
 
         return doctor_main(apply_fix=args.fix)
     if args.command == "demo":

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlens._wire import decode_tensor
-from vlens.plan import read_key
+from vlens.protocol.tensors import decode_tensor
+from vlens.protocol.plan import read_key
 
 __all__ = ["Run", "Trace", "decode_tensor"]
 

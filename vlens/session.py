@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from vlens import ablation, checks, patching
+from vlens import ablation, checks
+from vlens.methods import patching
 from vlens._runner import Runner, env_flag, live_engines
 from vlens.errors import VlensError
-from vlens.plan import Edit, Read
+from vlens.protocol.plan import Edit, Read
 from vlens.results import Run, Trace
 from vlens.steering import Comparison, Steer, Sweep, kl_per_position
 

@@ -54,7 +54,7 @@ def make_trace(
     """One request that processed ``prompt_token_ids`` and generated
     ``output_token_ids``, with ``reads`` as if the workers had read them.
 
-    ``reads`` maps read keys (:func:`vlens.plan.read_key`) to tensors whose
+    ``reads`` maps read keys (:func:`vlens.protocol.plan.read_key`) to tensors whose
     first two dimensions are ``[n_layers_read, n_tokens]`` (``n_tokens`` is
     the prompt plus every generated token but the last): ``"resid_post"``
     ``[L, T, hidden]``, ``"resid_post:norm"`` ``[L, T]``,

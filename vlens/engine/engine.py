@@ -21,14 +21,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vlens._wire import encode_tensor
-from vlens.doctor import require_startable
+from vlens.protocol.tensors import encode_tensor
+from vlens.engine.doctor import require_startable
 from vlens.engine.env import apply_env_defaults
 from vlens.errors import ClosedError, VlensError
 
 __all__ = ["Engine", "EXTENSION"]
 
-EXTENSION = "vlens.engine.worker.VlensWorkerExtension"
+EXTENSION = "vlens.worker.extension.VlensWorkerExtension"
 
 _REFUSED = {
     "worker_extension_cls": "vlens sets its own worker extension",
@@ -82,11 +82,11 @@ class Engine:
         self.model = str(model)
         self.llm_kwargs = dict(llm_kwargs)
         # An architecture vlens cannot hook is refused before vLLM starts
-        # (nothing to shut down); vlens.architectures says which it knows.
+        # (nothing to shut down); vlens.protocol.architectures says which it knows.
         config = _saved_config(self.model)
         arch = None
         if config is not None:
-            from vlens.architectures import check_model_config
+            from vlens.protocol.architectures import check_model_config
 
             arch = check_model_config(config, self.llm_kwargs.get("model_impl"))
         if "dtype" not in self.llm_kwargs and _saved_dtype(self.model) == "float32":
@@ -323,7 +323,7 @@ def _compiled_settings(compilation: Any) -> dict[str, Any]:
     """vLLM arguments for compiled mode: vlens's worker class (its hooks go
     in before the model is traced) and, on a GPU, piecewise CUDA graphs cut
     at vlens's operators so those run every step (see compiled.py)."""
-    from vlens.engine.compiled import SPLITTING_OPS, worker_qualname
+    from vlens.worker.ops import SPLITTING_OPS, worker_qualname
     from vlens.engine.env import has_gpu
 
     gpu = has_gpu()

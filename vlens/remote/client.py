@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vlens._wire import encode_tensor
+from vlens.protocol.tensors import encode_tensor
 from vlens.checks import REMOTE_EDIT
 from vlens.errors import ClosedError, EngineError, VlensError
 

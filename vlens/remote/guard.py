@@ -19,7 +19,7 @@ from typing import Any
 from vlens.checks import REMOTE_EDIT, ModelFacts, check_budget
 from vlens.checks import check_plan as check_plan_rules
 from vlens.errors import VlensError
-from vlens.plan import PLAN_KEY, Plan, parse_plan
+from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
 from vlens.remote.wire import PARAM_FIELDS
 
 __all__ = ["Refused", "Limits", "Checked", "check_call"]
@@ -106,7 +106,7 @@ def check_vector(vid: Any, payload: Any, widths: set[int]) -> tuple[dict[str, An
         raise _bad(f"vector {vid}: data must be {shape[0] * size} bytes")
     import torch
 
-    from vlens._wire import decode_tensor
+    from vlens.protocol.tensors import decode_tensor
 
     values = decode_tensor(payload).float()
     if not torch.isfinite(values).all():

@@ -148,7 +148,7 @@ class Server:
     async def run(self, client: _Client, call: Checked, stream: bool):
         """The frames of one admitted call (an async iterator of bytes)."""
         from vlens._runner import Request, _engine_prompt
-        from vlens.plan import PLAN_KEY, parse_plan
+        from vlens.protocol.plan import PLAN_KEY, parse_plan
 
         n = len(call.ids)
         rids = [f"{client.name}-{uuid.uuid4().hex[:12]}-{i}" for i in range(n)]
@@ -346,7 +346,7 @@ async def _serve(args: Any, argv: list[str]) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vlens.architectures import check_model_config
+    from vlens.protocol.architectures import check_model_config
     from vlens.engine.engine import EXTENSION, _saved_config, _saved_dtype
     from vlens.engine.env import apply_env_defaults
     from vlens.errors import VlensError

@@ -28,7 +28,7 @@ import ipywidgets as widgets
 import torch
 import traitlets
 
-from vlens.plan import read_key
+from vlens.protocol.plan import read_key
 from vlens.plots import lens_token_values, logit_lens_grid, logit_lens_track
 from vlens.results import Run, Trace
 from vlens.widgets._base import View, figure_widget, layers_spanned, show_figure

@@ -17,7 +17,7 @@ from typing import Any
 import traitlets
 
 from vlens.results import Run
-from vlens.sites import HEAD_SITES
+from vlens.protocol.sites import HEAD_SITES
 
 __all__ = ["Controller", "Selection"]
 

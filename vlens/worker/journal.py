@@ -1,8 +1,8 @@
 """The steps a worker ran, kept as arrays until the run's records are packed.
 
-Building one :class:`~vlens.records.RequestRecord` step per request inside
+Building one :class:`~vlens.worker.records.RequestRecord` step per request inside
 the forward costs Python work per request per step. Instead, each planned
-step leaves one :class:`~vlens.records.StepLog`: the runner's arrays of the
+step leaves one :class:`~vlens.worker.records.StepLog`: the runner's arrays of the
 step (request ids in batch order, row offsets, tokens already computed,
 token ids and positions) and the reads its hooks kept for whole groups of
 requests. When the client collects a tag, :meth:`Journal.replay` walks the
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlens.plan import Plan
-from vlens.records import RequestRecord, StepLog
+from vlens.protocol.plan import Plan
+from vlens.worker.records import RequestRecord, StepLog
 
 __all__ = ["Journal", "StepArrays", "kept", "rows_of"]
 

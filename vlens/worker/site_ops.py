@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from vlens.batcher import StepLayout, add_rows, narrow, token_axis, widen
-from vlens.plan import EditContext, Read
-from vlens.planner import AddBatch, EditCall, SetBatch
-from vlens.sites import lens_logits
+from vlens.worker.layout import StepLayout, add_rows, narrow, token_axis, widen
+from vlens.protocol.plan import EditContext, Read
+from vlens.worker.planner import AddBatch, EditCall, SetBatch
+from vlens.protocol.sites import lens_logits
 
 __all__ = ["apply_adds", "apply_sets", "keep_finite", "reduce_rows", "run_edit"]
 

@@ -6,7 +6,7 @@ from queries, cached keys and values to each head's output. vlens recomputes
 the probabilities for the requests that ask (site ``attn_pattern``): the
 worker keeps each such request's post-rotary keys per layer as its steps
 arrive (prefill chunks, then one row per decode step; see
-:class:`~vlens.records.RequestRecord`), and each step turns the step's query
+:class:`~vlens.worker.records.RequestRecord`), and each step turns the step's query
 rows into probability rows over every key so far, as the layer's kernel
 defines them:
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vlens.sites import HEAD_SITES
+from vlens.protocol.sites import HEAD_SITES
 
 __all__ = ["AttentionShape", "attention_probs", "head_info", "head_refusals"]
 
@@ -91,7 +91,7 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, first: int, shape: Atte
 def head_info(sites: Any, tp: int) -> dict[str, int]:
     """``n_heads``, ``n_kv_heads``, ``head_dim`` of the whole model (every
     tensor-parallel rank's heads; 0 where vlens found no attention layer).
-    ``sites`` is the model's :class:`~vlens.sites.ModelSites`."""
+    ``sites`` is the model's :class:`~vlens.protocol.sites.ModelSites`."""
     if not sites.attention:
         return {"n_heads": 0, "n_kv_heads": 0, "head_dim": 0}
     m = sites.attention[0]

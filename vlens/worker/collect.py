@@ -1,6 +1,6 @@
 """The client-facing part of the worker's hooks: collect, drop, status.
 
-A mixin of :class:`vlens.engine.hooks.WorkerHooks` (the RPCs in
+A mixin of :class:`vlens.worker.hooks.WorkerHooks` (the RPCs in
 ``worker.py`` call these): packing the records of finished tags (journaled
 steps replayed first), forgetting tags, and the counters ``s.status()``
 shows.

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from vlens._wire import encode_tensor
-from vlens.plan import Plan
+from vlens.protocol.tensors import encode_tensor
+from vlens.protocol.plan import Plan
 
 __all__ = ["RequestRecord", "StepLog"]
 

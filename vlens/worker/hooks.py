@@ -1,11 +1,11 @@
 """The hook state of one vLLM worker: what vlens keeps between steps.
 
 :class:`WorkerHooks` installs the hooks (once), plans every step with
-:func:`vlens.planner.plan_step` (from the runner's arrays, with the
+:func:`vlens.worker.planner.plan_step` (from the runner's arrays, with the
 batch's grouping reused while the batch holds), runs each (site, layer)'s
 part of the plan (``site_ops``), keeps each step's reads once for all its
-requests in a :class:`~vlens.records.StepLog` (journaled, ``journal.py``),
-and builds one :class:`~vlens.records.RequestRecord` per traced request
+requests in a :class:`~vlens.worker.records.StepLog` (journaled, ``journal.py``),
+and builds one :class:`~vlens.worker.records.RequestRecord` per traced request
 when the client collects. The head sites' own work is ``head_sites.py``,
 collect/drop/status ``hooks_client.py``; the RPC surface the client calls
 is ``worker.py``.
@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from vlens._wire import decode_tensor
-from vlens.batcher import token_axis
-from vlens.engine.head_sites import HeadSiteOps
-from vlens.engine.hooks_client import ClientSide
-from vlens.engine.journal import Journal, StepArrays, kept, rows_of
-from vlens.engine.attention import head_refusals
-from vlens.engine.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
-from vlens.engine.vectors import VectorStore
-from vlens.plan import PLAN_KEY, Plan, parse_plan
-from vlens.planner import BatchGroups, StepPlan, plan_step
-from vlens.records import RequestRecord, StepLog, to_host
-from vlens.sites import HEAD_SITES, ModelSites, resolve_sites
+from vlens.protocol.tensors import decode_tensor
+from vlens.worker.layout import token_axis
+from vlens.worker.head_sites import HeadSiteOps
+from vlens.worker.collect import ClientSide
+from vlens.worker.journal import Journal, StepArrays, kept, rows_of
+from vlens.worker.attention import head_refusals
+from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
+from vlens.worker.vectors import VectorStore
+from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
+from vlens.worker.planner import BatchGroups, StepPlan, plan_step
+from vlens.worker.records import RequestRecord, StepLog, to_host
+from vlens.protocol.sites import HEAD_SITES, ModelSites, resolve_sites
 
 __all__ = ["WorkerHooks"]
 
@@ -105,7 +105,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         )
         self.handles.append(self.model.register_forward_hook(self._end_step))
         if compiled:
-            from vlens.engine import compiled as ops
+            from vlens.worker import ops
 
             self._code_base = ops.register(self)
         total_kv = int(self.runner.model_config.get_total_num_kv_heads()) if self.tp > 1 else 0
@@ -122,7 +122,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
                         # change to the target: reads after a write would miss it
                         raise ValueError(
                             f"site {spec.name}: its value is not its target and its SiteSpec "
-                            "gives no addend; compiled mode needs one (vlens/sites.py)")
+                            "gives no addend; compiled mode needs one (vlens/protocol/sites.py)")
                     code = self._code_base + len(self._codes)
                     self._code_of[(spec.name, layer_idx)] = len(self._codes)
                     self._codes.append((spec, layer_idx))
@@ -141,7 +141,7 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         self.handles.clear()
         self.step = self._last_step = None
         if self._code_base is not None:  # the compiled graph still calls the ops
-            from vlens.engine import compiled as ops
+            from vlens.worker import ops
 
             ops.unregister(self._code_base)
             self._code_base = None

@@ -1,6 +1,6 @@
 """The head sites' part of the worker's hooks (q, k, v, z, attn_pattern).
 
-A mixin of :class:`vlens.engine.hooks.WorkerHooks`: the vector matrix a
+A mixin of :class:`vlens.worker.hooks.WorkerHooks`: the vector matrix a
 steering add at ``z`` draws from (one rank's columns under tensor
 parallelism), gathering heads across ranks, and ``attn_pattern``, scored
 per request from the keys its record keeps (``attention.py``).
@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from vlens.batcher import token_axis
-from vlens.engine.attention import AttentionShape, attention_probs
-from vlens.sites import HEAD_SITES
+from vlens.worker.layout import token_axis
+from vlens.worker.attention import AttentionShape, attention_probs
+from vlens.protocol.sites import HEAD_SITES
 
 __all__ = ["HeadSiteOps"]
 

@@ -5,7 +5,7 @@ every architecture, equal to the matching Hugging Face value (see
 :data:`SITES`). Resolving it means knowing, for the model and backend vLLM
 loaded, which module to hook, whether before or after its forward, and how
 to turn the hook's arguments into that value. Where the modules are comes
-from the architecture's row in :mod:`vlens.architectures`; how a layer
+from the architecture's row in :mod:`vlens.protocol.architectures`; how a layer
 carries the residual stream comes in three kinds:
 
 * ``pair`` -- vLLM-native Llama relatives: ``layer(positions, hidden [T, H],
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlens.architectures import Architecture, Layout, find_architecture
+from vlens.protocol.architectures import Architecture, Layout, find_architecture
 from vlens.errors import VlensError
 
 __all__ = [
@@ -367,7 +367,7 @@ def resolve_sites(model: nn.Module) -> ModelSites:
     names = _architectures_of(model)
     arch = find_architecture(names)
     if arch is None or impl not in arch.routes:
-        from vlens.architectures import check_model_config
+        from vlens.protocol.architectures import check_model_config
 
         # raises the same VlensError the client gives before starting an engine
         check_model_config({"architectures": names[:1]}, "vllm" if impl == "native" else impl)
@@ -378,7 +378,7 @@ def resolve_sites(model: nn.Module) -> ModelSites:
         raise VlensError(
             f"vlens expected the decoder layers of {names[0]} at model.{layout.layers}, "
             f"but {type(model).__name__} has none there: this vLLM version lays the model "
-            "out differently from the row in vlens/architectures.py"
+            "out differently from the row in vlens/protocol/architectures.py"
         )
     absent = arch.absent_sites(getattr(model, "config", None))
     attention, no_heads = _find_heads(impl, layers, arch)
@@ -394,7 +394,7 @@ def resolve_sites(model: nn.Module) -> ModelSites:
                 raise VlensError(
                     f"layer {i} of {names[0]} ({type(layer).__name__}) has no module for "
                     f"site {spec.name}: this vLLM version lays the model out differently "
-                    "from the row in vlens/architectures.py"
+                    "from the row in vlens/protocol/architectures.py"
                 )
     sites = ModelSites(
         impl=impl,

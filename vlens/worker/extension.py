@@ -1,6 +1,6 @@
 """vlens inside every vLLM worker: the RPC surface the client calls.
 
-The hook state behind it is :class:`~vlens.engine.hooks.WorkerHooks`
+The hook state behind it is :class:`~vlens.worker.hooks.WorkerHooks`
 (``hooks.py``, a thin shell around the pure step planner); what each hook
 does at one (site, layer) is in ``site_ops.py``.
 
@@ -16,8 +16,8 @@ Per forward step:
 1. a pre-hook on the whole model reads the runner's arrays (request order,
    ``query_start_loc``, computed-token counts, the padded row count) and
    each request's plan from ``SamplingParams.extra_args["vlens"]``, and
-   calls :func:`vlens.planner.plan_step`; every traced request's
-   :class:`~vlens.records.RequestRecord` then learns which positions this
+   calls :func:`vlens.worker.planner.plan_step`; every traced request's
+   :class:`~vlens.worker.records.RequestRecord` then learns which positions this
    step runs (it cuts itself back when vLLM recomputes rows);
 2. one hook per (site, layer), installed once, executes its part of the
    plan: the batched steering add, then ``edit=`` functions, then reads
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from vlens.engine.attention import head_info
-from vlens.engine.hooks import WorkerHooks
+from vlens.worker.attention import head_info
+from vlens.worker.hooks import WorkerHooks
 
 __all__ = ["VlensWorkerExtension"]
 

@@ -138,7 +138,7 @@ def _with_hooks_before_compile(name: str, base: type) -> type:
         base.load_model(self, *args, **kwargs)
         self._vlens().install(compiled=True)  # from VlensWorkerExtension
 
-    from vlens.engine.worker import VlensWorkerExtension
+    from vlens.worker.extension import VlensWorkerExtension
 
     # the extension among the bases already: vLLM then leaves the class as
     # it is (it would refuse to add it again to a subclass of a worker class

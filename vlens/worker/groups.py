@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vlens.plan import Plan
+from vlens.protocol.plan import Plan
 
 if TYPE_CHECKING:
-    from vlens.batcher import StepLayout
+    from vlens.worker.layout import StepLayout
 
 __all__ = ["BatchGroups"]
 

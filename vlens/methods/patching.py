@@ -38,7 +38,7 @@ import torch
 
 from vlens import checks
 from vlens.errors import EngineError, VlensError
-from vlens.plan import Read, Set
+from vlens.protocol.plan import Read, Set
 from vlens.steering import vector_id
 
 __all__ = ["Patching", "patch_call", "TOP_K"]

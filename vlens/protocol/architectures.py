@@ -3,7 +3,7 @@
 A row says where a model's parts live (the decoder layers, each layer's
 attention and MLP modules, the module whose *input* is the residual stream
 between them, the final norm) for Hugging Face's implementation and, where
-vLLM has one, for vLLM's own. Site resolution (:mod:`vlens.sites`) reads
+vLLM has one, for vLLM's own. Site resolution (:mod:`vlens.protocol.sites`) reads
 these rows; it has no per-architecture branches. Adding an architecture
 means adding a row here and its entry in ``tests/test_models.py``.
 
@@ -207,7 +207,7 @@ def _unknown(names: list[str]) -> VlensError:
     return VlensError(
         f"vlens does not support the architecture {', '.join(names) or '(none given)'}: "
         f"it knows {known}. vLLM itself can still run this model (vllm.LLM), without "
-        "vlens's sites. To add it, give it a row in vlens/architectures.py (where its "
+        "vlens's sites. To add it, give it a row in vlens/protocol/architectures.py (where its "
         "layers, attention, MLP and final norm live) and a test in tests/test_models.py; "
         "see docs/models.md."
     )

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vlens.batcher import RowSpan, StepLayout
-from vlens.plan import Add, Edit, Plan, Read, Set
-from vlens.step_groups import BatchGroups, _Requests
+from vlens.worker.layout import RowSpan, StepLayout
+from vlens.protocol.plan import Add, Edit, Plan, Read, Set
+from vlens.worker.groups import BatchGroups, _Requests
 
 __all__ = ["AddBatch", "BatchGroups", "EditCall", "ReadGroup", "SetBatch", "StepPlan", "plan_step", "COLLECTIVE",
            "GATHERED"]

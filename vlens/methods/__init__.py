@@ -1,0 +1,1 @@
+"""Methods built on the Session's calls: activation patching (``patching``)."""
