@@ -540,3 +540,129 @@ def test_a_server_restart_is_a_clear_error_then_reconnect_works(server, toy_sess
         assert run[0].text == want[0].text
         torch.testing.assert_close(run[0].activations(), want[0].activations(),
                                    atol=1e-5, rtol=0)
+
+
+def _plan_body(ids: list[int], plan: dict, vectors: dict | None = None,
+               max_tokens: int = 3) -> dict:
+    """A /v1/generate body around a hand-made plan (made canonical, as a
+    Session writes plans, so that only its content is on trial)."""
+    from vllm import SamplingParams
+
+    from vlens.protocol.plan import parse_plan
+
+    plan = {"v": 3, "tag": "h-0", "index": 0, "clone": False, "prompt_len": len(ids),
+            "reads": [], "adds": [], "sets": [], "edits": [], **plan}
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_reading_prefix_cache=True,
+                        extra_args={"vlens": parse_plan(plan).to_wire()})
+    return {"requests": [{"ids": ids, "params": params_to_wire(sp)}],
+            "vectors": vectors or {}, "stream": False}
+
+
+def _generated_plans(ids: list[int], sites, n_layers: int, vid: str, seed: int = 0) -> list:
+    """Hand-made plans: every site x reduction x span kind, with steering
+    adds and sets on the same site, and counts at and past the plan limits."""
+    from vlens.checks import PLAN_MAX, REDUCES
+
+    rng = random.Random(seed)
+    plen, total = len(ids), len(ids) + 2  # max_tokens 3: two tokens fed back
+    spans = {"all": (0, -1), "prompt": (0, plen), "generated": (plen, -1), "tuple": (1, 3),
+             "past the end": (0, total + 4)}
+    plans = []
+    for site in sites:
+        for reduce in (*REDUCES, "max"):
+            for kind, (start, stop) in spans.items():
+                layers = sorted(rng.sample(range(n_layers), rng.randint(1, n_layers)))
+                k = rng.choice([1, 5, 1001]) if reduce == "logit_lens" else rng.choice([0, 0, 3])
+                plan = {"reads": [{"site": site, "layers": layers, "reduce": reduce, "k": k}]}
+                if rng.random() < 0.5:
+                    plan["adds"] = [{"site": site, "layer": rng.randrange(n_layers), "vec": vid,
+                                     "scale": rng.choice([1.0, -2.0, 50.0, 1e30]),
+                                     "start": start, "stop": stop,
+                                     "relative": rng.random() < 0.5}]
+                else:
+                    plan["sets"] = [{"site": site, "layer": rng.randrange(n_layers),
+                                     "vec": rng.choice(["", vid]), "lo": 0, "hi": -1,
+                                     "start": start, "stop": stop}]
+                plans.append((f"{site} {reduce} {kind}", plan))
+    read = {"site": "resid_post", "layers": [0], "reduce": "norm", "k": 0}
+    add = {"site": "resid_post", "layer": 1, "vec": vid, "scale": 0.5, "start": 0, "stop": -1,
+           "relative": False}
+    one_set = {"site": "mlp_out", "layer": 2, "vec": "", "lo": 0, "hi": 8, "start": 0,
+               "stop": -1}
+    for part, entry in (("reads", read), ("adds", add), ("sets", one_set)):
+        for n in (PLAN_MAX[part], PLAN_MAX[part] + 1, 20 * PLAN_MAX[part]):
+            plans.append((f"{n} {part}", {part: [entry] * n}))
+    return plans
+
+
+def test_generated_plans_get_4xx_or_run_and_never_touch_another_client(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    hidden, n_layers = toy_session.hidden_size, toy_session.n_layers
+    vec = torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    vec_wire = {"data": vec.numpy().tobytes(), "shape": [hidden], "dtype": "float32"}
+    plans = _generated_plans(ids, toy_session.sites, n_layers, "v1")
+    assert len(plans) >= 200
+    with server.connect("c5") as victim:
+        alone = victim.trace(["the wind", "a fox"], layers=[0, 3], max_new_tokens=4)
+        stop = threading.Event()
+        seen: list = []
+
+        def victim_calls() -> None:
+            deadline = time.monotonic() + 300
+            while not stop.is_set() and len(seen) < 300 and time.monotonic() < deadline:
+                seen.append(victim.trace(["the wind", "a fox"], layers=[0, 3],
+                                         max_new_tokens=4))
+
+        worker = threading.Thread(target=victim_calls)
+        worker.start()
+        outcomes = {"4xx": 0, "ran": 0}
+        try:
+            for what, plan in plans:
+                body = _plan_body(ids, plan, {"v1": vec_wire})
+                resp = server.post(pack(body), "c3")
+                if 400 <= resp.status_code < 500:
+                    outcomes["4xx"] += 1
+                    continue
+                assert resp.status_code == 200, (what, resp.status_code, resp.text[:300])
+                done = _frames(resp)[-1]
+                assert done["kind"] == "done", (what, done)
+                [rec] = done["records"]["h-0"]
+                assert rec["errors"] == [], (what, rec["errors"])
+                assert rec["reads"], what
+                outcomes["ran"] += 1
+        finally:
+            stop.set()
+            worker.join(300)
+    assert outcomes["4xx"] >= 50 and outcomes["ran"] >= 50, outcomes
+    assert len(seen) >= 3
+    for run in seen:
+        for got, want in zip(run, alone, strict=True):
+            assert got.output_token_ids == want.output_token_ids
+            torch.testing.assert_close(got.activations(), want.activations(), atol=1e-5, rtol=0)
+    st = server.status()
+    assert st["records"] == 0 and st["calls"] == 0 and st["unfinished"] == 0
+
+
+def test_an_overflowing_steer_on_the_server_spoils_no_other_client(server, toy_session):
+    short = ["the wind", "a happy fox was", "the sky"]
+    d = toy_session.direction(["a happy fox"], ["a sad fox"], layer=1)
+    sites = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+    steers = [vlens.Steer(d, layer=layer, scale=100.0, relative=True, site=site)
+              for layer in range(toy_session.n_layers) for site in sites]
+    with server.connect("c6") as other, server.connect("c2") as wild:
+        clean = other.trace(short, layers=[0, 3], max_new_tokens=4)
+        with pytest.raises(vlens.VlensError, match="would overflow this float32 model"):
+            wild.trace("the wind was", steer=vlens.Steer(d, layer=1, scale=1e37))
+        with pytest.raises(vlens.EngineError, match="turned this request's values non-finite"):
+            wild.trace(["the wind was happy and"] * 2, steer=steers, max_new_tokens=8)
+        ids = toy_session.tokenize("the wind was")
+        vec = {"data": d.numpy().tobytes(), "shape": [d.numel()], "dtype": "float32"}
+        add = {"site": "resid_post", "layer": 1, "vec": "d", "scale": 1e37, "start": 0,
+               "stop": -1, "relative": False}
+        resp = server.post(pack(_plan_body(ids, {"adds": [add]}, {"d": vec})), "c2")
+        assert resp.status_code == 400 and "a write may put at most" in resp.json()["error"]
+        after = other.trace(short, layers=[0, 3], max_new_tokens=4)
+    for a, b in zip(after, clean, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert torch.equal(a.activations(), b.activations())
+    assert server.status()["nonfinite_writes"] > 0

@@ -504,22 +504,33 @@ class WorkerHooks(HeadSiteOps, ClientSide):
         flat = value[0] if axis == 1 else value
         if axis == 1 and value.shape[0] != 1:
             raise ValueError(f"site {label}: expected [1, T, ...], got {list(value.shape)}")
-        log = self.log
         for g in groups:
-            # one gather and one reduction for every request in the group;
-            # the rows are kept once for the group (cut per request after the run)
-            # rows the planner built from the step's offsets: inside the step
-            if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
-                rows = flat[g.bounds[0] : g.bounds[1]]
-            else:
-                rows = flat.index_select(0, g.index_on(flat.device))
-            if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
-                rows = self._gather_heads(rows, -1)
-                rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
-            t0 = time.perf_counter_ns()
-            parts = reduce_rows(self.model, rows, g.read)
-            self.reduce_ns += time.perf_counter_ns() - t0
-            if not self.reader or log is None:  # a non-reading rank joined a collective
-                continue
-            for part, t in parts.items():
-                log.put((g.read.key, part, layer), t, g)
+            try:
+                self._read_group(g, flat, heads, layer)
+            except Exception as exc:  # this group's requests only: never the step's others
+                self._fail(g.req_ids, (spec.name, layer), exc)
+
+    def _read_group(self, g, flat: torch.Tensor, heads: int | None, layer: int) -> None:
+        """One group's read: one gather and one reduction for every request in
+        the group; the rows are kept once for the group (cut per request after
+        the run)."""
+        log = self.log
+        # rows the planner built from the step's offsets: inside the step
+        if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
+            rows = flat[g.bounds[0] : g.bounds[1]]
+        else:
+            rows = flat.index_select(0, g.index_on(flat.device))
+        if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
+            rows = self._gather_heads(rows, -1)
+            rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
+        t0 = time.perf_counter_ns()
+        parts = reduce_rows(self.model, rows, g.read)
+        self.reduce_ns += time.perf_counter_ns() - t0
+        if not self.reader or log is None:  # a non-reading rank joined a collective
+            return
+        for part, t in parts.items():
+            if t.dim() == 0 or t.shape[0] != rows.shape[0]:
+                # one row per gathered row, or the log could not be cut per request
+                raise ValueError(f"read {g.read.key} gave {list(t.shape)} for "
+                                 f"{rows.shape[0]} rows")
+            log.put((g.read.key, part, layer), t, g)
