@@ -48,6 +48,7 @@ class _Server:
         self.tokens = {f"c{i}": f"token-{i}-" + os.urandom(12).hex() for i in range(12)}
         self.token_file = folder / "tokens"
         self.token_file.write_text("".join(f"{n} {t}\n" for n, t in self.tokens.items()))
+        self.token_file.chmod(0o600)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / "server.log"
@@ -598,9 +599,12 @@ def _generated_plans(ids: list[int], sites, n_layers: int, vid: str, seed: int =
 def test_generated_plans_get_4xx_or_run_and_never_touch_another_client(server, toy_session):
     ids = toy_session.tokenize("the wind was")
     hidden, n_layers = toy_session.hidden_size, toy_session.n_layers
+    from vlens.steering import vector_id
+
     vec = torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    vid = vector_id(vec)
     vec_wire = {"data": vec.numpy().tobytes(), "shape": [hidden], "dtype": "float32"}
-    plans = _generated_plans(ids, toy_session.sites, n_layers, "v1")
+    plans = _generated_plans(ids, toy_session.sites, n_layers, vid)
     assert len(plans) >= 200
     with server.connect("c5") as victim:
         alone = victim.trace(["the wind", "a fox"], layers=[0, 3], max_new_tokens=4)
@@ -618,7 +622,7 @@ def test_generated_plans_get_4xx_or_run_and_never_touch_another_client(server, t
         outcomes = {"4xx": 0, "ran": 0}
         try:
             for what, plan in plans:
-                body = _plan_body(ids, plan, {"v1": vec_wire})
+                body = _plan_body(ids, plan, {vid: vec_wire})
                 resp = server.post(pack(body), "c3")
                 if 400 <= resp.status_code < 500:
                     outcomes["4xx"] += 1
@@ -656,10 +660,12 @@ def test_an_overflowing_steer_on_the_server_spoils_no_other_client(server, toy_s
         with pytest.raises(vlens.EngineError, match="turned this request's values non-finite"):
             wild.trace(["the wind was happy and"] * 2, steer=steers, max_new_tokens=8)
         ids = toy_session.tokenize("the wind was")
+        from vlens.steering import vector_id
+
         vec = {"data": d.numpy().tobytes(), "shape": [d.numel()], "dtype": "float32"}
-        add = {"site": "resid_post", "layer": 1, "vec": "d", "scale": 1e37, "start": 0,
-               "stop": -1, "relative": False}
-        resp = server.post(pack(_plan_body(ids, {"adds": [add]}, {"d": vec})), "c2")
+        add = {"site": "resid_post", "layer": 1, "vec": vector_id(d), "scale": 1e37,
+               "start": 0, "stop": -1, "relative": False}
+        resp = server.post(pack(_plan_body(ids, {"adds": [add]}, {vector_id(d): vec})), "c2")
         assert resp.status_code == 400 and "a write may put at most" in resp.json()["error"]
         after = other.trace(short, layers=[0, 3], max_new_tokens=4)
     for a, b in zip(after, clean, strict=True):

@@ -60,9 +60,13 @@ class Limits:
     samples: int = 16  # n per request
     vectors: int = 64  # steering vectors one call may ship
     body_bytes: int = 64 * 2**20  # one request body
+    body_seconds: float = 30.0  # to send one request body
+    stall_seconds: float = 30.0  # a stream's reader may stop reading this long
 
-    def public(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def public(self) -> dict[str, Any]:
+        from vlens.checks import PLAN_MAX
+
+        return {**self.__dict__, **{f"plan_{k}": v for k, v in PLAN_MAX.items()}}
 
 
 @dataclass
@@ -108,9 +112,16 @@ def check_vector(vid: Any, payload: Any, widths: set[int]) -> tuple[dict[str, An
 
     from vlens.protocol.tensors import decode_tensor
 
+    from vlens.steering import vector_id
+
     values = decode_tensor(payload).float()
     if not torch.isfinite(values).all():
         raise _bad(f"vector {vid} holds NaN or infinite values")
+    if vector_id(values) != vid:
+        # ids are the hash of the data: a vector cached under an id is that data,
+        # whoever sends it (peers sharing one token included)
+        raise _bad(f"vector id {vid!r:.60} is not the hash of its data "
+                   "(vlens.steering.vector_id)")
     return payload, float(values.abs().max())
 
 
@@ -138,8 +149,9 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts,
         check_plan_rules(plan, facts, vectors, max_tokens)
     except VlensError as exc:
         raise _bad(str(exc)) from None
-    adds = tuple(replace(a, vec=f"{client}/{a.vec}") for a in plan.adds)
-    sets = tuple(replace(w, vec=f"{client}/{w.vec}" if w.vec else "") for w in plan.sets)
+    owner = client.split("/", 1)[0]  # vectors: the client's; the tag: this call's
+    adds = tuple(replace(a, vec=f"{owner}/{a.vec}") for a in plan.adds)
+    sets = tuple(replace(w, vec=f"{owner}/{w.vec}" if w.vec else "") for w in plan.sets)
     return replace(plan, tag=f"{client}/{plan.tag}", adds=adds, sets=sets)
 
 
@@ -226,8 +238,12 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
     return sp, plan
 
 
-def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Checked:
-    """A decoded /v1/generate body -> a :class:`Checked` call, or Refused."""
+def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str,
+               call: str = "") -> Checked:
+    """A decoded /v1/generate body -> a :class:`Checked` call, or Refused.
+    Tags are prefixed by ``client/call`` (``call``: unique per call, so two
+    calls with the same tag, even under one shared token, never meet);
+    vector ids by ``client`` (they are hashes of their data)."""
     if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
         raise _bad("body must be {requests: [...], vectors: {...}, stream: bool}")
     if set(body) - {"requests", "vectors", "stream"}:
@@ -255,12 +271,28 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Che
                                f"most {limits.prompt_tokens} per prompt")
         for t in ids:
             _int(t, f"request {i} token id", 0, facts.vocab_size - 1)
-        sp, plan = check_params(req["params"], ids, facts, limits, sizes_of, client)
+        sp, plan = check_params(req["params"], ids, facts, limits, sizes_of,
+                                f"{client}/{call}" if call else client)
         ids_all.append(ids)
         params.append(sp)
         tags.append(plan.tag if plan else None)
         if plan is not None:
             sizes.append((len(ids), plan.reads, sp.max_tokens, sp.n))
+    sequences = sum(sp.n or 1 for sp in params)
+    if sequences > limits.requests:
+        raise Refused(413, f"this call runs {sequences} sequences (prompts x n); this server "
+                           f"takes at most {limits.requests} per call")
+    # vLLM works out the log-probabilities over the whole vocabulary for every
+    # row that asks (prompt_logprobs: every prompt row): count them as reads
+    lp_bytes = sum(4 * facts.vocab_size * (
+        (len(i) if sp.prompt_logprobs is not None else 0)
+        + ((sp.n or 1) * sp.max_tokens if sp.logprobs is not None else 0))
+        for i, sp in zip(ids_all, params))
+    if lp_bytes > limits.read_bytes:
+        raise Refused(413, f"the log-probabilities this call asks for cover about "
+                           f"{lp_bytes / 2**20:.0f} MiB of the vocabulary, over this server's "
+                           f"limit of {limits.read_bytes / 2**20:.0f} MiB per call: ask for "
+                           "fewer or shorter prompts, or logprobs=False")
     try:
         check_budget(sizes, facts, limits.read_bytes)
     except VlensError as exc:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FRAME_TYPE", "WireError", "pack", "unpack", "FrameReader", "PARAM_FIELDS",
-           "params_to_wire", "output_to_wire", "output_from_wire", "RemoteOutput",
+           "params_to_wire", "output_to_wire", "output_from_wire", "merge_delta", "RemoteOutput",
            "RemoteCompletion", "Logprob"]
 
 FRAME_TYPE = "application/x-vlens-frame"
@@ -104,7 +104,7 @@ def unpack(frame: bytes | memoryview) -> Any:
         if isinstance(x, dict):
             if len(x) == 1 and "$blob" in x:
                 i = x["$blob"]
-                if not isinstance(i, int) or not 0 <= i < len(blobs):
+                if type(i) is not int or not 0 <= i < len(blobs):
                     raise WireError(f"frame names blob {i!r}, which it does not hold")
                 return blobs[i]
             return {k: dec(v, depth + 1) for k, v in x.items()}
@@ -226,6 +226,33 @@ def _entries(raw: Any) -> list[dict[int, Logprob] | None] | None:
     if raw is None:
         return None
     return [None if e is None else {int(t): Logprob(float(lp)) for t, lp in e} for e in raw]
+
+
+def merge_delta(have: dict[str, Any] | None, delta: dict[str, Any] | None
+                ) -> dict[str, Any] | None:
+    """A request's outputs so far (wire form) with a stream frame's delta
+    added: the server streams each step's new tokens, text and logprobs
+    only, never the whole output again."""
+    if delta is None:
+        return have
+    if have is None or not delta.get("delta"):
+        have = {"finished": False, "prompt_logprobs": None, "outputs": []}
+    outs = {o["index"]: dict(o) for o in have["outputs"]}
+    for d in delta["outputs"]:
+        o = outs.get(d["index"])
+        if o is None:
+            outs[d["index"]] = {**d, "token_ids": list(d["token_ids"]),
+                                "logprobs": None if d["logprobs"] is None else list(d["logprobs"])}
+            continue
+        o["text"] += d["text"]
+        o["token_ids"] = o["token_ids"] + list(d["token_ids"])
+        if d["logprobs"] is not None:
+            o["logprobs"] = (o["logprobs"] or []) + list(d["logprobs"])
+        o["finish_reason"] = d["finish_reason"]
+    return {"finished": bool(delta["finished"]),
+            "prompt_logprobs": delta["prompt_logprobs"] if delta["prompt_logprobs"] is not None
+            else have["prompt_logprobs"],
+            "outputs": [outs[k] for k in sorted(outs)]}
 
 
 def output_from_wire(raw: dict[str, Any] | None) -> RemoteOutput | None:
