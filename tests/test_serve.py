@@ -59,7 +59,8 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlens.cli", "serve", "--port", str(self.port),
              "--token-file", str(self.token_file), "--kv-cache-memory-bytes", KV,
-             "--max-body-mb", "1", "--max-concurrent", "2", "--max-read-mb", "64"],
+             "--max-body-mb", "1", "--max-concurrent", "2", "--max-read-mb", "64",
+             "--body-timeout", "3", "--stall-timeout", "3"],
             env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -544,7 +545,7 @@ def test_a_server_restart_is_a_clear_error_then_reconnect_works(server, toy_sess
 
 
 def _plan_body(ids: list[int], plan: dict, vectors: dict | None = None,
-               max_tokens: int = 3) -> dict:
+               max_tokens: int = 3, stream: bool = False, **params) -> dict:
     """A /v1/generate body around a hand-made plan (made canonical, as a
     Session writes plans, so that only its content is on trial)."""
     from vllm import SamplingParams
@@ -554,9 +555,9 @@ def _plan_body(ids: list[int], plan: dict, vectors: dict | None = None,
     plan = {"v": 3, "tag": "h-0", "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": [], "adds": [], "sets": [], "edits": [], **plan}
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_reading_prefix_cache=True,
-                        extra_args={"vlens": parse_plan(plan).to_wire()})
+                        extra_args={"vlens": parse_plan(plan).to_wire()}, **params)
     return {"requests": [{"ids": ids, "params": params_to_wire(sp)}],
-            "vectors": vectors or {}, "stream": False}
+            "vectors": vectors or {}, "stream": stream}
 
 
 def _generated_plans(ids: list[int], sites, n_layers: int, vid: str, seed: int = 0) -> list:
@@ -672,3 +673,119 @@ def test_an_overflowing_steer_on_the_server_spoils_no_other_client(server, toy_s
         assert a.output_token_ids == b.output_token_ids
         assert torch.equal(a.activations(), b.activations())
     assert server.status()["nonfinite_writes"] > 0
+
+
+def _settled(server, timeout: float = 60) -> dict:
+    """The server's status once it holds no call, request or record."""
+    deadline = time.monotonic() + timeout
+    while (st := server.status())["calls"] or st["unfinished"] or st["records"]:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    return st
+
+
+def _partial_post(server, client: str, length: int, sent: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    head = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            f"{server.tokens[client]}\r\nContent-Type: {FRAME_TYPE}\r\n"
+            f"Content-Length: {length}\r\n\r\n")
+    sock.sendall(head.encode() + sent)
+    return sock
+
+
+def test_slow_bodies_count_as_calls_and_end_at_their_deadline(server):
+    """A body that trickles in holds one of its client's call slots (so a
+    client cannot park bodies outside the limits) until --body-timeout."""
+    socks = [_partial_post(server, "c9", 500_000, b"\0" * 1000) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while server.status()["calls"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with server.connect("c9") as s:
+            with pytest.raises(vlens.VlensError, match="429"):
+                s.trace("the wind was", max_new_tokens=2)
+            for sock in socks:  # --body-timeout 3
+                reply = sock.recv(65536).decode(errors="replace")
+                assert reply.startswith("HTTP/1.1 408"), reply[:200]
+            _settled(server)
+            assert s.trace("the wind was", max_new_tokens=2)[0].text
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_reader_that_stops_reading_ends_its_call(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    read = {"site": "resid_post", "layers": list(range(toy_session.n_layers)), "reduce": "full",
+            "k": 0}
+    body = pack(_plan_body(ids, {"reads": [read]}, max_tokens=300, stream=True,
+                           ignore_eos=True))
+    before = server.status()["stalled"]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    try:
+        head = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                f"{server.tokens['c8']}\r\nContent-Type: {FRAME_TYPE}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")
+        sock.sendall(head.encode() + body)  # then never reads the answer (2.7 MB of reads)
+        deadline = time.monotonic() + 120
+        while server.status()["stalled"] == before:
+            assert time.monotonic() < deadline, server.status()
+            time.sleep(0.3)
+        st = _settled(server)
+        assert st["plans"] == 0 and st["your_calls"] == 0
+    finally:
+        sock.close()
+
+
+def test_work_per_call_is_bounded(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    one = _plan_body(ids, {}, max_tokens=2, n=16)
+    body = {**one, "requests": one["requests"] * 20}  # 20 prompts x n=16 = 320 sequences
+    resp = server.post(pack(body), "c7")
+    assert resp.status_code == 413 and "320 sequences" in resp.json()["error"]
+    from vllm import SamplingParams
+
+    long_ids = [ids[i % len(ids)] for i in range(500)]
+    sp = params_to_wire(SamplingParams(max_tokens=1, prompt_logprobs=0))
+    body = {"requests": [{"ids": long_ids, "params": sp}] * 256, "vectors": {},
+            "stream": False}
+    resp = server.post(pack(body), "c7")
+    assert resp.status_code == 413 and "log-probabilities" in resp.json()["error"]
+    read = {"site": "resid_post", "layers": [0], "reduce": "logit_lens", "k": 5}
+    resp = server.post(pack(_plan_body(ids, {"reads": [read] * 20_000})), "c7")
+    assert resp.status_code == 413 or resp.status_code == 400
+    assert "at most 64 reads" in resp.json()["error"]
+    _settled(server)
+
+
+def test_vector_ids_are_hashes_and_tags_are_per_call(server, toy_session):
+    """What a peer sharing one token could do: replace a vector under its
+    id, or collect another call's records under the same tag."""
+    from vlens.steering import vector_id
+
+    ids = toy_session.tokenize("the wind was")
+    a = torch.randn(toy_session.hidden_size, generator=torch.Generator().manual_seed(5))
+    b = -a
+    add = {"site": "resid_post", "layer": 1, "vec": vector_id(a), "scale": 1.0, "start": 0,
+           "stop": -1, "relative": False}
+    forged = {vector_id(a): {"data": b.numpy().tobytes(), "shape": [a.numel()],
+                             "dtype": "float32"}}
+    resp = server.post(pack(_plan_body(ids, {"adds": [add]}, forged)), "c1")
+    assert resp.status_code == 400 and "not the hash of its data" in resp.json()["error"]
+    # two calls at once under one token and one tag: each gets its own records
+    prompts = [ids, toy_session.tokenize("a happy fox was")]
+    got: list = [None, None]
+
+    def call(i: int, barrier) -> None:
+        body = pack(_plan_body(prompts[i], {}, max_tokens=40, ignore_eos=True))
+        barrier.wait()
+        got[i] = _frames(server.post(body, "c1"))[-1]
+
+    _in_threads(call, 2)
+    for i, done in enumerate(got):
+        [rec] = done["records"]["h-0"]
+        assert rec["token_ids"][:len(prompts[i])] == prompts[i]
+    _settled(server)

@@ -435,7 +435,9 @@ def make_app(server: Server):
 
     def parse(raw: bytes, client: _Client) -> tuple[Any, Checked]:
         try:
-            body = unpack_one(raw)
+            # a call's header: per request its ids, params and plan (at most ~550
+            # lists and objects at the plan limits)
+            body = unpack_one(raw, max_containers=600 * server.limits.requests + 4096)
             return body, check_call(body, server.facts, server.limits, client.name,
                                     uuid.uuid4().hex[:12])
         except Refused:

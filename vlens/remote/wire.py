@@ -72,8 +72,11 @@ def pack(obj: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def unpack(frame: bytes | memoryview) -> Any:
-    """One frame's body (without its leading length) -> the data."""
+def unpack(frame: bytes | memoryview, max_containers: int | None = None) -> Any:
+    """One frame's body (without its leading length) -> the data.
+    ``max_containers``: refuse a header with more lists and objects than
+    this, counted before it is parsed (a body of millions of nested empty
+    lists costs seconds to parse, and tells the server nothing)."""
     view = memoryview(frame)
     if len(view) < _HEAD.size:
         raise WireError("frame shorter than its header")
@@ -81,8 +84,12 @@ def unpack(frame: bytes | memoryview) -> Any:
     pos = _HEAD.size + head_len
     if pos > len(view) or n_blobs > _MAX_BLOBS:
         raise WireError("frame header names more bytes than the frame holds")
+    raw_head = bytes(view[_HEAD.size:pos])
+    if max_containers is not None and (
+            raw_head.count(b"[") + raw_head.count(b"{") > max_containers):
+        raise WireError(f"frame header holds over {max_containers} lists and objects")
     try:
-        head = json.loads(bytes(view[_HEAD.size:pos]))
+        head = json.loads(raw_head)
     except (ValueError, UnicodeDecodeError) as exc:
         raise WireError(f"frame header is not JSON ({exc})") from None
     blobs = []
@@ -115,14 +122,14 @@ def unpack(frame: bytes | memoryview) -> Any:
     return dec(head)
 
 
-def unpack_one(data: bytes) -> Any:
+def unpack_one(data: bytes, max_containers: int | None = None) -> Any:
     """A whole request body (exactly one frame, its length included)."""
     if len(data) < _LEN.size:
         raise WireError("body shorter than a frame")
     (n,) = _LEN.unpack_from(data, 0)
     if n != len(data) - _LEN.size:
         raise WireError(f"frame says {n} bytes, body holds {len(data) - _LEN.size}")
-    return unpack(memoryview(data)[_LEN.size:])
+    return unpack(memoryview(data)[_LEN.size:], max_containers)
 
 
 class FrameReader:
