@@ -633,7 +633,7 @@ def test_generated_plans_get_4xx_or_run_and_never_touch_another_client(server, t
                 assert done["kind"] == "done", (what, done)
                 [rec] = done["records"]["h-0"]
                 assert rec["errors"] == [], (what, rec["errors"])
-                assert rec["reads"], what
+                assert bool(rec["reads"]) == bool(plan.get("reads")), what
                 outcomes["ran"] += 1
         finally:
             stop.set()
@@ -667,6 +667,16 @@ def test_an_overflowing_steer_on_the_server_spoils_no_other_client(server, toy_s
         add = {"site": "resid_post", "layer": 1, "vec": vector_id(d), "scale": 1e37,
                "start": 0, "stop": -1, "relative": False}
         resp = server.post(pack(_plan_body(ids, {"adds": [add]}, {vector_id(d): vec})), "c2")
+        assert resp.status_code == 400 and "a write may put at most" in resp.json()["error"]
+        with pytest.raises(vlens.VlensError, match="Ablate mean .* would overflow"):
+            wild.trace("the wind was", ablate=vlens.Ablate(
+                "resid_post", 1, kind="mean", mean=torch.full((d.numel(),), 1e30)))
+        huge = torch.full((d.numel(),), 1e30)
+        one_set = {"site": "resid_post", "layer": 1, "vec": vector_id(huge), "lo": 0, "hi": -1,
+                   "start": 0, "stop": -1}
+        wire = {vector_id(huge): {"data": huge.numpy().tobytes(), "shape": [huge.numel()],
+                                  "dtype": "float32"}}
+        resp = server.post(pack(_plan_body(ids, {"sets": [one_set]}, wire)), "c2")
         assert resp.status_code == 400 and "a write may put at most" in resp.json()["error"]
         after = other.trace(short, layers=[0, 3], max_new_tokens=4)
     for a, b in zip(after, clean, strict=True):
@@ -789,3 +799,32 @@ def test_vector_ids_are_hashes_and_tags_are_per_call(server, toy_session):
         [rec] = done["records"]["h-0"]
         assert rec["token_ids"][:len(prompts[i])] == prompts[i]
     _settled(server)
+
+
+def test_the_token_file_is_taken_up_without_a_restart(server):
+    original = server.token_file.read_text()
+    new = "new-token-" + os.urandom(12).hex()
+    try:
+        server.token_file.write_text(original + f"late {new}\n")
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/v1/info", headers={"Authorization": f"Bearer {new}"},
+                        timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "the new token never worked"
+            time.sleep(0.5)
+        with vlens.connect(server.url, token=new + "\n") as s:  # a newline read with it
+            assert s.trace("the wind was", max_new_tokens=2)[0].text
+        # a file that does not load (world-readable) keeps the tokens as they were
+        server.token_file.chmod(0o644)
+        server.token_file.write_text(original)
+        time.sleep(2.5)
+        assert server.get("/v1/info", "c0").status_code == 200
+        assert httpx.get(server.url + "/v1/info", headers={"Authorization": f"Bearer {new}"},
+                         timeout=30).status_code == 200
+    finally:
+        server.token_file.write_text(original)
+        server.token_file.chmod(0o600)
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/v1/info", headers={"Authorization": f"Bearer {new}"},
+                    timeout=30).status_code != 401:
+        assert time.monotonic() < deadline, "the removed token still works"
+        time.sleep(0.5)
