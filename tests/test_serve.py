@@ -638,7 +638,7 @@ def test_generated_plans_get_4xx_or_run_and_never_touch_another_client(server, t
         finally:
             stop.set()
             worker.join(300)
-    assert outcomes["4xx"] >= 50 and outcomes["ran"] >= 50, outcomes
+    assert outcomes["4xx"] >= 50 and outcomes["ran"] >= 30, outcomes
     assert len(seen) >= 3
     for run in seen:
         for got, want in zip(run, alone, strict=True):
