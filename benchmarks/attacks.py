@@ -88,9 +88,9 @@ def _plan_body(ids: list[int], plan: dict, n_requests: int = 1, stream: bool = F
 
     plan = {"v": 3, "tag": "a-0", "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": [], "adds": [], "sets": [], "edits": [], **plan}
-    sp = SamplingParams(temperature=0.0, skip_reading_prefix_cache=True,
+    sp = SamplingParams(skip_reading_prefix_cache=True,
                         extra_args={"vlens": parse_plan(plan).to_wire()},
-                        **{"max_tokens": 3, **params})
+                        **{"max_tokens": 3, "temperature": 0.0, **params})
     return pack({"requests": [{"ids": ids, "params": params_to_wire(sp)}] * n_requests,
                  "vectors": {}, "stream": stream})
 
@@ -119,7 +119,8 @@ def attacks(server: Server, s) -> dict:
         _post(server, _plan_body(ids, {"reads": [read] * 20_000}))
 
     def many_samples():
-        _post(server, _plan_body(ids, {}, n_requests=64, n=16, max_tokens=64))
+        _post(server, _plan_body(ids, {}, n_requests=64, n=16, max_tokens=64,
+                                 temperature=1.0))
 
     def slow_bodies():
         socks = []
@@ -134,8 +135,9 @@ def attacks(server: Server, s) -> dict:
             sock.close()
 
     def stalled_stream():
-        read = {"site": "resid_post", "layers": layers, "reduce": "full", "k": 0}
-        body = _plan_body(ids, {"reads": [read]}, stream=True, max_tokens=400, ignore_eos=True)
+        reads = [{"site": site, "layers": layers, "reduce": "full", "k": 0}
+                 for site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")]
+        body = _plan_body(ids, {"reads": reads}, stream=True, max_tokens=400, ignore_eos=True)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", server.port))

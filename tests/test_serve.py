@@ -554,8 +554,9 @@ def _plan_body(ids: list[int], plan: dict, vectors: dict | None = None,
 
     plan = {"v": 3, "tag": "h-0", "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": [], "adds": [], "sets": [], "edits": [], **plan}
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_reading_prefix_cache=True,
-                        extra_args={"vlens": parse_plan(plan).to_wire()}, **params)
+    sp = SamplingParams(max_tokens=max_tokens, skip_reading_prefix_cache=True,
+                        extra_args={"vlens": parse_plan(plan).to_wire()},
+                        **{"temperature": 0.0, **params})
     return {"requests": [{"ids": ids, "params": params_to_wire(sp)}],
             "vectors": vectors or {}, "stream": stream}
 
@@ -727,9 +728,11 @@ def test_slow_bodies_count_as_calls_and_end_at_their_deadline(server):
 
 def test_a_reader_that_stops_reading_ends_its_call(server, toy_session):
     ids = toy_session.tokenize("the wind was")
-    read = {"site": "resid_post", "layers": list(range(toy_session.n_layers)), "reduce": "full",
-            "k": 0}
-    body = pack(_plan_body(ids, {"reads": [read]}, max_tokens=300, stream=True,
+    layers = list(range(toy_session.n_layers))
+    reads = [{"site": site, "layers": layers, "reduce": "full", "k": 0}
+             for site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")]
+    # about 18 MB of reads: more than the socket buffers on both sides hold
+    body = pack(_plan_body(ids, {"reads": reads}, max_tokens=400, stream=True,
                            ignore_eos=True))
     before = server.status()["stalled"]
     sock = socket.socket()
@@ -739,7 +742,7 @@ def test_a_reader_that_stops_reading_ends_its_call(server, toy_session):
         head = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                 f"{server.tokens['c8']}\r\nContent-Type: {FRAME_TYPE}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n")
-        sock.sendall(head.encode() + body)  # then never reads the answer (2.7 MB of reads)
+        sock.sendall(head.encode() + body)  # then never reads the answer
         deadline = time.monotonic() + 120
         while server.status()["stalled"] == before:
             assert time.monotonic() < deadline, server.status()
@@ -752,7 +755,7 @@ def test_a_reader_that_stops_reading_ends_its_call(server, toy_session):
 
 def test_work_per_call_is_bounded(server, toy_session):
     ids = toy_session.tokenize("the wind was")
-    one = _plan_body(ids, {}, max_tokens=2, n=16)
+    one = _plan_body(ids, {}, max_tokens=2, n=16, temperature=1.0)
     body = {**one, "requests": one["requests"] * 20}  # 20 prompts x n=16 = 320 sequences
     resp = server.post(pack(body), "c7")
     assert resp.status_code == 413 and "320 sequences" in resp.json()["error"]
@@ -828,3 +831,20 @@ def test_the_token_file_is_taken_up_without_a_restart(server):
                     timeout=30).status_code != 401:
         assert time.monotonic() < deadline, "the removed token still works"
         time.sleep(0.5)
+
+
+def test_a_stream_of_deltas_rebuilds_each_partial_run(server, toy_session):
+    """The server streams each step's new tokens only; every partial Run the
+    client yields still holds everything so far, and grows by prefix."""
+    with server.connect("c4") as s:
+        parts = list(s.stream(["the wind was", "a fox"], max_new_tokens=10, ignore_eos=True))
+        want = s.trace(["the wind was", "a fox"], max_new_tokens=10, ignore_eos=True)
+    *partial, final = parts
+    assert len(partial) >= 3
+    for i in range(2):
+        seen = [p[i].output_token_ids for p in partial]
+        for a, b in zip(seen, seen[1:]):
+            assert b[:len(a)] == a  # each step extends the last
+        assert seen[-1] == final[i].output_token_ids[:len(seen[-1])]
+        assert final[i].output_token_ids == want[i].output_token_ids
+        assert final[i].text == want[i].text
