@@ -94,3 +94,24 @@ def test_a_token_with_odd_characters_is_refused_without_showing_it():
     with pytest.raises(VlensError, match="spaces, control") as err:
         vlens.connect("http://127.0.0.1:9", token=secret)
     assert secret not in str(err.value)
+
+
+def test_a_read_with_the_wrong_rows_fails_alone_when_the_step_log_is_cut():
+    """One malformed read in a step (rows that do not match its spans, as a
+    positions read through the logit lens gave) never cuts another
+    request's rows: the step log skips it and the others are kept."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vlens.worker.records import StepLog
+
+    span = lambda key, a, b: SimpleNamespace(key=key, start=a, stop=b)  # noqa: E731
+    good = SimpleNamespace(spans=(span("r1", 0, 2), span("r2", 2, 5)))
+    bad = SimpleNamespace(spans=(span("r3", 5, 6), span("r4", 6, 8)))
+    log = StepLog()
+    log.put(("resid_post", "value", 0), torch.arange(10.0).reshape(5, 2), good)
+    log.put(("positions:logit_lens", "ids", 0), torch.zeros(()), bad)  # a scalar: no rows
+    n, reads, _ = log.of("r2")
+    assert n == 3 and torch.equal(reads[("resid_post", "value", 0)], torch.arange(4.0, 10).reshape(3, 2))
+    assert log.of("r3") == (0, {}, 0)
