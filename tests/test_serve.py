@@ -768,9 +768,8 @@ def test_work_per_call_is_bounded(server, toy_session):
     resp = server.post(pack(body), "c7")
     assert resp.status_code == 413 and "log-probabilities" in resp.json()["error"]
     read = {"site": "resid_post", "layers": [0], "reduce": "logit_lens", "k": 5}
-    resp = server.post(pack(_plan_body(ids, {"reads": [read] * 20_000})), "c7")
-    assert resp.status_code == 413 or resp.status_code == 400
-    assert "at most 64 reads" in resp.json()["error"]
+    resp = server.post(pack(_plan_body(ids, {"reads": [read] * 2000})), "c7")
+    assert resp.status_code == 400 and "at most 64 reads" in resp.json()["error"]
     _settled(server)
 
 
@@ -840,6 +839,7 @@ def test_a_stream_of_deltas_rebuilds_each_partial_run(server, toy_session):
         parts = list(s.stream(["the wind was", "a fox"], max_new_tokens=10, ignore_eos=True))
         want = s.trace(["the wind was", "a fox"], max_new_tokens=10, ignore_eos=True)
     *partial, final = parts
+    partial = [p for p in partial if len(p) == 2]  # both prompts under way
     assert len(partial) >= 3
     for i in range(2):
         seen = [p[i].output_token_ids for p in partial]
