@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -70,7 +69,17 @@ class Server:
             self.proc.kill()
 
 
-def _post(server: Server, body: bytes, who: str = "p1", timeout: float = 60):
+class Endpoint:
+    """What an attacker process needs of the server (picklable)."""
+
+    def __init__(self, server: Server) -> None:
+        self.url, self.port, self.tokens = server.url, server.port, server.tokens
+
+    def auth(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[who]}"}
+
+
+def _post(server: Endpoint, body: bytes, who: str = "p1", timeout: float = 60):
     import httpx
 
     from vlens.remote.wire import FRAME_TYPE
@@ -95,11 +104,15 @@ def _plan_body(ids: list[int], plan: dict, n_requests: int = 1, stream: bool = F
                  "vectors": {}, "stream": stream})
 
 
-def attacks(server: Server, s) -> dict:
-    """name -> a function run over and over while the victim measures."""
+def attacks(server: Endpoint) -> dict:
+    """name -> a function run over and over while the victim measures (in
+    a process of its own: the attacker's own Python work must not slow the
+    victim's client)."""
     import vlens
     from vlens.remote.wire import FRAME_TYPE
 
+    attacker = vlens.connect(server.url, token=server.tokens["p2"])
+    s = attacker
     ids = s.tokenize("the wind was")
     layers = list(range(s.n_layers))
     head = b"[" + b"[]," * (5 * 2**20) + b"[]]"  # 5 million empty lists
@@ -109,7 +122,6 @@ def attacks(server: Server, s) -> dict:
     wild = [vlens.Steer(d, layer=layer, scale=100.0, relative=True, site=site)
             for layer in range(s.n_layers)
             for site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")]
-    attacker = vlens.connect(server.url, token=server.tokens["p2"])
 
     def nested_lists():
         _post(server, nested_body)
@@ -174,6 +186,22 @@ def attacks(server: Server, s) -> dict:
             "largest call within the limits": largest_allowed_call}
 
 
+NAMES = ["nested empty lists (16 MiB body)", "20,000 logit-lens reads in one plan",
+         "64 prompts x n=16", "4 bodies trickling in (40 MiB each)",
+         "a stream nobody reads (large reads)", "/v1/status and /v1/tokenizer flood",
+         "overflowing steer (30 relative adds)", "largest call within the limits"]
+
+
+def _attack_loop(name: str, server: Endpoint, ready, stop) -> None:
+    fn = attacks(server)[name]
+    ready.set()
+    while not stop.is_set():
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - refused attacks raise; go on
+            time.sleep(0.05)
+
+
 def victim_latency(s, seconds: float) -> list[float]:
     out = []
     deadline = time.monotonic() + seconds
@@ -199,22 +227,20 @@ def main() -> None:
             idle = statistics.median(victim_latency(s, args.seconds))
             print(f"idle: {idle * 1000:.0f} ms per call (median)")
             print(f"{'attack':42} {'median':>8} {'worst':>8} {'ratio':>6}")
-            for name, fn in attacks(server, s).items():
-                stop = threading.Event()
+            import multiprocessing as mp
 
-                def loop(fn=fn) -> None:
-                    while not stop.is_set():
-                        try:
-                            fn()
-                        except Exception:  # noqa: BLE001 - refused attacks raise; go on
-                            time.sleep(0.05)
-
-                t = threading.Thread(target=loop, daemon=True)
-                t.start()
-                time.sleep(0.3)
+            ctx = mp.get_context("spawn")
+            for name in NAMES:
+                ready, stop = ctx.Event(), ctx.Event()
+                proc = ctx.Process(target=_attack_loop, args=(name, Endpoint(server), ready, stop))
+                proc.start()
+                ready.wait(120)
+                time.sleep(0.5)
                 lat = victim_latency(s, args.seconds)
                 stop.set()
-                t.join(60)
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
                 med = statistics.median(lat)
                 print(f"{name:42} {med * 1000:6.0f}ms {max(lat) * 1000:6.0f}ms "
                       f"{med / idle:5.2f}x", flush=True)
