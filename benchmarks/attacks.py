@@ -226,11 +226,14 @@ def main() -> None:
             victim_latency(s, 2)  # warm
             idle = statistics.median(victim_latency(s, args.seconds))
             print(f"idle: {idle * 1000:.0f} ms per call (median)")
-            print(f"{'attack':42} {'median':>8} {'worst':>8} {'ratio':>6}")
+            print(f"{'attack':42} {'idle':>8} {'median':>8} {'worst':>8} {'ratio':>6}")
             import multiprocessing as mp
 
             ctx = mp.get_context("spawn")
             for name in NAMES:
+                # the idle figure again right before each attack: on a shared
+                # machine the load drifts, and the ratio is to the nearest idle
+                idle = statistics.median(victim_latency(s, args.seconds / 2))
                 ready, stop = ctx.Event(), ctx.Event()
                 proc = ctx.Process(target=_attack_loop, args=(name, Endpoint(server), ready, stop))
                 proc.start()
@@ -242,8 +245,8 @@ def main() -> None:
                 if proc.is_alive():
                     proc.kill()
                 med = statistics.median(lat)
-                print(f"{name:42} {med * 1000:6.0f}ms {max(lat) * 1000:6.0f}ms "
-                      f"{med / idle:5.2f}x", flush=True)
+                print(f"{name:42} {idle * 1000:6.0f}ms {med * 1000:6.0f}ms "
+                      f"{max(lat) * 1000:6.0f}ms {med / idle:5.2f}x", flush=True)
                 time.sleep(1)
             st = s.status()
             print(f"after: calls {st['calls']}, records {st['records']}, unfinished "
