@@ -113,8 +113,7 @@ class Server:
         self.calls = 0
         self.calls_done = 0
         self._vector_lock = asyncio.Lock()
-        self._status_lock = asyncio.Lock()
-        self._status: tuple[float, dict[str, Any] | None] = (0.0, None)
+        self._status_task: asyncio.Future | None = None  # the status call under way
         self._tokenizer: bytes | None = None  # the packed files, read once
         self.stalled = 0  # streams aborted because their reader stopped reading
 
@@ -305,14 +304,15 @@ class Server:
                     self.release(client)
 
     async def _worker_status(self) -> dict[str, Any]:
-        """The workers' status, one engine call for every client asking within
-        a quarter second (status polls cannot queue engine calls)."""
-        async with self._status_lock:
-            at, cached = self._status
-            if cached is None or time.monotonic() - at > 0.25:
-                cached = (await self.llm.collective_rpc("vlens_status"))[0]
-                self._status = (time.monotonic(), cached)
-            return cached
+        """The workers' status. One engine call at a time, whoever asks:
+        a request arriving while one is under way shares its answer, so a
+        flood of status polls cannot queue engine calls (and an answer is
+        never older than the call that was running when it was asked for)."""
+        task = self._status_task
+        if task is None or task.done():
+            task = self._status_task = asyncio.ensure_future(
+                self.llm.collective_rpc("vlens_status"))
+        return (await asyncio.shield(task))[0]
 
     async def status(self, client: _Client) -> dict[str, Any]:
         worker = await self._worker_status()
