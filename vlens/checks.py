@@ -8,12 +8,13 @@ calls them before it builds a single request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vlens.errors import VlensError
-from vlens.protocol.plan import Read
+from vlens.protocol.plan import Plan, Read
 from vlens.edits import Steer, per_prompt
 
 __all__ = [
@@ -23,12 +24,31 @@ __all__ = [
     "check_generation",
     "check_heads",
     "check_layers",
+    "check_plan",
+    "check_read",
+    "check_write_size",
     "check_prompts",
     "check_reads",
     "check_sites",
     "check_steer",
     "check_steers",
+    "write_bound",
 ]
+
+#: the largest ``|scale|`` of a relative Steer: it adds ``scale`` times each
+#: row's own norm, so 100 already drowns the row a hundred times over
+RELATIVE_MAX = 100.0
+#: the most reads, steering adds and sets (ablations, patched cells) one
+#: request's plan may carry: a call's work in the engine grows with them
+PLAN_MAX = {"reads": 64, "adds": 64, "sets": 256}
+#: the reductions a read may ask for, and where: the logit lens and the full
+#: log-probabilities unembed the residual stream after the last norm
+REDUCES = ("full", "norm", "logit_lens", "logprobs")
+LENS_SITES = ("resid_post",)
+#: the most top-k of a logit-lens read
+LENS_K_MAX = 1000
+_FMAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+         "float16": 65504.0}
 
 # Sampling settings vlens manages itself: the user sets them another way.
 MANAGED = {
@@ -56,6 +76,8 @@ class ModelFacts:
     n_heads: int = 0
     n_kv_heads: int = 0
     head_dim: int = 0
+    #: the model's dtype ("float32", "bfloat16", "float16"): bounds the writes
+    dtype: str = "float32"
 
     def width(self, site: str) -> int:
         """Floats per token of a full read (or of a vector written) at ``site``;
@@ -92,6 +114,7 @@ class ModelFacts:
             vocab_size=int(info["vocab_size"]),
             device=str(info.get("device", "cpu")),
             absent=tuple(sorted((info.get("absent_sites") or {}).items())),
+            dtype=str(info.get("dtype", "float32")).removeprefix("torch."),
         )
 
 
@@ -227,6 +250,114 @@ def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
     return reads
 
 
+def check_set_values(what: str, peak: float, facts: ModelFacts) -> None:
+    """The values a set writes (an Ablate's mean, a patched cell), whose
+    largest ``|value|`` is ``peak``, under :func:`write_bound`."""
+    bound = write_bound(facts)
+    if not math.isfinite(peak) or peak > bound:
+        raise VlensError(
+            f"{what}: its largest value {peak:.3g} would overflow this {facts.dtype} model: a "
+            f"write may put at most {bound:.3g} into a value. Compute the mean from the "
+            "model's own activations (mean=None does)")
+
+
+def check_read(read: Read, facts: ModelFacts) -> None:
+    """One read of a plan, as the workers would run it: the site exists, the
+    reduction suits it (``attn_pattern`` and ``positions`` in full only; the
+    logit lens and the log-probabilities at ``resid_post`` only), the layers
+    and heads exist, ``k`` suits the reduction."""
+    if read.site not in facts.sites:
+        raise facts.no_such_site(read.site, "read site")
+    if read.reduce not in REDUCES:
+        raise VlensError(f"read reduce {read.reduce!r:.40} is not one of {list(REDUCES)}")
+    if read.site in ("attn_pattern", "positions") and read.reduce != "full":
+        raise VlensError(f"{read.site} is read in full only, not with reduce={read.reduce!r}")
+    if read.reduce in ("logit_lens", "logprobs") and read.site not in LENS_SITES:
+        raise VlensError(f"the {read.reduce} reduction reads {', '.join(LENS_SITES)} only, "
+                         f"not {read.site!r}")
+    layers = read.layers
+    if (not isinstance(layers, tuple) or not layers or len(layers) > facts.n_layers
+            or not all(_is_int(x) and 0 <= x < facts.n_layers for x in layers)
+            or len(set(layers)) != len(layers)):
+        raise VlensError(f"read layers must be 1 to {facts.n_layers} distinct layers, numbered "
+                         f"0 to {facts.n_layers - 1}; got {list(layers)!r:.80}")
+    hi = min(facts.vocab_size, LENS_K_MAX) if read.reduce == "logit_lens" else 0
+    if not _is_int(read.k) or not (1 if hi else 0) <= read.k <= hi:
+        raise VlensError(f"read k for {read.reduce} must be " + (
+            f"a top-k from 1 to {hi}" if hi else "0") + f", got {read.k!r:.20}")
+    if read.heads:
+        if read.site != "attn_pattern":
+            raise VlensError("read heads select heads of attn_pattern only")
+        if (len(set(read.heads)) != len(read.heads)
+                or not all(_is_int(h) and 0 <= h < facts.n_heads for h in read.heads)):
+            raise VlensError(f"read heads must be distinct heads from 0 to {facts.n_heads - 1}")
+
+
+def _span_ok(what: str, start: Any, stop: Any, total: int) -> None:
+    """A plan entry's positions ``[start, stop)`` (stop -1: to the end) land
+    on the ``total`` rows the request runs."""
+    if not _is_int(start) or not _is_int(stop) or start < 0 or (stop != -1 and stop <= start):
+        raise VlensError(f"{what}: positions [{start!r:.20}, {stop!r:.20}) are not a span "
+                         "(0 <= start < stop, or stop -1 for the end)")
+    if start >= total or stop > total:
+        raise VlensError(f"{what}: positions [{start}, {stop}) reach past the {total} rows this "
+                         "request runs (prompt + max_tokens - 1)")
+
+
+def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, float]],
+               max_tokens: int) -> None:
+    """Every read and write of one request's plan, before it is shipped:
+    the same checks on a Session's own plans and, in the server's guard, on
+    a plan a client made by hand. ``vectors``: the vectors the call sends,
+    ``{id: (width, largest |value|)}``; ``max_tokens``: the request's."""
+    for part, limit in PLAN_MAX.items():
+        n = len(getattr(plan, part))
+        if n > limit:
+            raise VlensError(f"a plan holds at most {limit} {part}, this one {n}: split the "
+                             "call, or read fewer sites")
+    total = plan.prompt_len + max_tokens - 1
+    for read in plan.reads:
+        check_read(read, facts)
+    for a in plan.adds:
+        what = f"steering add (layer {a.layer!r:.10}, {a.site!r:.40})"
+        if not _is_int(a.layer):
+            raise VlensError(f"{what}: the layer must be an int")
+        check_write_site("Steer", a.site, a.layer, facts)
+        _span_ok(what, a.start, a.stop, total)
+        width, peak = _vector_of(what, a.vec, a.site, vectors, facts)
+        if isinstance(a.scale, bool) or not isinstance(a.scale, (int, float)):
+            raise VlensError(f"{what}: the scale must be a number")
+        check_write_size(what, peak, float(a.scale), bool(a.relative), facts)
+    for w in plan.sets:
+        what = f"ablation/patching set (layer {w.layer!r:.10}, {w.site!r:.40})"
+        if not _is_int(w.layer):
+            raise VlensError(f"{what}: the layer must be an int")
+        check_write_site("Ablate", w.site, w.layer, facts)
+        _span_ok(what, w.start, w.stop, total)
+        width = facts.width(w.site)
+        if not (_is_int(w.lo) and _is_int(w.hi) and 0 <= w.lo < width
+                and (w.hi == -1 or w.lo < w.hi <= width)):
+            raise VlensError(f"{what}: dims [{w.lo!r:.10}, {w.hi!r:.10}) are not inside the "
+                             f"row's {width} (0 <= lo < hi <= {width}, or hi -1)")
+        if w.vec:
+            _, peak = _vector_of(what, w.vec, w.site, vectors, facts)
+            check_set_values(what, peak, facts)
+    for e in plan.edits:
+        if not _is_int(e.layer) or not 0 <= e.layer < facts.n_layers or e.site not in facts.sites:
+            raise VlensError(f"edit at ({e.site!r:.40}, {e.layer!r:.10}): no such site/layer")
+
+
+def _vector_of(what: str, vid: str, site: str, vectors: Mapping[str, tuple[int, float]],
+               facts: ModelFacts) -> tuple[int, float]:
+    got = vectors.get(vid)
+    if got is None:
+        raise VlensError(f"{what}: vector {vid!r:.60} was not sent with this call")
+    if got[0] != facts.width(site):
+        raise VlensError(f"{what}: vector {vid!r:.60} has {got[0]} values; {site} takes "
+                         f"{facts.width(site)}")
+    return got
+
+
 def check_write_site(what: str, site: str, layer: int, facts: ModelFacts) -> None:
     """A Steer's or an Ablate's (site, layer): the layer exists and the site
     is one this model has and can write."""
@@ -263,7 +394,43 @@ def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int
             f"is {facts.hidden_size}: compute it on this model (s.direction)"
         )
     check_span_fits("Steer", st.span, prompt_len, max_new_tokens)
+    check_write_size(f"Steer (layer {st.layer}, {st.site})", float(st.vector.abs().max()),
+                     float(st.scale), st.relative, facts)
     return st
+
+
+def write_bound(facts: ModelFacts) -> float:
+    """The largest magnitude one write may put into an element of the
+    residual stream (or a head's output): far enough under the dtype's
+    largest value that adding it to the row cannot overflow, and small
+    enough that the row's sum of squares (a norm, computed in float32)
+    stays finite."""
+    fmax = _FMAX.get(facts.dtype, _FMAX["float16"])
+    return min(fmax / 64, math.sqrt(_FMAX["float32"] / max(1, facts.hidden_size)) / 4)
+
+
+def check_write_size(what: str, peak: float, scale: float, relative: bool,
+                     facts: ModelFacts) -> None:
+    """A write that cannot overflow the model's dtype: a fixed add's largest
+    value ``|scale| * peak`` (``peak``: the vector's largest ``|value|``; a
+    set passes scale 1) under :func:`write_bound`, a relative add's
+    ``|scale|`` at most :data:`RELATIVE_MAX`."""
+    if not math.isfinite(scale) or not math.isfinite(peak):
+        raise VlensError(f"{what}: scale and vector must be finite numbers")
+    if relative:
+        if abs(scale) > RELATIVE_MAX:
+            raise VlensError(
+                f"{what}: a relative scale of {scale:g} is out of range: it adds scale x each "
+                f"token's own norm, so |scale| must be at most {RELATIVE_MAX:g} (1 already "
+                "doubles the row)")
+        return
+    bound = write_bound(facts)
+    if abs(scale) * peak > bound:
+        raise VlensError(
+            f"{what}: |scale| x the vector's largest value = {abs(scale) * peak:.3g} would "
+            f"overflow this {facts.dtype} model: a write may put at most {bound:.3g} into a "
+            f"value. Use a smaller scale (at most {bound / max(peak, 1e-30):.3g} for this "
+            "vector), or relative=True for a fraction of the row's own norm")
 
 
 def check_span_fits(what: str, span: Any, prompt_len: int, max_new_tokens: int) -> None:

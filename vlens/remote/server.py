@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import re
 import sys
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -46,11 +47,23 @@ def load_tokens(path: str | Path) -> dict[str, str]:
     and ``#`` comments are skipped. Tokens must be at least 16 characters."""
     from vlens.errors import VlensError
 
+    import os
+    import stat
+
     tokens: dict[str, str] = {}
     try:
-        text = Path(path).read_text()
+        mode = os.stat(path).st_mode
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise VlensError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if mode & (stat.S_IWGRP | stat.S_IWOTH | stat.S_IROTH):
+        raise VlensError(f"the token file {path} can be read or changed by other users "
+                         f"(mode {stat.filemode(mode)}): chmod 600 {path}")
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark is not part of the first token
+    except UnicodeDecodeError as exc:
+        raise VlensError(f"the token file {path} is not UTF-8 text (byte {exc.start}): one "
+                         "client a line, 'NAME TOKEN' or 'TOKEN'") from None
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -82,7 +95,7 @@ class Server:
     """The engine, the clients and the limits behind the HTTP routes."""
 
     def __init__(self, llm: Any, info: dict[str, Any], tokens: dict[str, str], limits: Limits,
-                 model_dir: str, max_calls: int) -> None:
+                 model_dir: str, max_calls: int, token_file: str | None = None) -> None:
         from vlens.checks import ModelFacts
 
         self.llm = llm
@@ -94,11 +107,51 @@ class Server:
         self.instance = uuid.uuid4().hex[:12]
         self._tokens = [(t.encode(), name) for t, name in tokens.items()]
         self.clients = {name: _Client(name) for name in tokens.values()}
+        self.token_file = token_file
+        self._token_stamp = self._stamp()
+        self._token_checked = time.monotonic()
         self.calls = 0
         self.calls_done = 0
         self._vector_lock = asyncio.Lock()
+        self._status_task: asyncio.Future | None = None  # the status call under way
+        self._tokenizer: bytes | None = None  # the packed files, read once
+        self.stalled = 0  # streams aborted because their reader stopped reading
+
+    def _stamp(self) -> tuple[int, int] | None:
+        import os
+
+        try:
+            st = os.stat(self.token_file) if self.token_file else None
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size) if st else None
+
+    def _reload_tokens(self) -> None:
+        """Take up a changed token file (checked at most every 2 s): new
+        tokens work and removed ones stop working without a restart. A file
+        that does not load keeps the tokens as they were (and says why)."""
+        now = time.monotonic()
+        if self.token_file is None or now - self._token_checked < 2.0:
+            return
+        self._token_checked = now
+        stamp = self._stamp()
+        if stamp == self._token_stamp:
+            return
+        self._token_stamp = stamp
+        from vlens.errors import VlensError
+
+        try:
+            tokens = load_tokens(self.token_file)
+        except VlensError as exc:
+            print(f"vlens serve: the token file changed but did not load, keeping the old "
+                  f"tokens: {exc}", file=sys.stderr, flush=True)
+            return
+        self._tokens = [(t.encode(), name) for t, name in tokens.items()]
+        for name in tokens.values():
+            self.clients.setdefault(name, _Client(name))
 
     def authenticate(self, header: str | None) -> _Client:
+        self._reload_tokens()
         if not header or not header.startswith("Bearer "):
             raise Refused(401, "no token: pass vlens.connect(url, token=...) "
                                "(or set VLENS_TOKEN)")
@@ -145,6 +198,11 @@ class Server:
         client.active += 1
         self.calls += 1
 
+    def release(self, client: _Client) -> None:
+        """Give back a slot :meth:`admit` took (a call that never ran)."""
+        client.active -= 1
+        self.calls -= 1
+
     async def run(self, client: _Client, call: Checked, stream: bool):
         """The frames of one admitted call (an async iterator of bytes)."""
         from vlens.edits import engine_prompt
@@ -170,18 +228,32 @@ class Server:
                 queue.put_nowait((i, exc))
             queue.put_nowait((i, None))
 
-        def wire(i: int) -> dict[str, Any] | None:
+        sent: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]  # tokens, chars
+        sent_prompt = [False] * n
+
+        def wire(i: int, delta: bool = False) -> dict[str, Any] | None:
+            """Request i's outputs so far; ``delta``: only what the last
+            frame did not carry (the client adds it to what it has)."""
             if not samples[i]:
                 return None
             comps = [samples[i][k] for k in sorted(samples[i])]
-            return {
-                "finished": finished[i],
-                "prompt_logprobs": logprobs_to_wire(prompt_lps[i]),
-                "outputs": [{"index": int(c.index), "text": c.text,
-                             "token_ids": [int(t) for t in c.token_ids],
-                             "logprobs": logprobs_to_wire(c.logprobs),
-                             "finish_reason": c.finish_reason} for c in comps],
-            }
+            outs = []
+            for c in comps:
+                t0, c0 = sent[i].get(c.index, (0, 0)) if delta else (0, 0)
+                ids = c.token_ids
+                outs.append({"index": int(c.index), "text": c.text[c0:],
+                             "token_ids": [int(t) for t in ids[t0:]],
+                             "logprobs": logprobs_to_wire(c.logprobs[t0:]
+                                                          if c.logprobs is not None else None),
+                             "finish_reason": c.finish_reason})
+                if delta:
+                    sent[i][c.index] = (len(ids), len(c.text))
+            lps = prompt_lps[i]
+            if delta:
+                lps, sent_prompt[i] = (None if sent_prompt[i] else lps), sent_prompt[i] or (
+                    lps is not None)
+            return {"finished": finished[i], "prompt_logprobs": logprobs_to_wire(lps),
+                    "outputs": outs, **({"delta": True} if delta else {})}
 
         try:
             await self._hold(client, call.vectors)
@@ -205,11 +277,11 @@ class Server:
                         finished[i] = len(samples[i]) == want and all(
                             c.finish_reason is not None for c in samples[i].values())
                 if stream and live:
-                    yield pack({"kind": "step", "outputs": [wire(i) for i in range(n)]})
+                    yield pack({"kind": "step", "outputs": [wire(i, True) for i in range(n)]})
             records = {}
             if tags:
                 got = (await self.llm.collective_rpc("vlens_collect", args=(tags,)))[0]
-                records = {t.split("/", 1)[1]: recs for t, recs in got.items()}
+                records = {t.rsplit("/", 1)[1]: recs for t, recs in got.items()}
             self.calls_done += 1
             yield pack({"kind": "done", "outputs": [wire(i) for i in range(n)],
                         "records": records})
@@ -229,41 +301,104 @@ class Server:
                         await self.llm.collective_rpc("vlens_drop", args=(tags,))
                     await self._release(client, call.vectors)
                 finally:
-                    client.active -= 1
-                    self.calls -= 1
+                    self.release(client)
+
+    async def _worker_status(self) -> dict[str, Any]:
+        """The workers' status. One engine call at a time, whoever asks:
+        a request arriving while one is under way shares its answer, so a
+        flood of status polls cannot queue engine calls (and an answer is
+        never older than the call that was running when it was asked for)."""
+        task = self._status_task
+        if task is None or task.done():
+            task = self._status_task = asyncio.ensure_future(
+                self.llm.collective_rpc("vlens_status"))
+        return (await asyncio.shield(task))[0]
 
     async def status(self, client: _Client) -> dict[str, Any]:
-        worker = (await self.llm.collective_rpc("vlens_status"))[0]
+        worker = await self._worker_status()
         return {
             **{k: worker[k] for k in ("records", "plans", "vectors", "vector_bytes",
-                                      "hook_errors", "steps_seen", "steps_planned", "hooks",
+                                      "hook_errors", "nonfinite_writes", "steps_seen", "steps_planned", "hooks",
                                       "edit_fns")},
             "unfinished": int(self.llm.output_processor.get_num_unfinished_requests()),
             "calls": self.calls,
             "calls_done": self.calls_done,
+            "stalled": self.stalled,
             "your_calls": client.active,
             "your_vectors": len(client.vectors),
             "server": self.instance,
         }
 
 
-async def _read_body(request: Any, limit: int) -> bytes:
+async def _read_body(request: Any, limit: int, seconds: float) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise Refused(413, f"request body over this server's limit of {limit} bytes")
     if request.headers.get("content-type") != FRAME_TYPE:
         raise Refused(415, f"send a vlens frame ({FRAME_TYPE})")
+    from starlette.requests import ClientDisconnect
+
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise Refused(413, f"request body over this server's limit of {limit} bytes")
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            buf.extend(chunk)
+            if len(buf) > limit:
+                raise Refused(413, f"request body over this server's limit of {limit} bytes")
+
+    try:
+        await asyncio.wait_for(read(), seconds)
+    except asyncio.TimeoutError:
+        raise Refused(408, f"the request body took over {seconds:g} s to arrive") from None
+    except ClientDisconnect:
+        raise Refused(400, "the client went away while sending its body") from None
     return bytes(buf)
+
+
+def _stream_class():
+    from starlette.responses import StreamingResponse
+
+    class TimedStream(StreamingResponse):
+        """One call's frames, each of which must leave within ``stall``
+        seconds: a reader that stopped reading ends the call (its generator
+        is closed: requests aborted, records dropped, slot given back).
+        Starlette's own part stays: a client that goes away cancels it."""
+
+        def __init__(self, frames: Any, server: Server, client: _Client, stall: float) -> None:
+            from vlens.remote.wire import FRAME_TYPE
+
+            super().__init__(frames, media_type=FRAME_TYPE)
+            self.frames = frames
+            self.server = server
+            self.client = client
+            self.stall = stall
+
+        async def stream_response(self, send: Any) -> None:
+            import inspect
+
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for frame in self.frames:
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": frame,
+                                                 "more_body": True}), self.stall)
+                await asyncio.wait_for(send({"type": "http.response.body", "body": b"",
+                                             "more_body": False}), self.stall)
+            except asyncio.TimeoutError:
+                self.server.stalled += 1  # the connection closes unfinished
+            finally:
+                if inspect.getasyncgenstate(self.frames) == inspect.AGEN_CREATED:
+                    # never started (the client left first): run() never took
+                    # over the slot, so give it back here
+                    self.server.release(self.client)
+                await self.frames.aclose()
+
+    return TimedStream
 
 
 def make_app(server: Server):
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
 
     app = FastAPI(title="vlens serve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -286,32 +421,48 @@ def make_app(server: Server):
     @app.get("/v1/tokenizer")
     async def tokenizer(request: Request):
         who(request)
-        folder = Path(server.model_dir)
-        files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-                 if p.is_file() and _TOKENIZER_FILES.match(p.name)
-                 and p.stat().st_size < 64 * 2**20} if folder.is_dir() else {}
-        return Response(pack({"files": files}), media_type=FRAME_TYPE)
+        if server._tokenizer is None:  # read once: the model folder does not change
+            folder = Path(server.model_dir)
+            files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+                     if p.is_file() and _TOKENIZER_FILES.match(p.name)
+                     and p.stat().st_size < 64 * 2**20} if folder.is_dir() else {}
+            server._tokenizer = pack({"files": files})
+        return Response(server._tokenizer, media_type=FRAME_TYPE)
 
     @app.get("/v1/status")
     async def status(request: Request):
         return await server.status(who(request))
 
-    @app.post("/v1/generate")
-    async def generate(request: Request):
-        client = who(request)
-        raw = await _read_body(request, server.limits.body_bytes)
+    def parse(raw: bytes, client: _Client) -> tuple[Any, Checked]:
         try:
-            body = unpack_one(raw)
-            call = check_call(body, server.facts, server.limits, client.name)
+            # a call's header: per request its ids, params and plan (at most ~550
+            # lists and objects at the plan limits)
+            body = unpack_one(raw, max_containers=600 * server.limits.requests + 4096)
+            return body, check_call(body, server.facts, server.limits, client.name,
+                                    uuid.uuid4().hex[:12])
         except Refused:
             raise
         except WireError as exc:
             raise Refused(400, f"unreadable frame: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - anything odd a client sends is its error
             raise Refused(400, f"malformed call: {type(exc).__name__}: {exc}") from None
+
+    @app.post("/v1/generate")
+    async def generate(request: Request):
+        client = who(request)
+        # the slot is taken before the body is read: a client's bodies in
+        # flight count against its calls at once, and each has a deadline
         server.admit(client)
-        return StreamingResponse(server.run(client, call, bool(body.get("stream"))),
-                                 media_type=FRAME_TYPE)
+        try:
+            raw = await _read_body(request, server.limits.body_bytes,
+                                   server.limits.body_seconds)
+            # parsed and checked off the event loop: other clients' frames flow
+            body, call = await asyncio.to_thread(parse, raw, client)
+        except BaseException:
+            server.release(client)
+            raise
+        return _stream_class()(server.run(client, call, bool(body.get("stream"))), server,
+                               client, server.limits.stall_seconds)
 
     return app
 
@@ -338,6 +489,11 @@ def _parser():
     g.add_argument("--max-requests", type=int, default=256, help="engine requests per call")
     g.add_argument("--max-body-mb", type=float, default=64, help="request body size (MiB)")
     g.add_argument("--max-calls", type=int, default=256, help="calls in flight, all clients")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send one request body")
+    g.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="seconds a client may stop reading a call's answer before the call "
+                        "is ended")
     return AsyncEngineArgs.add_cli_args(p)
 
 
@@ -377,15 +533,33 @@ async def _serve(args: Any, argv: list[str]) -> None:
         limits = Limits(
             read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
             prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
-            requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20))
-        server = Server(llm, info, tokens, limits, args.model, args.max_calls)
+            requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20),
+            body_seconds=args.body_timeout, stall_seconds=args.stall_timeout)
+        server = Server(llm, info, tokens, limits, args.model, args.max_calls, args.token_file)
         config = uvicorn.Config(make_app(server), host=args.host, port=args.port,
                                 log_level="warning", timeout_graceful_shutdown=5)
         print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
               f"for {len(tokens)} client(s)", flush=True)
+        if not _loopback(args.host):
+            print(f"vlens serve: warning: {args.host} is reachable from other machines and "
+                  "this server speaks plain HTTP: tokens and results cross the network "
+                  "unencrypted. Put TLS in front of it (a reverse proxy such as caddy or "
+                  "nginx; docs/workshop.md), or serve on 127.0.0.1 over an SSH tunnel",
+                  file=sys.stderr, flush=True)
         await uvicorn.Server(config).serve()
     finally:
         llm.shutdown()
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

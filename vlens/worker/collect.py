@@ -140,6 +140,8 @@ class Counters:
     """What ``s.status()`` shows of the worker's steps and their cost."""
 
     hook_errors: int = 0
+    #: writes that turned non-finite (their rows were restored)
+    nonfinite_writes: int = 0
     steps_seen: int = 0
     steps_planned: int = 0
     layout_ns: int = 0
@@ -157,6 +159,7 @@ class Counters:
     def as_dict(self) -> dict[str, int]:
         return {
             "hook_errors": self.hook_errors,
+            "nonfinite_writes": self.nonfinite_writes,
             "steps_seen": self.steps_seen,
             "steps_planned": self.steps_planned,
             "layout_ns": self.layout_ns,

@@ -69,6 +69,10 @@ class WorkerHooks:
         #: sites this engine leaves unhooked, and why (head sites in
         #: compiled mode and under tensor parallelism)
         self.unhooked: dict[str, str] = {}
+        #: this step's writes, to check for non-finite rows when it ends:
+        #: (ok per written row [m] bool, rows written, (site, layer), what
+        #: wrote, the step's layout)
+        self._written: list[tuple[torch.Tensor, Any, tuple[str, int], str, Any]] = []
         # the current step's marks of the counters (None: not a decode step)
         self._decode_mark: tuple[int, int, int] | None = None
 
@@ -158,6 +162,7 @@ class WorkerHooks:
         """Plan the step. Never raises: a failure is recorded on every
         traced request of the step, and the step runs unhooked."""
         self.step = None
+        self._written = []  # a forward that failed before its end leaves none behind
         self.counters.steps_seen += 1
         req_ids: list[str] = []
         try:
@@ -276,6 +281,8 @@ class WorkerHooks:
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
+        if self._written:
+            self._check_written()
         step, self.step = self.step, None
         log, self.log = self.log, None
         mark, self._decode_mark = self._decode_mark, None
@@ -294,6 +301,45 @@ class WorkerHooks:
                     to_host([records[r] for r in step.requests if r in records])
             except Exception as exc:
                 self._fail(list(step.requests), ("(copy to host)", -1), exc)
+
+    def _check_written(self) -> None:
+        """The step's writes, checked once when it ends (one read back to
+        the host for all of them): a request whose write turned a row
+        non-finite gets an error naming it. Its rows were already restored
+        in the step (``site_ops.keep_finite``), so nothing non-finite went
+        on into later layers or the KV cache."""
+        written, self._written = self._written, []
+        try:
+            oks = [w[0] for w in written]
+            if bool(torch.cat(oks).all() if len(oks) > 1 else oks[0].all()):
+                return
+            for ok, rows, (site, layer), what, layout in written:
+                bad = (~ok).nonzero().flatten().tolist()
+                if not bad:
+                    continue
+                self.counters.nonfinite_writes += 1
+                if isinstance(rows, tuple):
+                    idx = [rows[0] + i for i in bad]
+                elif rows is None:
+                    idx = None
+                else:
+                    idx = rows[bad].tolist()
+                spans = layout.spans if idx is not None else ()
+                hit = {sp.key for sp in spans for r in idx if sp.start <= r < sp.stop}
+                if isinstance(what, tuple):  # an edit call: its own request
+                    what, hit = what[0], {what[1]}
+                for r in hit:
+                    rec = self.book.rec(r)
+                    if rec is not None:
+                        rec.error(
+                            f"site {site}, layer {layer}: {what} turned this request's values "
+                            "non-finite (inf or NaN); vlens put back the values it had before "
+                            "the write, so the engine and other requests stay clean, and "
+                            "refuses this request's results. Use a smaller scale or vector")
+        except Exception as exc:  # pragma: no cover - reported, never raised into vLLM
+            self.counters.hook_errors += 1
+            for *_, layout in written[:1]:
+                self._fail([sp.key for sp in layout.spans], ("(finite check)", -1), exc)
 
     def _make_hook(self, spec: Any, layer: int):
         key = (spec.name, layer)
@@ -354,7 +400,8 @@ class WorkerHooks:
         if batch is not None:
             try:
                 matrix = self.heads.add_matrix(site, layer, batch)
-                apply_adds(matrix, batch, step.layout, get_value, get_target, label)
+                ok, rows = apply_adds(matrix, batch, step.layout, get_value, get_target, label)
+                self._written.append((ok, rows, key, "a steering add", step.layout))
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
         for call in step.edits.get(key, ()):
@@ -366,7 +413,11 @@ class WorkerHooks:
                 fn = self.book.edit_fns.get(call.edit.fn)
                 if fn is None:
                     raise LookupError(f"edit function {call.edit.fn} never reached this worker")
-                copied = run_edit(fn, step.layout, spec.name, get_value, get_target, call, label)
+                copied, ok = run_edit(fn, step.layout, spec.name, get_value, get_target, call,
+                                      label)
+                if ok is not None:
+                    self._written.append((ok, None, key, ("its edit= function", call.req_id),
+                                          step.layout))
                 rec = self.book.rec(call.req_id) if copied else None
                 if rec is not None:
                     rec.copied_bytes += copied
@@ -400,7 +451,9 @@ class WorkerHooks:
                     f"ablating or patching {key[0]} under tensor parallelism ({self.tp} ranks, "
                     "each holding its own heads) is not supported yet: use "
                     "tensor_parallel_size=1, or a residual site")
-            apply_sets(self.vectors.matrix_of, batch, step.layout, get_value, get_target, label)
+            ok, rows = apply_sets(self.vectors.matrix_of, batch, step.layout, get_value,
+                                  get_target, label)
+            self._written.append((ok, rows, key, "an ablation or patched cell", step.layout))
         except Exception as exc:  # the requests concerned get the error
             self._fail(batch.req_ids, key, exc)
 
@@ -419,22 +472,33 @@ class WorkerHooks:
         flat = value[0] if axis == 1 else value
         if axis == 1 and value.shape[0] != 1:
             raise ValueError(f"site {label}: expected [1, T, ...], got {list(value.shape)}")
-        log = self.log
         for g in groups:
-            # one gather and one reduction for every request in the group;
-            # the rows are kept once for the group (cut per request after the run)
-            # rows the planner built from the step's offsets: inside the step
-            if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
-                rows = flat[g.bounds[0] : g.bounds[1]]
-            else:
-                rows = flat.index_select(0, g.index_on(flat.device))
-            if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
-                rows = self.heads.gather_heads(rows, -1)
-                rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
-            t0 = time.perf_counter_ns()
-            parts = reduce_rows(self.model, rows, g.read)
-            self.counters.reduce_ns += time.perf_counter_ns() - t0
-            if not self.reader or log is None:  # a non-reading rank joined a collective
-                continue
-            for part, t in parts.items():
-                log.put((g.read.key, part, layer), t, g)
+            try:
+                self._read_group(g, flat, heads, layer)
+            except Exception as exc:  # this group's requests only: never the step's others
+                self._fail(g.req_ids, (spec.name, layer), exc)
+
+    def _read_group(self, g, flat: torch.Tensor, heads: int | None, layer: int) -> None:
+        """One group's read: one gather and one reduction for every request in
+        the group; the rows are kept once for the group (cut per request after
+        the run)."""
+        log = self.log
+        # rows the planner built from the step's offsets: inside the step
+        if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
+            rows = flat[g.bounds[0] : g.bounds[1]]
+        else:
+            rows = flat.index_select(0, g.index_on(flat.device))
+        if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
+            rows = self.heads.gather_heads(rows, -1)
+            rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
+        t0 = time.perf_counter_ns()
+        parts = reduce_rows(self.model, rows, g.read)
+        self.counters.reduce_ns += time.perf_counter_ns() - t0
+        if not self.reader or log is None:  # a non-reading rank joined a collective
+            return
+        for part, t in parts.items():
+            if t.dim() == 0 or t.shape[0] != rows.shape[0]:
+                # one row per gathered row, or the log could not be cut per request
+                raise ValueError(f"read {g.read.key} gave {list(t.shape)} for "
+                                 f"{rows.shape[0]} rows")
+            log.put((g.read.key, part, layer), t, g)
