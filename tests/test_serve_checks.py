@@ -18,7 +18,7 @@ def _tokens(tmp_path, data: bytes, mode: int = 0o600):
 
 
 def test_the_token_file_is_private_utf8_and_bom_free(tmp_path):
-    from vlens.remote.server import load_tokens
+    from vlens.remote.tokens import load_tokens
 
     token = "a" * 20
     assert load_tokens(_tokens(tmp_path, f"p1 {token}\n".encode())) == {token: "p1"}
@@ -80,7 +80,7 @@ def test_stream_deltas_rebuild_the_whole_output():
 
 
 def test_only_loopback_hosts_pass_without_a_warning():
-    from vlens.remote.server import _loopback
+    from vlens.remote.launch import is_loopback as _loopback
 
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
     assert not _loopback("0.0.0.0") and not _loopback("10.1.2.3")

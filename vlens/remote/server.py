@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
-import sys
-import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,58 +28,15 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
 from vlens.remote.guard import Checked, Limits, Refused, check_call
+from vlens.remote.tokens import TokenFile
 from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
 
-__all__ = ["main", "load_tokens", "make_app"]
+__all__ = ["Server", "make_app"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 # files a client needs to rebuild the tokenizer locally
 _TOKENIZER_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
     r"config\.json|generation_config\.json|chat_template.*|.*\.tiktoken)$")
-
-
-def load_tokens(path: str | Path) -> dict[str, str]:
-    """A token file -> ``{token: client name}``. One client a line:
-    ``NAME TOKEN`` or just ``TOKEN`` (named ``client<line>``); blank lines
-    and ``#`` comments are skipped. Tokens must be at least 16 characters."""
-    from vlens.errors import VlensError
-
-    import os
-    import stat
-
-    tokens: dict[str, str] = {}
-    try:
-        mode = os.stat(path).st_mode
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise VlensError(f"cannot read the token file {path}: {exc.strerror}") from None
-    if mode & (stat.S_IWGRP | stat.S_IWOTH | stat.S_IROTH):
-        raise VlensError(f"the token file {path} can be read or changed by other users "
-                         f"(mode {stat.filemode(mode)}): chmod 600 {path}")
-    try:
-        text = raw.decode("utf-8-sig")  # a byte-order mark is not part of the first token
-    except UnicodeDecodeError as exc:
-        raise VlensError(f"the token file {path} is not UTF-8 text (byte {exc.start}): one "
-                         "client a line, 'NAME TOKEN' or 'TOKEN'") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        name, token = (parts[0], parts[1]) if len(parts) == 2 else (f"client{n}", parts[0])
-        if len(parts) > 2 or not _NAME.match(name):
-            raise VlensError(f"{path}:{n}: expected 'NAME TOKEN' or 'TOKEN' "
-                             "(NAME: 1-32 of A-Z a-z 0-9 _ . -)")
-        if len(token) < 16:
-            raise VlensError(f"{path}:{n}: tokens must be at least 16 characters "
-                             "(python -c 'import secrets; print(secrets.token_urlsafe())')")
-        if token in tokens or name in tokens.values():
-            raise VlensError(f"{path}:{n}: a name or token appears twice")
-        tokens[token] = name
-    if not tokens:
-        raise VlensError(f"{path} holds no tokens")
-    return tokens
 
 
 @dataclass
@@ -105,11 +60,8 @@ class Server:
         self.model_dir = model_dir
         self.max_calls = max_calls
         self.instance = uuid.uuid4().hex[:12]
-        self._tokens = [(t.encode(), name) for t, name in tokens.items()]
+        self.tokens = TokenFile(tokens, token_file)
         self.clients = {name: _Client(name) for name in tokens.values()}
-        self.token_file = token_file
-        self._token_stamp = self._stamp()
-        self._token_checked = time.monotonic()
         self.calls = 0
         self.calls_done = 0
         self._vector_lock = asyncio.Lock()
@@ -117,47 +69,15 @@ class Server:
         self._tokenizer: bytes | None = None  # the packed files, read once
         self.stalled = 0  # streams aborted because their reader stopped reading
 
-    def _stamp(self) -> tuple[int, int] | None:
-        import os
-
-        try:
-            st = os.stat(self.token_file) if self.token_file else None
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size) if st else None
-
-    def _reload_tokens(self) -> None:
-        """Take up a changed token file (checked at most every 2 s): new
-        tokens work and removed ones stop working without a restart. A file
-        that does not load keeps the tokens as they were (and says why)."""
-        now = time.monotonic()
-        if self.token_file is None or now - self._token_checked < 2.0:
-            return
-        self._token_checked = now
-        stamp = self._stamp()
-        if stamp == self._token_stamp:
-            return
-        self._token_stamp = stamp
-        from vlens.errors import VlensError
-
-        try:
-            tokens = load_tokens(self.token_file)
-        except VlensError as exc:
-            print(f"vlens serve: the token file changed but did not load, keeping the old "
-                  f"tokens: {exc}", file=sys.stderr, flush=True)
-            return
-        self._tokens = [(t.encode(), name) for t, name in tokens.items()]
-        for name in tokens.values():
-            self.clients.setdefault(name, _Client(name))
-
     def authenticate(self, header: str | None) -> _Client:
-        self._reload_tokens()
+        for name in self.tokens.reload():  # a changed token file: new names are clients
+            self.clients.setdefault(name, _Client(name))
         if not header or not header.startswith("Bearer "):
             raise Refused(401, "no token: pass vlens.connect(url, token=...) "
                                "(or set VLENS_TOKEN)")
         given = header[len("Bearer "):].encode()
         found = None
-        for token, name in self._tokens:  # every token compared, in constant time
+        for token, name in self.tokens.pairs:  # every token compared, in constant time
             if hmac.compare_digest(given, token):
                 found = name
         if found is None:
@@ -465,115 +385,3 @@ def make_app(server: Server):
                                client, server.limits.stall_seconds)
 
     return app
-
-
-def _parser():
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    p = FlexibleArgumentParser(prog="vlens serve", description=(
-        "Serve one model to many notebooks (vlens.connect). Every vLLM engine flag "
-        "(--max-model-len, --tensor-parallel-size, ...) is accepted as well."))
-    p.add_argument("model_tag", nargs="?", default=None,
-                   help="a local model folder (default: the bundled toy-world model)")
-    g = p.add_argument_group("vlens serve")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8765)
-    g.add_argument("--token-file", required=True,
-                   help="one client a line: 'NAME TOKEN' or 'TOKEN'")
-    g.add_argument("--max-read-mb", type=float, default=256,
-                   help="activations one call of a client may read (MiB)")
-    g.add_argument("--max-concurrent", type=int, default=4, help="calls in flight per client")
-    g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="tokens per prompt (default: the model's max length)")
-    g.add_argument("--max-requests", type=int, default=256, help="engine requests per call")
-    g.add_argument("--max-body-mb", type=float, default=64, help="request body size (MiB)")
-    g.add_argument("--max-calls", type=int, default=256, help="calls in flight, all clients")
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client may take to send one request body")
-    g.add_argument("--stall-timeout", type=float, default=30.0,
-                   help="seconds a client may stop reading a call's answer before the call "
-                        "is ended")
-    return AsyncEngineArgs.add_cli_args(p)
-
-
-async def _serve(args: Any, argv: list[str]) -> None:
-    import uvicorn
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from vlens.engine.env import apply_env_defaults
-    from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, resolve_model
-    from vlens.errors import VlensError
-
-    if any(a.startswith("--worker-extension-cls") or a.startswith("--worker-cls")
-           for a in argv):
-        raise VlensError("--worker-extension-cls / --worker-cls cannot be passed: "
-                         "vlens sets its own")
-    tokens = load_tokens(args.token_file)
-    explicit = args.model_tag or (args.model if any(a.startswith("--model") for a in argv)
-                                  else None)
-    args.model = resolve_model(explicit)
-    checkpoint = Checkpoint.check(args.model, args.model_impl)
-    if not any(a.startswith("--dtype") for a in argv) and checkpoint.default_dtype is not None:
-        args.dtype = checkpoint.default_dtype
-    args.worker_extension_cls = EXTENSION
-    args.enforce_eager = True  # hooks must run every step (compiled mode is not served)
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    apply_env_defaults({"kv_cache_memory_bytes": engine_args.kv_cache_memory_bytes})
-    llm = AsyncLLM.from_engine_args(engine_args)
-    try:
-        setup = (await llm.collective_rpc("vlens_setup"))[0]
-        # compiled mode is not served
-        info = engine_info(setup, llm.model_config, llm.vllm_config, compiled=False,
-                           checkpoint=checkpoint)
-        from vlens.models.recipes import is_toyworld
-
-        info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
-        limits = Limits(
-            read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
-            prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
-            requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20),
-            body_seconds=args.body_timeout, stall_seconds=args.stall_timeout)
-        server = Server(llm, info, tokens, limits, args.model, args.max_calls, args.token_file)
-        config = uvicorn.Config(make_app(server), host=args.host, port=args.port,
-                                log_level="warning", timeout_graceful_shutdown=5)
-        print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
-              f"for {len(tokens)} client(s)", flush=True)
-        if not _loopback(args.host):
-            print(f"vlens serve: warning: {args.host} is reachable from other machines and "
-                  "this server speaks plain HTTP: tokens and results cross the network "
-                  "unencrypted. Put TLS in front of it (a reverse proxy such as caddy or "
-                  "nginx; docs/workshop.md), or serve on 127.0.0.1 over an SSH tunnel",
-                  file=sys.stderr, flush=True)
-        await uvicorn.Server(config).serve()
-    finally:
-        llm.shutdown()
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def main(argv: list[str] | None = None) -> int:
-    from vlens.errors import VlensError
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    try:
-        asyncio.run(_serve(args, argv))
-    except VlensError as exc:
-        print(f"vlens serve: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

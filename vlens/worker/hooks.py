@@ -25,10 +25,11 @@ from vlens.protocol.sites import HEAD_SITES, ModelSites, resolve_sites
 from vlens.protocol.tensors import decode_tensor
 from vlens.worker.attention import head_refusals
 from vlens.worker.collect import Counters, RequestBook
+from vlens.worker.finite import WrittenRows
 from vlens.worker.head_sites import HeadSites
 from vlens.worker.journal import StepArrays, kept, rows_of
 from vlens.worker.layout import token_axis
-from vlens.worker.planner import BatchGroups, StepPlan, plan_step
+from vlens.worker.planner import StepPlan, plan_step
 from vlens.worker.records import StepLog, to_host
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
@@ -69,10 +70,8 @@ class WorkerHooks:
         #: sites this engine leaves unhooked, and why (head sites in
         #: compiled mode and under tensor parallelism)
         self.unhooked: dict[str, str] = {}
-        #: this step's writes, to check for non-finite rows when it ends:
-        #: (ok per written row [m] bool, rows written, (site, layer), what
-        #: wrote, the step's layout)
-        self._written: list[tuple[torch.Tensor, Any, tuple[str, int], str, Any]] = []
+        #: this step's writes, checked for non-finite rows when it ends
+        self.written = WrittenRows(self.book, self.counters)
         # the current step's marks of the counters (None: not a decode step)
         self._decode_mark: tuple[int, int, int] | None = None
 
@@ -162,7 +161,7 @@ class WorkerHooks:
         """Plan the step. Never raises: a failure is recorded on every
         traced request of the step, and the step runs unhooked."""
         self.step = None
-        self._written = []  # a forward that failed before its end leaves none behind
+        self.written.clear()  # a forward that failed before its end leaves none behind
         self.counters.steps_seen += 1
         req_ids: list[str] = []
         try:
@@ -183,30 +182,8 @@ class WorkerHooks:
                             f"planning an engine step failed: {type(exc).__name__}: {exc}"
                         )
 
-    def _batch_plans(self, req_ids: list[str]) -> tuple[list, list[int], list[int], BatchGroups]:
-        """Plans of the batch's requests, and which of them keep records in
-        the forward (those reading attn_pattern: every rank) and which are
-        journaled (the others, on the reading rank). Worked out again only
-        when the batch changes (a decode step usually runs the same one)."""
-        last = self.book.batch
-        if last is not None and last[0] == req_ids:
-            return last[1:]
-        plans = [self.book.plan_for(r) for r in req_ids]
-        eager, lazy = [], []
-        for i, p in enumerate(plans):
-            if p is None:
-                continue
-            if any(r.site == "attn_pattern" for r in p.reads):
-                eager.append(i)
-            elif self.reader:
-                lazy.append(i)
-        self.book.batch = (req_ids, plans, eager, lazy, BatchGroups.of(plans))
-        if lazy:
-            self.book.journal.note(req_ids, plans, lazy)
-        return self.book.batch[1:]
-
     def _plan_step(self, req_ids: list[str], args: tuple, kwargs: dict) -> None:
-        plans, eager, lazy, groups = self._batch_plans(req_ids)
+        plans, eager, lazy, groups = self.book.batch_plans(req_ids, self.reader)
         if not groups.planned.size:
             return
         t0 = time.perf_counter_ns()
@@ -281,8 +258,7 @@ class WorkerHooks:
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
-        if self._written:
-            self._check_written()
+        self.written.check(self._fail)
         step, self.step = self.step, None
         log, self.log = self.log, None
         mark, self._decode_mark = self._decode_mark, None
@@ -301,45 +277,6 @@ class WorkerHooks:
                     to_host([records[r] for r in step.requests if r in records])
             except Exception as exc:
                 self._fail(list(step.requests), ("(copy to host)", -1), exc)
-
-    def _check_written(self) -> None:
-        """The step's writes, checked once when it ends (one read back to
-        the host for all of them): a request whose write turned a row
-        non-finite gets an error naming it. Its rows were already restored
-        in the step (``site_ops.keep_finite``), so nothing non-finite went
-        on into later layers or the KV cache."""
-        written, self._written = self._written, []
-        try:
-            oks = [w[0] for w in written]
-            if bool(torch.cat(oks).all() if len(oks) > 1 else oks[0].all()):
-                return
-            for ok, rows, (site, layer), what, layout in written:
-                bad = (~ok).nonzero().flatten().tolist()
-                if not bad:
-                    continue
-                self.counters.nonfinite_writes += 1
-                if isinstance(rows, tuple):
-                    idx = [rows[0] + i for i in bad]
-                elif rows is None:
-                    idx = None
-                else:
-                    idx = rows[bad].tolist()
-                spans = layout.spans if idx is not None else ()
-                hit = {sp.key for sp in spans for r in idx if sp.start <= r < sp.stop}
-                if isinstance(what, tuple):  # an edit call: its own request
-                    what, hit = what[0], {what[1]}
-                for r in hit:
-                    rec = self.book.rec(r)
-                    if rec is not None:
-                        rec.error(
-                            f"site {site}, layer {layer}: {what} turned this request's values "
-                            "non-finite (inf or NaN); vlens put back the values it had before "
-                            "the write, so the engine and other requests stay clean, and "
-                            "refuses this request's results. Use a smaller scale or vector")
-        except Exception as exc:  # pragma: no cover - reported, never raised into vLLM
-            self.counters.hook_errors += 1
-            for *_, layout in written[:1]:
-                self._fail([sp.key for sp in layout.spans], ("(finite check)", -1), exc)
 
     def _make_hook(self, spec: Any, layer: int):
         key = (spec.name, layer)
@@ -401,7 +338,7 @@ class WorkerHooks:
             try:
                 matrix = self.heads.add_matrix(site, layer, batch)
                 ok, rows = apply_adds(matrix, batch, step.layout, get_value, get_target, label)
-                self._written.append((ok, rows, key, "a steering add", step.layout))
+                self.written.add((ok, rows, key, "a steering add", step.layout))
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
         for call in step.edits.get(key, ()):
@@ -416,7 +353,7 @@ class WorkerHooks:
                 copied, ok = run_edit(fn, step.layout, spec.name, get_value, get_target, call,
                                       label)
                 if ok is not None:
-                    self._written.append((ok, None, key, ("its edit= function", call.req_id),
+                    self.written.add((ok, None, key, ("its edit= function", call.req_id),
                                           step.layout))
                 rec = self.book.rec(call.req_id) if copied else None
                 if rec is not None:
@@ -453,7 +390,7 @@ class WorkerHooks:
                     "tensor_parallel_size=1, or a residual site")
             ok, rows = apply_sets(self.vectors.matrix_of, batch, step.layout, get_value,
                                   get_target, label)
-            self._written.append((ok, rows, key, "an ablation or patched cell", step.layout))
+            self.written.add((ok, rows, key, "an ablation or patched cell", step.layout))
         except Exception as exc:  # the requests concerned get the error
             self._fail(batch.req_ids, key, exc)
 

@@ -1,0 +1,301 @@
+"""Input checks: every bad input becomes a VlensError that says what was
+wrong and what would be right, before anything is shipped to the workers.
+
+Pure functions over :class:`ModelFacts` (what the live model is) and plain
+arguments, so they can be read and tested without an engine; the Session
+calls them before it builds a single request. The model's facts and the
+bounds on writes live in :mod:`vlens.checks.facts`, the rules for a whole
+plan (shared with the server's guard) in :mod:`vlens.checks.plans`; both are
+re-exported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vlens.checks.facts import (
+    MANAGED,
+    RELATIVE_MAX,
+    ModelFacts,
+    check_set_values,
+    check_span_fits,
+    check_write_site,
+    check_write_size,
+    is_int,
+    write_bound,
+)
+from vlens.checks.plans import LENS_K_MAX, LENS_SITES, PLAN_MAX, REDUCES, check_plan, check_read
+from vlens.edits import Steer, per_prompt
+from vlens.errors import VlensError
+from vlens.protocol.plan import Read
+
+__all__ = [
+    "ModelFacts",
+    "check_budget",
+    "check_edit",
+    "check_generation",
+    "check_heads",
+    "check_layers",
+    "check_plan",
+    "check_read",
+    "check_write_size",
+    "check_prompts",
+    "check_reads",
+    "check_sites",
+    "check_steer",
+    "check_steers",
+    "write_bound",
+    "check_set_values",
+    "check_span_fits",
+    "check_write_site",
+    "MANAGED",
+    "RELATIVE_MAX",
+    "PLAN_MAX",
+    "REDUCES",
+    "LENS_SITES",
+    "LENS_K_MAX",
+    "REMOTE_EDIT",
+]
+
+
+def check_prompts(
+    prompts: Any, facts: ModelFacts, tokenize: Callable[[str], list[int]]
+) -> tuple[list[str], list[list[int]]]:
+    """A prompt string or a list of them -> ``(prompts, token ids of each)``."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise VlensError(
+            f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
+        )
+    if not prompts:
+        raise VlensError("prompts is empty: pass at least one prompt string")
+    ids = []
+    limit = facts.max_model_len
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise VlensError(f"prompt {i} is a {type(p).__name__}, not a string: pass text")
+        if not p.strip():
+            raise VlensError(f"prompt {i} is empty: give it at least one word")
+        toks = tokenize(p)
+        if len(toks) >= limit:
+            raise VlensError(
+                f"prompt {i} is {len(toks)} tokens long but the engine's max_model_len is "
+                f"{limit}: shorten it to under {limit} tokens, or start the Session with a "
+                "larger max_model_len="
+            )
+        ids.append(toks)
+    return list(prompts), ids
+
+
+def check_layers(layers: Any, facts: ModelFacts) -> list[int]:
+    """None (all), an int, a range or a list of ints -> distinct layer numbers."""
+    n = facts.n_layers
+    if layers is None:
+        return list(range(n))
+    if is_int(layers):
+        layers = [layers]
+    if isinstance(layers, range):
+        layers = list(layers)
+    if not isinstance(layers, (list, tuple)) or not all(is_int(x) for x in layers):
+        raise VlensError(f"layers must be None (all), an int or a list of ints, got {layers!r}")
+    if not layers:
+        raise VlensError(f"layers is empty: pick from 0 to {n - 1}, or None for all")
+    bad = [x for x in layers if not 0 <= x < n]
+    if bad:
+        raise VlensError(
+            f"layer {bad[0]} does not exist: this model has {n} layers, numbered 0 to {n - 1}"
+        )
+    return list(dict.fromkeys(layers))
+
+
+def check_sites(sites: Any, facts: ModelFacts) -> list[str]:
+    """A site name or a list of them -> distinct site names."""
+    if isinstance(sites, str):
+        sites = [sites]
+    if not isinstance(sites, (list, tuple)):
+        raise VlensError(f"sites must be a site name or a list of them, got {sites!r}")
+    for s in sites:
+        if s not in facts.sites:
+            raise facts.no_such_site(s)
+    return list(dict.fromkeys(sites))
+
+
+def check_generation(max_new_tokens: Any, sampling: dict[str, Any], facts: ModelFacts) -> None:
+    """``max_new_tokens`` and the sampling settings: refuses settings vlens
+    manages and settings that would break the engine. (vLLM's own
+    validation runs when the runner builds SamplingParams, still before
+    anything is shipped.)"""
+    for key, how in MANAGED.items():
+        if key in sampling:
+            raise VlensError(f"{key}= is set by vlens: {how}")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise VlensError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if sampling.get("seed") is not None and facts.device == "cpu":
+        raise VlensError(
+            "seed= is refused on vLLM's CPU build: when a seeded request's prompt is "
+            "split across engine steps (chunked prefill) its worker calls "
+            "Generator.set_offset, which CPU generators lack, and the engine dies. "
+            "Sample without a seed, or run on a GPU."
+        )
+
+
+def check_heads(heads: Any, sites: list[str], facts: ModelFacts) -> tuple[int, ...]:
+    """``heads=`` of a trace: None (every head) or query head numbers; it
+    selects the heads of ``attn_pattern`` only."""
+    if heads is None:
+        return ()
+    if "attn_pattern" not in sites:
+        raise VlensError("heads= selects heads of the attn_pattern read: add 'attn_pattern' "
+                         "to sites=, or leave heads out")
+    if is_int(heads):
+        heads = [heads]
+    if isinstance(heads, range):
+        heads = list(heads)
+    if not isinstance(heads, (list, tuple)) or not heads or not all(is_int(h) for h in heads):
+        raise VlensError(f"heads must be None (all), an int or a non-empty list of ints, "
+                         f"got {heads!r}")
+    bad = [h for h in heads if not 0 <= h < facts.n_heads]
+    if bad:
+        raise VlensError(f"head {bad[0]} does not exist: this model has {facts.n_heads} "
+                         f"attention heads, numbered 0 to {facts.n_heads - 1}")
+    return tuple(dict.fromkeys(heads))
+
+
+def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
+                facts: ModelFacts, heads: tuple[int, ...] = ()) -> list[Read]:
+    """The reads of a ``trace`` call: ``sites`` at ``layers`` reduced by
+    ``reduce``, plus the logit lens top-``k`` of ``resid_post`` when k > 0.
+    ``heads``: the query heads of an ``attn_pattern`` read (empty: all)."""
+    if reduce not in ("full", "norm"):
+        raise VlensError(f"reduce must be 'full' or 'norm', got {reduce!r}")
+    if not is_int(k) or k < 0:
+        raise VlensError(f"logit_lens must be a non-negative int (top-k), got {k!r}")
+    if reduce != "full" and "attn_pattern" in sites:
+        raise VlensError("attn_pattern is read in full only (probabilities have no useful "
+                         "norm): read it in its own trace with reduce='full', and shrink it "
+                         "with heads= or layers=")
+    reads = [Read(site, tuple(layers), reduce, 0, heads if site == "attn_pattern" else ())
+             for site in sites]
+    if k:
+        if k > facts.vocab_size:
+            raise VlensError(
+                f"logit_lens={k} is more than the vocabulary ({facts.vocab_size} tokens)"
+            )
+        reads.append(Read("resid_post", tuple(layers), "logit_lens", k))
+    return reads
+
+
+def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int) -> Steer:
+    """A Steer that fits this model and can land on the request
+    (``prompt_len`` prompt tokens, ``max_new_tokens`` generated)."""
+    if not isinstance(st, Steer):
+        raise VlensError(f"steer entries must be vlens.Steer objects, got {type(st).__name__}")
+    check_write_site("Steer", st.site, st.layer, facts)
+    width = facts.width(st.site)
+    if st.vector.shape[0] != width:
+        if st.site == "z":
+            raise VlensError(
+                f"a Steer at z needs a vector of heads * head_dim = {facts.n_heads} * "
+                f"{facts.head_dim} = {width} elements (one slice per head), got "
+                f"{st.vector.shape[0]}"
+            )
+        raise VlensError(
+            f"Steer vector has {st.vector.shape[0]} elements but this model's hidden size "
+            f"is {facts.hidden_size}: compute it on this model (s.direction)"
+        )
+    check_span_fits("Steer", st.span, prompt_len, max_new_tokens)
+    check_write_size(f"Steer (layer {st.layer}, {st.site})", float(st.vector.abs().max()),
+                     float(st.scale), st.relative, facts)
+    return st
+
+
+def check_steers(steer: Any, prompt_lens: Sequence[int], max_new_tokens: int,
+                 facts: ModelFacts) -> list[list[Steer]]:
+    """``steer=`` as the checked Steers of each prompt (see
+    :func:`vlens.edits.per_prompt`); ``prompt_lens``: each prompt's length."""
+    steers_each = per_prompt(steer, len(prompt_lens), Steer)
+    for n, steers in zip(prompt_lens, steers_each):
+        for st in steers:
+            check_steer(st, facts, n, max_new_tokens)
+    return steers_each
+
+
+REMOTE_EDIT = (
+    "edit= functions cannot run on a connected session (vlens.connect): they are Python "
+    "code, and code does not cross the wire to a shared server. Use a vlens.Steer "
+    "(steer=), vlens.Ablate or activation patching instead, which travel as data"
+)
+
+
+def check_edit(edit: Any, edit_at: Any, facts: ModelFacts, *,
+               can_ship: bool, remote: bool = False) -> list[tuple[str, int]]:
+    """``edit=`` / ``edit_at=`` -> the (site, layer) pairs to call it at
+    (empty when there is no edit). ``can_ship``: whether a Python function
+    can reach this engine's workers; ``remote``: the engine is a server."""
+    if edit is None:
+        if edit_at is not None:
+            raise VlensError("edit_at= given without edit=: pass the function too")
+        return []
+    if remote:
+        raise VlensError(REMOTE_EDIT)
+    if not callable(edit):
+        raise VlensError(f"edit must be a function fn(rows, ctx), got {type(edit).__name__}")
+    if not can_ship:
+        raise VlensError(
+            "edit= functions run inside the workers and this engine runs in other "
+            "processes: use an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "
+            "default), or set VLLM_ALLOW_INSECURE_SERIALIZATION=1 before starting it and "
+            "pass a picklable function; a Steer needs neither"
+        )
+    if not edit_at:
+        raise VlensError("edit= needs edit_at=[(site, layer), ...]: where to call it")
+    pairs = []
+    for pair in edit_at:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise VlensError(f"edit_at entries are (site, layer) pairs, got {pair!r}")
+        site, layer = pair
+        if site not in facts.sites:
+            raise facts.no_such_site(site, "edit site")
+        if site == "attn_pattern":
+            raise VlensError("attn_pattern is computed by vlens, not by the model: an edit "
+                             "cannot change it. Edit 'q', 'k' (look only) or 'z' instead")
+        check_layers([layer], facts)
+        pairs.append((site, int(layer)))
+    return pairs
+
+
+def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
+                 facts: ModelFacts, budget: int) -> None:
+    """Refuse a call whose reads would exceed ``budget`` bytes, with the
+    estimate and how to shrink it. ``requests``: per request
+    ``(prompt length, reads, max_new_tokens, n samples)``."""
+    width = {"norm": 1, "logprobs": facts.vocab_size}
+    total = 0
+    biggest = ""
+    for prompt_len, reads, max_new_tokens, n in requests:
+        tokens = prompt_len + max_new_tokens - 1
+        rows = tokens * max(1, n)
+        for read in reads:
+            if read.reduce == "full":
+                w = facts.width(read.site)
+                if read.site == "attn_pattern":  # [heads, T, T]: every key of every row
+                    w = (len(read.heads) or facts.n_heads) * tokens
+            elif read.reduce == "norm" and read.site in ("q", "k", "v", "z"):
+                w = facts.n_heads  # one norm per head
+            else:
+                w = width.get(read.reduce, 3 * read.k)
+            size = rows * len(read.layers) * w * 4
+            total += size
+            if read.reduce == "full" and size * 2 > total:
+                biggest = read.site
+    if total > budget:
+        raise VlensError(
+            f"this call would read about {total / 2**30:.2f} GiB of activations, over the "
+            f"session's read budget of {budget / 2**30:.2f} GiB. Reduce it: reduce='norm' "
+            "(the worker ships one number per token), fewer layers=, fewer sites=, fewer "
+            "or shorter prompts, smaller max_new_tokens=, heads= for attn_pattern (it "
+            "grows with the square of the tokens); or raise s.read_budget (bytes)"
+            + (f" (most of it is the full {biggest} reads)" if biggest else "")
+        )
