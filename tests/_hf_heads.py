@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from _hf_methods import ablate, patch
 from _hf_reference import _get, site_module
-from vlens.architectures import ARCHITECTURES
+from vlens.protocol.architectures import ARCHITECTURES
 
 
 def _per_token(x: torch.Tensor) -> torch.Tensor:
