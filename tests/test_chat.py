@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,32 @@ def test_a_conversation_without_a_template_says_so():
     tok.chat_template = None
     with pytest.raises(VlensError, match="no chat template"):
         normalise(CONV, tok, 1000)
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_readable_tokens_without_an_engine(kind):
+    from vlens.tokens import TokenReader
+
+    tok = make_chat_tokenizer(kind, "gemma")
+    reader = TokenReader(tok)
+    assert reader.kind == kind
+    text = "Where is the café?\n  Tell me 🙂 日本"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    shown = reader.texts(ids)
+    assert "".join(shown).replace("<0xF0><0x9F><0x99><0x82>", "🙂") \
+        .replace("<0xE6><0x97><0xA5><0xE6><0x9C><0xAC>", "日本") == text
+    assert reader.text(tok.convert_tokens_to_ids("<start_of_turn>")) == "<start_of_turn>"
+
+
+def test_whitespace_is_drawn_one_way_everywhere():
+    from vlens.plots import token_labels
+    from vlens.tokens import visible
+
+    assert visible(" the\n\t") == "\u00b7the\u21b5\u21e5" and visible("") == "\u2205"
+    assert token_labels([" a", "\n", "<s>"]) == ["0:\u00b7a", "1:\u21b5", "2:&lt;s&gt;"]
+    js = (Path(vlens.__file__).parent / "widgets" / "token_span.js").read_text()
+    for ch, mark in [(" ", "\\u00b7"), ("\\n", "\\u21b5"), ("\\t", "\\u21e5")]:
+        assert f"/{ch}/g, \"{mark}\"" in js, (ch, mark)  # the chips draw the same marks
 
 
 # -- acceptance 1 to 3, on each tokenizer kind ------------------------------------

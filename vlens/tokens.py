@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any
 
-__all__ = ["TokenReader", "byte_level_table", "show_bytes"]
+__all__ = ["VISIBLE", "TokenReader", "byte_level_table", "show_bytes", "visible"]
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -124,3 +124,17 @@ class TokenReader:
 
     def texts(self, ids: Any) -> list[str]:
         return [self.text(i) for i in ids]
+
+
+#: how whitespace is drawn in every view (the chip strip's token_span.js
+#: draws the same): a space, a newline, a tab, an empty token
+VISIBLE = {" ": "\u00b7", "\n": "\u21b5", "\t": "\u21e5"}
+
+
+def visible(token: str) -> str:
+    """``token`` with its whitespace drawn: ``·`` a space, ``↵`` a newline,
+    ``⇥`` a tab, ``∅`` an empty token (the token axes of every plot, the
+    chips and the patching grid's columns use this one spelling)."""
+    if token == "":
+        return "\u2205"
+    return "".join(VISIBLE.get(ch, ch) for ch in token)
