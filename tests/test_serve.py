@@ -249,7 +249,7 @@ def test_conversations_over_connect_equal_a_local_session(server, toy_session, d
     p = _prompts(5)
     conv = [{"role": "user", "content": p[0]}, {"role": "assistant", "content": p[1]}]
     other = [{"role": "user", "content": p[1]}, {"role": "assistant", "content": p[0]}]
-    story = "one day, a {} bear lived in a blue cabin near the meadow."
+    story = "one day, a {} bear lived in a blue cabin near the meadow. the sky was"
     clean, corrupt = ([{"role": "user", "content": story.format(w)}] for w in ("happy", "lonely"))
     st = vlens.Steer(direction, layer=1, scale=4.0, span="assistant")
 

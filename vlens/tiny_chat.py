@@ -121,7 +121,9 @@ def make_chat_model(path: str | Path, kind: str = "byte_level", template: str = 
     path = Path(path)
     done = (path / "tokenizer.json").exists() and (path / "vlens_chat.json").exists()
     tok = None if done else make_chat_tokenizer(kind, template)
-    make_tiny_model(path, arch, vocab=model_kwargs.pop("vocab", 640), **model_kwargs)
+    # the model's vocabulary is the tokenizer's: a sampled id past it would
+    # have no text for vLLM's detokenizer
+    make_tiny_model(path, arch, vocab=len(tok) if tok is not None else 0, **model_kwargs)
     if tok is not None:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             (path / name).unlink(missing_ok=True)
