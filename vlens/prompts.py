@@ -140,8 +140,8 @@ def _joined_offsets(pieces: list[str]) -> tuple[str, list[tuple[int, int]]]:
 
 def _text_prompt(text: str, tokenizer: Any, reader: TokenReader) -> Prompt:
     ids, offsets = _encode(tokenizer, text, True)
-    if offsets is None:
-        text_, offsets = _joined_offsets(reader.texts(ids))
+    if offsets is None:  # a slow tokenizer: spans of the readable tokens, joined
+        offsets = _joined_offsets(reader.texts(ids))[1]
     return Prompt(ids, text, offsets, [None] * len(ids), text, source=text)
 
 
