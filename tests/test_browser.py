@@ -78,6 +78,31 @@ _VIEWS_CELLS = [
 ]
 
 
+# A conversation in the explorer (issue 25): a tiny model with a byte-level
+# BPE tokenizer and a Llama-3-shaped chat template, made in the kernel.
+_CHAT_CELLS = [
+    "import tempfile\n"
+    "import vlens\n"
+    "from vlens.tiny_chat import make_chat_model\n"
+    "from vlens.widgets import explore\n"
+    "path = make_chat_model(tempfile.mkdtemp() + '/chat', 'byte_level', 'llama3', layers=2)\n"
+    "s = vlens.Session(path, max_model_len=512, kv_cache_memory_bytes=64 * 2**20)",
+    "CONV = [{'role': 'system', 'content': 'You are a helpful assistant.'},\n"
+    "        {'role': 'user', 'content': 'Where is the station?\\nTell me a story.'}]\n"
+    "ex = explore(s, CONV, max_new_tokens=4)\n"
+    "display(ex)\n"
+    "print('chat explorer:', repr(ex.error), ex.span_picker.roles.count('user'))",
+]
+
+
+def _notebook_of(cells: list[str]):
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    return new_notebook(cells=[new_code_cell(c) for c in cells],
+                        metadata={"kernelspec": {"display_name": "Python 3",
+                                                 "language": "python", "name": "python3"}})
+
+
 def _views_notebook(model: str | None):
     from nbformat.v4 import new_code_cell, new_notebook
 
@@ -102,6 +127,7 @@ def _prepare(tmp: Path) -> Path:
     work.mkdir()
     nbformat.write(book, work / "01_tour.ipynb")
     nbformat.write(_views_notebook(model), work / "views.ipynb")
+    nbformat.write(_notebook_of(_CHAT_CELLS), work / "chat.ipynb")
     settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
@@ -603,3 +629,57 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
     _, remote, layer, error, calls = text.split()[:5]
     assert remote == "True" and error == "''" and int(layer) == int(before) - 1
     assert int(calls) >= 2  # the first trace and the steering run, at least
+
+
+def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
+    """The chips of a conversation are coloured by role, and its spaces and
+    newlines are drawn (· and ↵); the logit lens's token axis draws them the
+    same way."""
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                    headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        console: list[str] = []
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        try:
+            _open_and_run_all(page, url, token, "chat.ipynb")
+            page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
+                         has_text="chat explorer:").last.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            cell = page.locator(".jp-CodeCell", has_text="ex = explore").first
+            chips = cell.locator(".vlens-chip")
+            chips.first.wait_for(timeout=60_000)
+            cell.scroll_into_view_if_needed()
+            cell.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
+            time.sleep(1)
+            cell.screenshot(path=str(ARTIFACTS / "14-chat-explorer.png"))
+            counts = {role: cell.locator(f".vlens-chip.role-{role}").count()
+                      for role in ("system", "user", "assistant", "generated")}
+            texts = chips.all_inner_texts()
+            colours = {role: cell.locator(f".vlens-chip.role-{role}").first.evaluate(
+                "el => getComputedStyle(el).backgroundColor")
+                for role in ("system", "user")}
+            plain = chips.nth(0).evaluate("el => getComputedStyle(el).backgroundColor")
+            # the logit lens's token axis (its figure in the kernel) draws them the same way
+            ticks = _run_cell_and_read(
+                page, "print('VLENS-LENS:', ''.join(map(str, ex.logit_lens_view.figure.data[0].y)))",
+                "VLENS-LENS:")
+            state = _run_cell_and_read(
+                page, "print('VLENS-CHAT:', ex.span_picker.roles.count('user'), "
+                      "ex.span_picker.roles.count('system'), repr(ex.error))", "VLENS-CHAT:")
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "chat-failure.png"))
+            raise
+        finally:
+            (ARTIFACTS / "chat-console.log").write_text("\n".join(console))
+            browser.close()
+    users, systems = (int(x) for x in state.split("VLENS-CHAT:", 1)[1].split()[:2])
+    assert counts["user"] == users >= 5 and counts["system"] == systems >= 5, (counts, state)
+    assert len({colours["system"], colours["user"], plain}) == 3, colours  # told apart
+    assert any(t.startswith("\u00b7") for t in texts), texts  # a leading space, drawn
+    assert "\u21b5" in "".join(texts), texts  # a newline, drawn
+    assert not any(ch in "".join(texts) for ch in "\u0120\u2581\ufffd"), texts
+    assert "\u00b7" in ticks and "\u21b5" in ticks and "\u0120" not in ticks, ticks
+    assert state.rstrip().endswith("''"), state  # no widget error

@@ -241,6 +241,43 @@ def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_sess
     torch.testing.assert_close(grid.grid, local.grid, atol=1e-4, rtol=0)
 
 
+# a chat template in the toy world's own words: each message's content in turn
+_TOY_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def test_conversations_over_connect_equal_a_local_session(server, toy_session, direction):
+    """compare, sweep, direction and patch take conversations on a connected
+    session (the prompt is normalised on the client, roles included)."""
+    p = _prompts(5)
+    conv = [{"role": "user", "content": p[0]}, {"role": "assistant", "content": p[1]}]
+    other = [{"role": "user", "content": p[1]}, {"role": "assistant", "content": p[0]}]
+    story = "one day, a {} bear lived in a blue cabin near the meadow. the sky was"
+    clean, corrupt = ([{"role": "user", "content": story.format(w)}] for w in ("happy", "lonely"))
+    st = vlens.Steer(direction, layer=1, scale=4.0, span="assistant")
+
+    def workload(s):
+        s.chat_template = _TOY_TEMPLATE
+        try:
+            return (s.compare([conv, other], steer=st, max_new_tokens=5),
+                    s.sweep(conv, steer=st, scales=[0.0, 3.0], max_new_tokens=4),
+                    s.direction([conv], [other], layer=1),
+                    s.patch(clean, corrupt, layers=[0, 2], positions="user"))
+        finally:
+            s.chat_template = None
+
+    with server.connect("c8") as s:
+        got = workload(s)
+    want = workload(toy_session)
+    n_assistant = sum(r == "assistant" for r in want[0].baseline[0].roles)
+    assert n_assistant >= 5 and want[0].steered[0].steered_rows == n_assistant
+    for g, w in zip(got[0].steered, want[0].steered, strict=True):
+        assert g.text == w.text and g.roles == w.roles and g.steered_rows == w.steered_rows
+    assert [t.text for t in got[1].runs] == [t.text for t in want[1].runs]
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=0)
+    assert got[3].positions == want[3].positions and len(want[3].positions) >= 8
+    torch.testing.assert_close(got[3].grid, want[3].grid, atol=1e-4, rtol=0)
+
+
 def test_limits_are_clear_errors_and_closing_a_stream_aborts_it(server):
     # read bytes per call (the server runs with --max-read-mb 64)
     with server.connect("c10") as s:

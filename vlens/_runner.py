@@ -28,6 +28,7 @@ from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
 from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 from vlens.results import Run, Trace
 from vlens.edits import Steer, engine_prompt
+from vlens.tokens import TokenReader
 
 __all__ = ["Request", "Runner", "env_flag", "live_engines"]
 
@@ -64,6 +65,8 @@ class Request:
     plan: Plan | None
     params: Any
     vectors: dict[str, Any] = field(default_factory=dict)
+    #: the normalised prompt (vlens.prompts.Prompt): roles, text, offsets
+    prompt: Any = None
 
 
 class Runner:
@@ -94,7 +97,7 @@ class Runner:
         self.closed = False
         self._name = f"s{next(Runner._ids)}-{uuid.uuid4().hex[:6]}"
         self._calls = itertools.count()
-        self._token_text: dict[int, str] = {}
+        self._reader: TokenReader | None = None
         self._facts = ModelFacts.from_info(shared.engine.info)
 
     def _check_open(self) -> None:
@@ -139,15 +142,15 @@ class Runner:
                 shared.engine.close()
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        """Each id as readable text (decoded one by one, cached per id)."""
-        cache = self._token_text
-        out = []
-        for i in ids:
-            text = cache.get(i)
-            if text is None:
-                text = cache[i] = self.engine.tokenizer.decode([int(i)])
-            out.append(text)
-        return out
+        """Each id as it reads (see vlens.tokens), cached per id."""
+        return self.reader.texts(ids)
+
+    @property
+    def reader(self) -> TokenReader:
+        """The engine tokenizer's :class:`~vlens.tokens.TokenReader`."""
+        if self._reader is None:
+            self._reader = TokenReader(self.engine.tokenizer)
+        return self._reader
 
     # -- requests -------------------------------------------------------------
     def next_call(self) -> str:
@@ -182,11 +185,12 @@ class Runner:
                 steers: Sequence[Steer] = (), edits: Sequence[Edit] = (),
                 sets: Sequence[Set] = (), vectors: dict[str, Any] | None = None,
                 sampling: dict[str, Any] | None = None,
-                score: dict[str, Any] | None = None) -> Request:
+                score: dict[str, Any] | None = None, source: Any = None) -> Request:
         """One traced request. Every traced request carries a plan, even one
         that reads and writes nothing, so its processed tokens are recorded.
         ``sets`` (ablations, patched cells) name their vectors in ``vectors``
-        (``{id: tensor [width]}``)."""
+        (``{id: tensor [width]}``). ``source``: the normalised prompt
+        (:class:`vlens.prompts.Prompt`) whose roles the Trace shows."""
         adds = tuple(
             Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
                 relative=st.relative)
@@ -200,7 +204,7 @@ class Runner:
                                             else 0.0) for vid, v in vectors.items()},
                    max_new_tokens)
         params = self.sampling_params(max_new_tokens, logprobs, plan, sampling or {}, score)
-        return Request(ids, plan, params, vectors)
+        return Request(ids, plan, params, vectors, prompt=source)
 
     def background(self, ids: list[int], max_new_tokens: int, sampling: dict[str, Any]) -> Request:
         """An untraced request, as other users' traffic would be."""
@@ -292,7 +296,7 @@ class Runner:
                     tokens=self.token_strings(fed),
                     output_tokens=self.token_strings(comp.token_ids),
                     positions=list(range(len(fed))), logprobs=[],
-                    finish_reason=comp.finish_reason,
+                    finish_reason=comp.finish_reason, **_prompt_parts(req, fed, 0),
                 ))
         return Run(traces, prompts=list(prompts))
 
@@ -350,6 +354,7 @@ class Runner:
             step_rows=rec["step_rows"],
             cached_tokens=rec.get("start", 0),
             restarts=rec.get("restarts", 0),
+            **_prompt_parts(req, rec["token_ids"], rec.get("start", 0)),
         )
 
 
@@ -395,6 +400,18 @@ def _match(i: int, prompt: str, req: Request, comp: Any,
     if rec["errors"]:
         raise EngineError(f"prompt {i} ({prompt[:40]!r}): " + "; ".join(rec["errors"]))
     return rec
+
+
+def _prompt_parts(req: Request, fed: Sequence[int], start: int) -> dict[str, Any]:
+    """A Trace's ``roles``, ``prompt_text`` and ``offsets`` from its request's
+    normalised prompt (rows from ``start`` on; past the prompt "generated")."""
+    p = req.prompt
+    n = len(req.ids)
+    roles = list(p.roles) if p is not None else [None] * n
+    roles = (roles + ["generated"] * max(0, len(fed) + start - n))[start:start + len(fed)]
+    if p is None:
+        return {"roles": roles}
+    return {"roles": roles, "prompt_text": p.text, "offsets": list(p.offsets)}
 
 
 def _cached_adds(adds: Sequence[Add], start: int) -> int:

@@ -29,6 +29,7 @@ from vlens.errors import VlensError
 __all__ = [
     "Ablate",
     "PerPrompt",
+    "ROLE_SPANS",
     "SPANS",
     "Steer",
     "edit_salt",
@@ -41,6 +42,9 @@ __all__ = [
 
 #: the named token spans of a Steer or an Ablate (or ``(start, stop)``)
 SPANS = ("all", "prompt", "generated")
+#: role spans: the content tokens of every message of that role (a
+#: conversation prompt only; resolved to positions by vlens.prompts)
+ROLE_SPANS = ("system", "user", "assistant", "developer", "tool")
 #: what an Ablate puts in the rows
 KINDS = ("zero", "mean")
 
@@ -49,8 +53,9 @@ def parse_span(span: Any, what: str) -> str | tuple[int, int]:
     """A Steer's or an Ablate's span, checked: one of :data:`SPANS` or
     ``(start, stop)`` token positions with ``0 <= start < stop``."""
     if isinstance(span, str):
-        if span not in SPANS:
-            raise VlensError(f"{what} span {span!r} is unknown: use one of {SPANS} or (start, stop)")
+        if span not in SPANS + ROLE_SPANS:
+            raise VlensError(f"{what} span {span!r} is unknown: use one of {SPANS}, a role "
+                             f"({', '.join(ROLE_SPANS)}) or (start, stop)")
         return span
     if (isinstance(span, (tuple, list)) and len(span) == 2
             and all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
@@ -71,6 +76,8 @@ def span_positions(span: str | tuple[int, int], prompt_len: int) -> tuple[int, i
         return 0, prompt_len
     if span == "generated":
         return prompt_len, -1
+    if isinstance(span, str):
+        raise VlensError(f"span {span!r} names a role: it needs a conversation prompt")
     return span  # type: ignore[return-value]
 
 
@@ -85,7 +92,9 @@ class Steer:
     """Add ``scale * vector`` at ``site`` of ``layer``, over ``span``.
 
     ``span``: ``"all"`` (every token), ``"prompt"`` (the prompt's tokens),
-    ``"generated"`` (tokens the model generated, as they are fed back), or
+    ``"generated"`` (tokens the model generated, as they are fed back),
+    a role (``"system"``, ``"user"``, ``"assistant"`` …: the content tokens
+    of every message of that role, for a conversation prompt), or
     ``(start, stop)`` token positions (``stop`` exclusive).
 
     ``relative=True`` scales the push by each token's own activation norm:

@@ -27,7 +27,8 @@ from vlens.errors import VlensError
 from vlens.protocol.plan import Edit, Read
 from vlens.results import Comparison, Run, Sweep, generated_kl
 from vlens.calls import Call, TraceParams
-from vlens.edits import Ablate, Steer, per_prompt
+from vlens.edits import Ablate, Steer
+from vlens.prompts import Prompt, edits_each, is_conversation, normalise, resolve_roles
 
 __all__ = ["Session", "live_engines"]
 
@@ -63,6 +64,18 @@ class Session:
         self.clone_reads = env_flag("VLENS_CLONE_READS")
         #: the most bytes of activations one call may read (refused above it)
         self.read_budget = int(float(os.environ.get("VLENS_READ_BUDGET_MB", "2048")) * 2**20)
+        #: conversations' chat template (None: the tokenizer's) and its
+        #: keyword arguments, as vLLM's ``LLM.chat`` takes them
+        self.chat_template: str | None = None
+        self.chat_template_kwargs: dict[str, Any] = {}
+
+    def prompts(self, prompts: Any) -> list[Prompt]:
+        """Prompts of any form (a string, a conversation, token ids, or a
+        list of these) as :class:`~vlens.prompts.Prompt` objects: the ids the
+        engine runs, the formatted text, offsets and per-token roles."""
+        return normalise(prompts, self.tokenizer, self._facts.max_model_len,
+                         reader=self._runner.reader, chat_template=self.chat_template,
+                         chat_template_kwargs=self.chat_template_kwargs)
 
     # -- what the model is ----------------------------------------------------
     @property
@@ -204,23 +217,26 @@ class Session:
         facts = self._facts
         layers, sites, max_new_tokens = params.layers, params.sites, params.max_new_tokens
         logprobs, sampling = params.logprobs, params.sampling
-        prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
+        plist = self.prompts(prompts)
+        prompts, prompt_ids = [p.label for p in plist], [p.ids for p in plist]
         layers = checks.check_layers(layers, facts)
         sites = checks.check_sites(sites, facts)
         reads = checks.check_reads(sites, layers, params.reduce, params.logit_lens, facts,
                                    checks.check_heads(params.heads, sites, facts))
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
-        steers_each = checks.check_steers(params.steer, lens, max_new_tokens, facts)
-        ablates = per_prompt(params.ablate, len(prompts), Ablate)
+        steers_each = checks.check_steers(edits_each(params.steer, plist, Steer), lens,
+                                          max_new_tokens, facts)
+        ablates = edits_each(params.ablate, plist, Ablate, resolve=False)
         ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(params.edit, params.edit_at, facts,
                                   can_ship=self._runner.can_ship_functions,
                                   remote=self._runner.remote)
         bg_ids = []
         if params.background:
-            bg_ids = checks.check_prompts(list(params.background), facts, self.tokenize)[1]
-        ablates = ablation.fill_means(self, prompts, ablates)  # may read once first
+            bg_ids = [p.ids for p in self.prompts(list(params.background))]
+        ablates = ablation.fill_means(self, [p.source for p in plist], ablates)  # may read once
+        ablates = [resolve_roles(a, p, i) for i, (a, p) in enumerate(zip(ablates, plist))]
         fid = f"fn-{uuid.uuid4().hex[:12]}"
         edits = [Edit(site, layer, fid) for site, layer in pairs]
         call = self._runner.next_call()
@@ -228,8 +244,9 @@ class Session:
             self._runner.request(f"{call}-{i}", i, ids, reads=reads, steers=steers, edits=edits,
                                  max_new_tokens=max_new_tokens, logprobs=logprobs,
                                  sampling=sampling, clone=self.clone_reads,
-                                 **ablation.plan_parts(abl, len(ids), facts.head_dim))
-            for i, (ids, steers, abl) in enumerate(zip(prompt_ids, steers_each, ablates))
+                                 source=p, **ablation.plan_parts(abl, len(ids), facts.head_dim))
+            for i, (ids, steers, abl, p)
+            in enumerate(zip(prompt_ids, steers_each, ablates, plist))
         ]
         requests += [self._runner.background(ids, max_new_tokens, sampling) for ids in bg_ids]
         n = len(prompts)
@@ -246,9 +263,9 @@ class Session:
     def generate(self, prompts: str | Sequence[str], *, max_new_tokens: int = 16,
                  **sampling: Any) -> list[str]:
         """Plain generation with no plan (the hooks stay idle): the texts."""
-        _, prompt_ids = checks.check_prompts(prompts, self._facts, self.tokenize)
+        plist = self.prompts(prompts)
         checks.check_generation(max_new_tokens, sampling, self._facts)
-        requests = [self._runner.background(ids, max_new_tokens, sampling) for ids in prompt_ids]
+        requests = [self._runner.background(p.ids, max_new_tokens, sampling) for p in plist]
         return self._runner.run(Call(requests, lambda outs, _: [o.outputs[0].text for o in outs]),
                                 budget=self.read_budget)
 
@@ -264,8 +281,10 @@ class Session:
         if position not in ("last", "mean"):
             raise VlensError(f"position must be 'last' or 'mean', got {position!r}")
         for name, group in (("positive", positive), ("negative", negative)):
-            if isinstance(group, str) or not isinstance(group, (list, tuple)) or not group:
-                raise VlensError(f"{name} must be a non-empty list of prompt strings")
+            if (isinstance(group, str) or not isinstance(group, (list, tuple)) or not group
+                    or is_conversation(group)):
+                raise VlensError(f"{name} must be a non-empty list of prompts (strings, or "
+                                 "conversations: one conversation alone is wrapped in a list)")
         layer = checks.check_layers([layer], self._facts)[0]
         checks.check_sites([site], self._facts)
         if site == "attn_pattern":
@@ -292,8 +311,8 @@ class Session:
         """Baseline and steered generations of the same prompts in ONE engine
         batch: both texts, per-token logprobs, KL per position, first
         divergence. ``steer`` takes the same forms as in ``trace``."""
-        prompts, prompt_ids, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
-        call = self._steering_call(prompts, prompt_ids, arms, max_new_tokens, sampling)
+        plist, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
+        call = self._steering_call(plist, arms, max_new_tokens, sampling)
         return _comparison(*self._runner.run(call, budget=self.read_budget, progress=progress))
 
     def stream_compare(self, prompts: str | Sequence[str], *, steer: Any,
@@ -302,28 +321,29 @@ class Session:
         partial Runs ``(baseline, steered)`` (tokens and text so far), and
         last the finished :class:`~vlens.results.Comparison`, exactly as
         ``compare`` returns it. Closing the iterator early aborts the run."""
-        prompts, prompt_ids, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
-        call = self._steering_call(prompts, prompt_ids, arms, max_new_tokens, sampling)
+        plist, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
+        call = self._steering_call(plist, arms, max_new_tokens, sampling)
         assemble = call.assemble
         call.assemble = lambda outs, got: _comparison(*assemble(outs, got))
         return self._runner.stream(call, budget=self.read_budget)
 
     def _compare_arms(self, prompts, steer, max_new_tokens, sampling):
         facts = self._facts
-        prompts, prompt_ids = checks.check_prompts(prompts, facts, self.tokenize)
+        plist = self.prompts(prompts)
         checks.check_generation(max_new_tokens, sampling, facts)
-        lens = [len(ids) for ids in prompt_ids]
-        steers_each = checks.check_steers(steer, lens, max_new_tokens, facts)
+        steers_each = checks.check_steers(edits_each(steer, plist, Steer),
+                                          [len(p.ids) for p in plist], max_new_tokens, facts)
         if not any(steers_each):
             raise VlensError("compare needs a steer= (nothing would differ)")
-        return prompts, prompt_ids, [("b", [[] for _ in prompts]), ("s", steers_each)]
+        return plist, [("b", [[] for _ in plist]), ("s", steers_each)]
 
     def sweep(self, prompt: str, *, steer: Steer, scales: Sequence[float],
               max_new_tokens: int = 16, progress: Any = None, **sampling: Any) -> Sweep:
         """``steer`` at each of ``scales`` on one prompt, all in ONE batch
         (plus an unsteered baseline when 0 is not among the scales)."""
-        if not isinstance(prompt, str):
-            raise VlensError("sweep takes one prompt string")
+        plist = self.prompts(prompt)
+        if len(plist) != 1:
+            raise VlensError(f"sweep takes one prompt, got a batch of {len(plist)}")
         if not isinstance(steer, Steer):
             raise VlensError("sweep takes one vlens.Steer as steer=")
         if not isinstance(scales, (list, tuple)) or not scales:
@@ -334,13 +354,15 @@ class Session:
         scales = [float(x) for x in scales]
         variants = [steer.with_scale(x) for x in scales]  # validates each
         facts = self._facts
-        _, prompt_ids = checks.check_prompts([prompt], facts, self.tokenize)
         checks.check_generation(max_new_tokens, sampling, facts)
-        checks.check_steer(steer, facts, len(prompt_ids[0]), max_new_tokens)
-        arms = [(str(j), [[] if st.scale == 0 else [st]]) for j, st in enumerate(variants)]
+        variants = [resolve_roles([st], plist[0], 0) for st in variants]
+        for st in variants[0]:
+            checks.check_steer(st, facts, len(plist[0].ids), max_new_tokens)
+        arms = [(str(j), [[] if sts[0].scale == 0 else sts]) for j, sts in enumerate(variants)]
         if 0.0 not in scales:
             arms.append(("base", [[]]))
-        call = self._steering_call([prompt], prompt_ids, arms, max_new_tokens, sampling)
+        call = self._steering_call(plist, arms, max_new_tokens, sampling)
+        prompt = plist[0].label
         runs = self._runner.run(call, budget=self.read_budget, progress=progress)
         traces = [run[0] for run in runs]
         baseline = traces[scales.index(0.0)] if 0.0 in scales else traces[-1]
@@ -348,20 +370,21 @@ class Session:
         return Sweep(prompt, scales, steered, baseline,
                      [generated_kl(baseline, t) for t in steered])
 
-    def _steering_call(self, prompts: list[str], prompt_ids: list[list[int]],
+    def _steering_call(self, plist: list[Prompt],
                        arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
                        sampling: dict[str, Any]) -> Call:
         """Every arm (a name and the steers of each prompt) over ``prompts``
         for ONE batch, each request reading the last layer's logprobs: its
         assemble makes one Run per arm, its partial one partial Run per arm."""
         reads = [Read("resid_post", (self.n_layers - 1,), "logprobs")]
+        prompts = [p.label for p in plist]
         call = self._runner.next_call()
         requests = [
-            self._runner.request(f"{call}-{arm}{i}", i, ids, reads=reads, steers=steers,
+            self._runner.request(f"{call}-{arm}{i}", i, p.ids, reads=reads, steers=steers,
                                  max_new_tokens=max_new_tokens, logprobs=True,
-                                 sampling=sampling, clone=self.clone_reads)
+                                 sampling=sampling, clone=self.clone_reads, source=p)
             for arm, arm_steers in arms
-            for i, (ids, steers) in enumerate(zip(prompt_ids, arm_steers))
+            for i, (p, steers) in enumerate(zip(plist, arm_steers))
         ]
         n = len(prompts)
 

@@ -11,7 +11,7 @@ re-exported here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from vlens.checks.facts import (
@@ -40,7 +40,6 @@ __all__ = [
     "check_plan",
     "check_read",
     "check_write_size",
-    "check_prompts",
     "check_reads",
     "check_sites",
     "check_steer",
@@ -57,36 +56,6 @@ __all__ = [
     "LENS_K_MAX",
     "REMOTE_EDIT",
 ]
-
-
-def check_prompts(
-    prompts: Any, facts: ModelFacts, tokenize: Callable[[str], list[int]]
-) -> tuple[list[str], list[list[int]]]:
-    """A prompt string or a list of them -> ``(prompts, token ids of each)``."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise VlensError(
-            f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
-        )
-    if not prompts:
-        raise VlensError("prompts is empty: pass at least one prompt string")
-    ids = []
-    limit = facts.max_model_len
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str):
-            raise VlensError(f"prompt {i} is a {type(p).__name__}, not a string: pass text")
-        if not p.strip():
-            raise VlensError(f"prompt {i} is empty: give it at least one word")
-        toks = tokenize(p)
-        if len(toks) >= limit:
-            raise VlensError(
-                f"prompt {i} is {len(toks)} tokens long but the engine's max_model_len is "
-                f"{limit}: shorten it to under {limit} tokens, or start the Session with a "
-                "larger max_model_len="
-            )
-        ids.append(toks)
-    return list(prompts), ids
 
 
 def check_layers(layers: Any, facts: ModelFacts) -> list[int]:

@@ -40,7 +40,8 @@ from vlens import checks
 from vlens.calls import Call
 from vlens.errors import EngineError, VlensError
 from vlens.protocol.plan import Read, Set
-from vlens.edits import vector_id
+from vlens.edits import ROLE_SPANS, vector_id
+from vlens.prompts import resolve_roles
 from vlens.results.patching import Dist, Patching
 
 __all__ = ["Patching", "patch_call", "TOP_K"]
@@ -50,11 +51,16 @@ TOP_K = 10
 
 # -- building the call ---------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Span:
+    """A role span of patching ``positions`` (as vlens.prompts resolves it)."""
+
+    span: Any
+    what = "patch positions="
+
 def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
                 positions: Any, heads: Any) -> tuple[list[list[int]], list[int], list[int]]:
     facts = session._facts
-    if not isinstance(clean, str) or not isinstance(corrupt, str):
-        raise VlensError("patch takes two prompt strings: s.patch(clean, corrupt, ...)")
     if not isinstance(site, str) or site not in facts.sites:
         raise facts.no_such_site(site, "patch site")
     if site not in facts.writable:
@@ -68,7 +74,11 @@ def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
             f"heads=True patches each head's output, which only site 'z' holds separately; "
             f"use site='z' with heads=True, or heads=False for site {site!r}"
         )
-    _, ids = checks.check_prompts([clean, corrupt], facts, session.tokenize)
+    pair = [session.prompts(p) for p in (clean, corrupt)]
+    if any(len(p) != 1 for p in pair):
+        raise VlensError("patch takes two prompts (each a string, a conversation or "
+                         "{'prompt_token_ids': [...]}): s.patch(clean, corrupt, ...)")
+    ids = [p[0].ids for p in pair]
     if len(ids[0]) != len(ids[1]):
         raise VlensError(
             f"clean and corrupt prompts tokenize to {len(ids[0])} and {len(ids[1])} tokens; "
@@ -79,6 +89,9 @@ def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
     n = len(ids[0])
     if positions is None:
         positions = list(range(n))
+    if isinstance(positions, str) and positions in ROLE_SPANS:  # the clean prompt's role
+        ranges = resolve_roles([_Span(positions)], pair[0][0], 0)
+        positions = [k for r in ranges for k in range(*r.span)]
     if isinstance(positions, int) and not isinstance(positions, bool):
         positions = [positions]
     if isinstance(positions, range):

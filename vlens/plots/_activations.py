@@ -16,6 +16,7 @@ from vlens.plots._common import (
     prompt_boundary,
     span_shape,
     token_labels,
+    token_text,
 )
 from vlens.plots._reductions import pca_2d
 
@@ -164,7 +165,7 @@ def token_strip(
         r, c = divmod(i, width)
         generated = n_prompt is not None and i >= n_prompt
         z[r][c] = float(vals[i])
-        text[r][c] = f"<i>{plain_text(tok)}</i>" if generated else plain_text(tok)
+        text[r][c] = f"<i>{token_text(tok)}</i>" if generated else token_text(tok)
         index[r][c] = i
         part[r][c] = "generated" if generated else "prompt"
     customdata = [[[index[r][c], part[r][c]] for c in range(width)] for r in range(lines)]

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from vlens.tokens import visible
+
 SPAN_LINE = {"color": "#d62728", "width": 2}
 
 
@@ -18,10 +20,17 @@ def plain_text(text: str) -> str:
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def token_text(token: str) -> str:
+    """A token as every view draws it: whitespace visible
+    (:func:`vlens.tokens.visible`), markup-escaped (:func:`plain_text`)."""
+    return plain_text(visible(str(token)))
+
+
 def token_labels(tokens: Sequence[str]) -> list[str]:
-    """``["0:the", "1:cat", …]``: unique category labels for tokens (plotly
-    merges identical categories), markup-escaped (:func:`plain_text`)."""
-    return [f"{i}:{plain_text(t)}" for i, t in enumerate(tokens)]
+    """``["0:the", "1:·cat", …]``: unique category labels for tokens (plotly
+    merges identical categories), whitespace visible and markup-escaped
+    (:func:`token_text`)."""
+    return [f"{i}:{token_text(t)}" for i, t in enumerate(tokens)]
 
 
 def as_float(values: Any) -> torch.Tensor:

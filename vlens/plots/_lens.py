@@ -22,7 +22,7 @@ from typing import Any
 import plotly.graph_objects as go
 import torch
 
-from vlens.plots._common import as_float, plain_text, token_labels
+from vlens.plots._common import as_float, plain_text, token_labels, token_text
 
 __all__ = ["lens_token_values", "logit_lens_grid", "logit_lens_track"]
 
@@ -120,10 +120,10 @@ def logit_lens_grid(
     chars = _cell_chars(n_l, width or 900)
     cols = [f"layer {x}" for x in layers]
     z = probs[..., 0].T.tolist()
-    text = [[plain_text(_fit(str(words[l][t][0]), chars)) for l in range(n_l)]
+    text = [[token_text(_fit(str(words[l][t][0]), chars)) for l in range(n_l)]
             for t in range(n_t)]
     hover = [[
-        "<br>".join(f"{plain_text(str(words[l][t][j]))!s}: {float(probs[l, t, j]):.3f}"
+        "<br>".join(f"{token_text(str(words[l][t][j]))!s}: {float(probs[l, t, j]):.3f}"
                     for j in range(k))
         for l in range(n_l)] for t in range(n_t)]
     labels = token_labels(tokens)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlens.tokens import visible
+
 __all__ = ["Dist", "Patching"]
 
 Dist = tuple[list[str], list[float]]  # (tokens, log-probabilities), most likely first
@@ -52,7 +54,7 @@ class Patching:
         """Column labels: ``"pos:token"`` or ``"head h"``."""
         if self.heads is not None:
             return [f"head {h}" for h in self.heads]
-        return [f"{p}:{t}" for p, t in zip(self.positions, self.tokens)]
+        return [f"{p}:{visible(t)}" for p, t in zip(self.positions, self.tokens)]
 
     def to_frame(self):
         """Tidy: one row per cell with ``layer``, ``position`` (None for a

@@ -47,6 +47,10 @@ class Trace:
       this position. Only requests without reads use the cache (a steered
       one only reuses KV made under the same steers), so it is 0 whenever
       anything was read;
+    * ``roles`` / ``prompt_text`` / ``offsets`` -- per token of ``tokens``,
+      the role of the message it belongs to (None for a chat template's own
+      tokens and plain prompts, ``"generated"`` after the prompt); the
+      formatted prompt; each prompt token's character span in it;
     * ``restarts`` -- how many times vLLM recomputed the request from the
       start (preempted when the KV cache ran short); what was read is one
       clean pass either way.
@@ -72,6 +76,13 @@ class Trace:
     step_rows: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     restarts: int = 0
+    #: one per token of ``tokens``: the role of the message whose content
+    #: it holds, None for template tokens (and plain prompts), "generated"
+    roles: list[str | None] = field(default_factory=list)
+    #: the formatted prompt (a conversation through its chat template)
+    prompt_text: str = ""
+    #: each prompt token's (start, stop) characters in ``prompt_text``
+    offsets: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def read_keys(self) -> list[str]:

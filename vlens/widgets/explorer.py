@@ -20,6 +20,7 @@ import ipywidgets as widgets
 
 from vlens.lens import LogitLens
 from vlens.results import Run
+from vlens.widgets.prompt_box import box_prompt, box_text
 from vlens.widgets._base import View
 from vlens.widgets.activation import ActivationView
 from vlens.widgets.attention import PATTERN_SITE, AttentionView
@@ -50,7 +51,7 @@ class Explorer(View):
     def __init__(
         self,
         session: Any,
-        prompt: str,
+        prompt: Any,
         *,
         layer: int | None = None,
         max_new_tokens: int = 16,
@@ -61,7 +62,8 @@ class Explorer(View):
         self.controller = Controller(session, max_new_tokens=max_new_tokens)
         self.selection = Selection(
             layer=steering_defaults(session).layer if layer is None else layer)
-        self._prompt = widgets.Text(prompt, description="prompt", layout={"width": "60%"})
+        self._prompt = widgets.Text(box_text(prompt), description="prompt",
+                                    layout={"width": "60%"})
         self._trace_button = widgets.Button(description="trace", icon="play")
         self.clone_reads_toggle = CloneReadsToggle(session)
         self.span_picker = TokenSpanPicker()
@@ -98,7 +100,8 @@ class Explorer(View):
         widgets.link((self.span_picker, "selection"), (self.selection, "span"))
         self.controller.observe(self._guard(self._show_run), names=["run"])
         self.steering_panel.observe(self._guard(self._show_copied), names=["comparison"])
-        self._trace_button.on_click(self._guard(lambda _b: self.trace(self._prompt.value)))
+        self._trace_button.on_click(
+            self._guard(lambda _b: self.trace(box_prompt(self._prompt.value))))
         self._guard(self.trace)(prompt)
 
     @property
@@ -106,9 +109,11 @@ class Explorer(View):
         """The traced prompt's Run (``None`` until a trace succeeded)."""
         return self.controller.run
 
-    def trace(self, prompt: str) -> Run:
-        """Trace ``prompt`` and show it in every view."""
-        self._prompt.value = prompt
+    def trace(self, prompt: Any) -> Run:
+        """Trace ``prompt`` (a string or a conversation: a list of
+        ``{"role", "content"}`` dicts, shown in the box as JSON) and show it
+        in every view; the chips are coloured by role."""
+        self._prompt.value = box_text(prompt)
         with self._working(f"tracing {self.controller.max_new_tokens} new tokens…") as report:
             return self.controller.trace(prompt, progress=report)
 
@@ -118,13 +123,14 @@ class Explorer(View):
         self.span = (0, 0)  # a span of the last prompt means nothing here
         self.span_picker.tokens = list(t.tokens)
         self.span_picker.n_prompt = len(t.prompt_token_ids)
+        self.span_picker.roles = list(t.roles) if any(t.roles) else []
         self.activation_view.run = run
         self.logit_lens_view.run = run
         if self.attention_view is not None:
             self.attention_view.run = run
         if self.patching_view is not None:
-            self.patching_view.set_clean(t.prompt)
-        self.steering_panel.set_prompt(t.prompt)
+            self.patching_view.set_clean(box_prompt(self._prompt.value))
+        self.steering_panel.set_prompt(box_prompt(self._prompt.value))
         self.clone_reads_toggle.show_run(run)
 
     def _show_copied(self, change) -> None:
@@ -132,7 +138,7 @@ class Explorer(View):
             self.clone_reads_toggle.show_run(change["new"].steered)
 
 
-def explore(session: Any, prompt: str, **kwargs: Any) -> Explorer:
+def explore(session: Any, prompt: Any, **kwargs: Any) -> Explorer:
     """An :class:`Explorer` on ``prompt``: trace it once and look around.
 
     ``kwargs`` go to :class:`Explorer` (``layer=``, ``max_new_tokens=``,

@@ -23,6 +23,7 @@ import ipywidgets as widgets
 import traitlets
 
 from vlens.plots import next_token_bars, patching_heatmap
+from vlens.widgets.prompt_box import box_prompt, box_text
 from vlens.widgets._base import Panel, figure_widget, show_figure
 
 __all__ = ["PatchingView"]
@@ -59,8 +60,8 @@ class PatchingView(Panel):
         self,
         patching: Any = None,
         *,
-        clean: str | None = None,
-        corrupt: str | None = None,
+        clean: Any = None,
+        corrupt: Any = None,
         auto_run: bool = True,
         **options: Any,
     ) -> None:
@@ -71,8 +72,9 @@ class PatchingView(Panel):
             raise TypeError(f"{', '.join(sorted(options))}: patching options go with a "
                             "session, PatchingView(session, clean=..., corrupt=..., ...)")
         self.options = dict(options)
-        self._clean = widgets.Text(clean or "", description="clean", layout={"width": "90%"})
-        self._corrupt = widgets.Text(corrupt or "", description="corrupt",
+        self._clean = widgets.Text(box_text(clean or ""), description="clean",
+                                   layout={"width": "90%"})
+        self._corrupt = widgets.Text(box_text(corrupt or ""), description="corrupt",
                                      layout={"width": "90%"})
         self._run_button = widgets.Button(description="patch", icon="play",
                                           button_style="primary")
@@ -91,7 +93,7 @@ class PatchingView(Panel):
 
     def set_clean(self, prompt: str) -> None:
         """Use ``prompt`` as the clean run of the next :meth:`run`."""
-        self._clean.value = prompt
+        self._clean.value = box_text(prompt)
 
     # -- engine ----------------------------------------------------------------
     def run(self, clean: str | None = None, corrupt: str | None = None) -> Any:
@@ -101,16 +103,17 @@ class PatchingView(Panel):
             raise ValueError("this view was given a result, not a session: "
                              "PatchingView(session, clean=..., corrupt=...) runs patching")
         if clean is not None:
-            self._clean.value = clean
+            self._clean.value = box_text(clean)
         if corrupt is not None:
-            self._corrupt.value = corrupt
+            self._corrupt.value = box_text(corrupt)
         if not self._clean.value.strip() or not self._corrupt.value.strip():
             raise ValueError("type a clean prompt and a corrupt prompt first")
         self.streamed_states = 0
         self.cell = (-1, -1)
         last = None
         with self._working("patching…") as report:
-            for state in self.session.stream_patch(self._clean.value, self._corrupt.value,
+            for state in self.session.stream_patch(box_prompt(self._clean.value),
+                                                   box_prompt(self._corrupt.value),
                                                    **self.options):
                 if state is self.patching:  # the same object, filled further: no change event
                     self._on_patching({"new": state})

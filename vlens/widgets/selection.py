@@ -81,7 +81,7 @@ class Controller(traitlets.HasTraits):
         self.max_new_tokens = max_new_tokens
         self._directions: dict[tuple, Any] = {}
 
-    def trace(self, prompt: str, *, progress: Progress | None = None) -> Run:
+    def trace(self, prompt: Any, *, progress: Progress | None = None) -> Run:
         """Trace ``prompt`` for every view and set ``run``."""
         s = self.session
         # per-head sites would double the read for nothing the views show
@@ -91,10 +91,13 @@ class Controller(traitlets.HasTraits):
         self.run = run
         return run
 
-    def prompt_tokens(self, prompt: str) -> list[str]:
-        """The tokens of ``prompt`` as text (no engine call; ``[]`` for blank)."""
+    def prompt_tokens(self, prompt: Any) -> list[str]:
+        """The tokens of ``prompt`` (a string or a conversation) as text (no
+        engine call; ``[]`` for blank)."""
         s = self.session
-        return s.token_strings(s.tokenize(prompt)) if prompt.strip() else []
+        if isinstance(prompt, str):
+            return s.token_strings(s.tokenize(prompt)) if prompt.strip() else []
+        return s.token_strings(s.prompts([prompt])[0].ids)
 
     def has_direction(self, positive: Sequence[str], negative: Sequence[str], *,
                       layer: int, site: str) -> bool:

@@ -20,6 +20,7 @@ import traitlets
 
 from vlens.plots import baseline_vs_steered, dose_response, token_set_metric
 from vlens.edits import Steer
+from vlens.widgets.prompt_box import box_prompt, box_text
 from vlens.widgets._base import View, figure_widget, lines_of, show_figure, texts_html
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
 from vlens.widgets.pickers import HeadPicker, LayerPicker, SitePicker
@@ -169,7 +170,7 @@ class SteeringPanel(View):
         self.layer_picker = LayerPicker(s.n_layers, value=self.selection.layer)
         # the [hidden]-wide sites: a steering direction is one vector per token
         self.site_picker = SitePicker(token_sites(s.sites), value=self.selection.site)
-        self._prompt = widgets.Text(prompt or "", description="prompt",
+        self._prompt = widgets.Text(box_text(prompt or ""), description="prompt",
                                     layout={"width": "60%"})
         self.span_picker = TokenSpanPicker() if span_picker else None
         self._span_mode = widgets.Dropdown(options=SPAN_MODES, description="span")
@@ -247,8 +248,9 @@ class SteeringPanel(View):
 
     # -- inputs ----------------------------------------------------------------
     @property
-    def prompt(self) -> str:
-        return self._prompt.value
+    def prompt(self) -> Any:
+        """The prompt to steer: the box's text, or the conversation its JSON holds."""
+        return box_prompt(self._prompt.value)
 
     @property
     def positive(self) -> list[str]:
@@ -258,9 +260,10 @@ class SteeringPanel(View):
     def negative(self) -> list[str]:
         return lines_of(self._negative.value)
 
-    def set_prompt(self, prompt: str) -> None:
-        """Steer ``prompt``; its tokens become the chips a span is picked on."""
-        self._prompt.value = prompt
+    def set_prompt(self, prompt: Any) -> None:
+        """Steer ``prompt`` (a string or a conversation); its tokens become
+        the chips a span is picked on."""
+        self._prompt.value = box_text(prompt)
 
     def _show_prompt_tokens(self) -> None:
         if self.span_picker is not None:
@@ -321,7 +324,7 @@ class SteeringPanel(View):
                             heads=list(self.ablate_heads), span=self.steer_span())
 
     def _need_prompt(self) -> str:
-        if not self.prompt.strip():
+        if not self._prompt.value.strip():
             raise ValueError("type a prompt to steer first")
         return self.prompt
 

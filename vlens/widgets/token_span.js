@@ -5,9 +5,17 @@
 // to "hovered". "shade" (0..1 per chip) tints the chips. Text goes in
 // through textContent only, so a token can never be read as markup.
 
+// whitespace drawn as vlens.tokens.visible draws it in every other view
 function chipText(token) {
   if (token === "") return "\u2205"; // empty set: an empty token
-  return token.replace(/ /g, "\u00b7").replace(/\n/g, "\u21b5");
+  return token.replace(/ /g, "\u00b7").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+}
+
+const ROLE_CLASSES = ["system", "user", "assistant", "generated"];
+
+function roleClass(role) {
+  if (!role) return null;
+  return "role-" + (ROLE_CLASSES.includes(role) ? role : "other");
 }
 
 function render({ model, el }) {
@@ -78,6 +86,7 @@ function render({ model, el }) {
   function draw() {
     const tokens = model.get("tokens");
     const nPrompt = model.get("n_prompt");
+    const roles = model.get("roles") || [];
     anchor = null;
     chips.replaceChildren(
       ...tokens.map((token, i) => {
@@ -85,8 +94,11 @@ function render({ model, el }) {
         chip.type = "button";
         chip.className = "vlens-chip";
         if (nPrompt >= 0 && i >= nPrompt) chip.classList.add("generated");
+        const role = roles[i];
+        const cls = roleClass(role);
+        if (cls) chip.classList.add(cls);
         chip.dataset.index = String(i);
-        chip.title = `token ${i}: ${JSON.stringify(token)}`;
+        chip.title = `token ${i}: ${JSON.stringify(token)}` + (role ? ` (${role})` : "");
         chip.textContent = chipText(token);
         return chip;
       }),
@@ -101,6 +113,7 @@ function render({ model, el }) {
   chips.addEventListener("mousedown", (e) => { if (e.shiftKey) e.preventDefault(); });
   model.on("change:tokens", draw);
   model.on("change:n_prompt", draw);
+  model.on("change:roles", draw);
   model.on("change:selection", drawSelection);
   model.on("change:hovered", drawSelection);
   model.on("change:shade", drawShade);
@@ -109,6 +122,7 @@ function render({ model, el }) {
   return () => {
     model.off("change:tokens", draw);
     model.off("change:n_prompt", draw);
+    model.off("change:roles", draw);
     model.off("change:selection", drawSelection);
     model.off("change:hovered", drawSelection);
     model.off("change:shade", drawShade);

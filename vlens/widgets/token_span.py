@@ -6,7 +6,10 @@ selection to the span between them. The selection is the synced trait
 so Python sees every click and can set the selection too. ``hovered`` is
 the last chip the pointer went over (views that follow the pointer, such
 as the attention view, observe it), and ``shade`` (one value in 0..1 per
-token, or empty) tints the chips, e.g. by where a token attends. The front
+token, or empty) tints the chips, e.g. by where a token attends; ``roles``
+(one per token, as ``Trace.roles``) colours them by the message they
+belong to. Whitespace is drawn visibly (``·`` a space, ``↵`` a newline),
+as every other view draws it (:func:`vlens.tokens.visible`). The front
 end is ``token_span.js`` beside this file; Python never builds HTML.
 """
 
@@ -42,6 +45,9 @@ class TokenSpanPicker(anywidget.AnyWidget):
     hovered = traitlets.Int(-1).tag(sync=True)
     #: a tint per chip, 0..1 (empty: no tint)
     shade = traitlets.List(traitlets.Float()).tag(sync=True)
+    #: each chip's role (Trace.roles: "system", "user", "assistant",
+    #: "generated" or None), drawn as the chip's colour (empty: none)
+    roles = traitlets.List(traitlets.Unicode(allow_none=True)).tag(sync=True)
 
     def __init__(
         self,
@@ -73,6 +79,8 @@ class TokenSpanPicker(anywidget.AnyWidget):
             self.hovered = -1
         if self.shade and len(self.shade) != len(change["new"]):
             self.shade = []
+        if self.roles and len(self.roles) != len(change["new"]):
+            self.roles = []
 
     def select(self, start: int, stop: int | None = None) -> None:
         """Select token ``start`` (or ``[start, stop)``) from Python."""
