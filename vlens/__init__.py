@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from vlens.session import Session
     from vlens.protocol.architectures import supported_architectures
     from vlens.edits import Ablate, PerPrompt, Steer
+    from vlens.methods.sae import SAE
     from vlens.results import Comparison, Sweep
     from vlens.widgets import explore
     from vlens.remote.client import connect
@@ -36,6 +37,7 @@ __all__ = [
     "Patching",
     "PerPrompt",
     "Run",
+    "SAE",
     "Session",
     "Steer",
     "Sweep",
@@ -56,6 +58,7 @@ _LAZY = {
     "Patching": "vlens.results.patching",
     "EditContext": "vlens.protocol.plan",
     "PerPrompt": "vlens.edits",
+    "SAE": "vlens.methods.sae",
     "Session": "vlens.session",
     "Steer": "vlens.edits",
     "Run": "vlens.results",

@@ -95,6 +95,8 @@ class Runner:
         self._name = f"s{next(Runner._ids)}-{uuid.uuid4().hex[:6]}"
         self._calls = itertools.count()
         self._token_text: dict[int, str] = {}
+        #: the SAEs this session's calls read ({id: payload}, methods/sae.py)
+        self.saes: dict[str, dict[str, Any]] = {}
         self._facts = ModelFacts.from_info(shared.engine.info)
 
     def _check_open(self) -> None:
@@ -248,6 +250,9 @@ class Runner:
                      [r.plan.tag for r in requests if r.plan is not None])
         try:
             with engine.lock, engine.hold_vectors(vectors):
+                saes = {r.sae for q in requests if q.plan for r in q.plan.reads if r.sae}
+                if saes:
+                    engine.hold_saes({sid: self.saes[sid] for sid in saes})
                 if edit_fns:
                     engine.rpc("vlens_put_edits", edit_fns)
                 yield call

@@ -50,6 +50,8 @@ class TraceParams:
     reduce: str = "full"
     logit_lens: int = 0
     heads: int | Sequence[int] | None = None
+    saes: Any = None
+    features_top_k: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vlens import checks
-from vlens.methods import ablation, patching
+from vlens.methods import ablation, patching, sae
 from vlens._runner import Runner, env_flag, live_engines
 from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
@@ -142,6 +142,8 @@ class Session:
         reduce: str = "full",
         logit_lens: int = 0,
         heads: int | Sequence[int] | None = None,
+        saes: Any = None,
+        features_top_k: int = 0,
         progress: Any = None,
         **sampling: Any,
     ) -> Run:
@@ -172,6 +174,9 @@ class Session:
         * ``heads``: the query heads an ``attn_pattern`` read computes (None:
           all); the pattern costs ``heads x T x T`` floats per layer, so
           pick heads (and layers) for long prompts;
+        * ``saes``: a :class:`~vlens.SAE` or a list: each encodes its site at
+          its layer in the worker (``t.features(sae)``, ``[T, d_sae]``);
+          ``features_top_k=k`` ships only each token's k largest;
         * ``background``: prompts run in the same batch with no plan, as
           other users' traffic would (``run.background_texts``);
         * ``progress``: True for a progress bar, or ``fn(done, total)``
@@ -184,7 +189,8 @@ class Session:
         params = TraceParams(
             layers=layers, sites=sites, max_new_tokens=max_new_tokens, logprobs=logprobs,
             background=background, steer=steer, ablate=ablate, edit=edit, edit_at=edit_at,
-            reduce=reduce, logit_lens=logit_lens, heads=heads, sampling=sampling)
+            reduce=reduce, logit_lens=logit_lens, heads=heads, saes=saes,
+            features_top_k=features_top_k, sampling=sampling)
         return self._runner.run(self._trace_call(prompts, params), budget=self.read_budget,
                                 progress=progress)
 
@@ -209,6 +215,7 @@ class Session:
         sites = checks.check_sites(sites, facts)
         reads = checks.check_reads(sites, layers, params.reduce, params.logit_lens, facts,
                                    checks.check_heads(params.heads, sites, facts))
+        reads += sae.feature_reads(params.saes, params.features_top_k, facts, self._runner)
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
         steers_each = checks.check_steers(params.steer, lens, max_new_tokens, facts)

@@ -60,10 +60,14 @@ class Read:
     reduce: str = "full"
     k: int = 0
     heads: tuple[int, ...] = ()
+    #: a feature read: the id of the SAE whose encoder the worker applies
+    #: (``reduce`` "sae": every feature, ``k`` = d_sae; "sae_top": each
+    #: row's ``k`` largest, as ids and values)
+    sae: str = ""
 
     @cached_property
     def key(self) -> str:
-        return read_key(self.site, self.reduce)
+        return read_key(self.site, self.reduce) + (f":{self.sae}" if self.sae else "")
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,8 @@ class Plan:
             "prompt_len": self.prompt_len,
             "reads": [
                 {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k,
-                 **({"heads": list(r.heads)} if r.heads else {})}
+                 **({"heads": list(r.heads)} if r.heads else {}),
+                 **({"sae": r.sae} if r.sae else {})}
                 for r in self.reads
             ],
             "adds": [
@@ -183,7 +188,8 @@ def parse_plan(raw: Any) -> Plan:
         prompt_len=int(raw.get("prompt_len", 0)),
         reads=_shared(tuple(
             Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
-                 int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()))
+                 int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()),
+                 str(r.get("sae", "")))
             for r in raw.get("reads") or ()
         )),
         adds=_shared(tuple(

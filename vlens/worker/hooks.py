@@ -32,6 +32,7 @@ from vlens.worker.planner import BatchGroups, StepPlan, plan_step
 from vlens.worker.records import StepLog, to_host
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
+from vlens.worker.features import FeatureStore
 
 __all__ = ["WorkerHooks"]
 
@@ -56,6 +57,7 @@ class WorkerHooks:
         self._last_step: StepPlan | None = None  # the last planned step (reused in decode)
         self.log: StepLog | None = None  # the current step's reads, for every request
         self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
+        self.features = FeatureStore(self.vectors.device)  # SAEs for feature reads
         #: plans, records, journal, edit functions: per request, between steps
         self.book = RequestBook(self.runner, self.vectors)
         self.heads = HeadSites(self.sites, self.vectors, self.tp, self.reader,
@@ -432,7 +434,7 @@ class WorkerHooks:
                 rows = self.heads.gather_heads(rows, -1)
                 rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
             t0 = time.perf_counter_ns()
-            parts = reduce_rows(self.model, rows, g.read)
+            parts = reduce_rows(self.model, rows, g.read, self.features)
             self.counters.reduce_ns += time.perf_counter_ns() - t0
             if not self.reader or log is None:  # a non-reading rank joined a collective
                 continue

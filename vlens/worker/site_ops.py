@@ -129,13 +129,16 @@ def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,
     return copied
 
 
-def reduce_rows(model: Any, rows: torch.Tensor, read: Read) -> dict[str, torch.Tensor]:
+def reduce_rows(model: Any, rows: torch.Tensor, read: Read,
+                features: Any = None) -> dict[str, torch.Tensor]:
     """``rows`` is a gathered copy ([n, ...]); kept values never alias
     engine buffers that later kernels or steps overwrite. They stay on
     the model's device until the step ends (the worker copies them to
     the host in one go)."""
     if read.reduce == "full":
         return {"value": rows.float()}
+    if read.sae:  # feature activations of an SAE the worker holds (``features``)
+        return features.reduce(rows, read.sae, read.k if read.reduce == "sae_top" else 0)
     if read.reduce == "norm":
         if rows.dtype == torch.float32:  # no dtype argument: a shorter path in torch
             return {"value": torch.linalg.vector_norm(rows, dim=-1)}

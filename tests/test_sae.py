@@ -1,0 +1,142 @@
+"""Sparse autoencoders: loading SAELens folders and Gemma Scope's npz, the
+client's encode against SAELens's formulas (written here from its
+documentation, independently of vlens's code), and feature reads in the
+worker on a loaded engine (chunked prefill, preemption) equal to the
+reference encode of the same activations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import vlens
+from vlens.errors import VlensError
+
+HIDDEN = 64  # tests/conftest.py's tiny Llama
+
+
+def _weights(d_in: int, d_sae: int, seed: int, threshold: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = {"W_enc": torch.randn(d_in, d_sae, generator=g) / d_in ** 0.5,
+         "W_dec": torch.randn(d_sae, d_in, generator=g) / d_sae ** 0.5,
+         "b_enc": torch.randn(d_sae, generator=g) * 0.1,
+         "b_dec": torch.randn(d_in, generator=g) * 0.1}
+    if threshold:
+        w["threshold"] = torch.rand(d_sae, generator=g) * 0.2
+    return w
+
+
+def save_saelens(folder: Path, arch: str, hook: str, d_in: int = HIDDEN, d_sae: int = 96,
+                 seed: int = 0, **cfg) -> Path:
+    """An SAE folder laid out as SAELens's ``save_model`` writes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    w = _weights(d_in, d_sae, seed, threshold=arch == "jumprelu")
+    save_file(w, str(folder / "sae_weights.safetensors"))
+    full = {"architecture": arch, "d_in": d_in, "d_sae": d_sae, "dtype": "float32",
+            "device": "cpu", "apply_b_dec_to_input": True, "normalize_activations": "none",
+            "metadata": {"hook_name": hook, "model_name": "tiny"}, **cfg}
+    (folder / "cfg.json").write_text(json.dumps(full))
+    return folder
+
+
+def reference_encode(x: torch.Tensor, folder: Path) -> torch.Tensor:
+    """SAELens's encode, from its documented formulas (SAE.encode for the
+    standard, JumpReLU and TopK architectures)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "cfg.json").read_text())
+    w = {k: v.double() for k, v in load_file(str(folder / "sae_weights.safetensors")).items()}
+    x = x.double()
+    norm = cfg.get("normalize_activations", "none")
+    if norm == "constant_norm_rescale":
+        x = x * (cfg["d_in"] ** 0.5) / x.norm(dim=-1, keepdim=True)
+    elif norm == "layer_norm":
+        mu = x.mean(-1, keepdim=True)
+        x = x - mu
+        x = x / (x.std(-1, keepdim=True) + 1e-5)
+    if cfg.get("apply_b_dec_to_input", True):
+        x = x - w["b_dec"]
+    pre = x @ w["W_enc"] + w["b_enc"]
+    arch = cfg["architecture"]
+    if arch == "jumprelu":
+        out = torch.relu(pre) * (pre > w["threshold"]).double()
+    elif arch == "topk":
+        vals, idx = pre.topk(cfg["k"], dim=-1)
+        out = torch.zeros_like(pre).scatter(-1, idx, vals.relu())
+    else:
+        out = torch.relu(pre)
+    return out.float()
+
+
+ARCHS = [("standard", {}), ("jumprelu", {}), ("topk", {"k": 8}),
+         ("standard", {"normalize_activations": "constant_norm_rescale"}),
+         ("standard", {"normalize_activations": "layer_norm", "apply_b_dec_to_input": False})]
+
+
+@pytest.mark.parametrize("arch,cfg", ARCHS)
+def test_client_encode_matches_the_reference(tmp_path, arch, cfg):
+    folder = save_saelens(tmp_path / arch, arch, "blocks.2.hook_resid_post", **cfg)
+    sae = vlens.SAE.load(folder)
+    assert (sae.site, sae.layer, sae.d_in, sae.d_sae) == ("resid_post", 2, HIDDEN, 96)
+    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(1)) * 3
+    got, want = sae.encode(x), reference_encode(x, folder)
+    assert got.shape == (20, 96)
+    assert (want > 0).any() and (want == 0).any()  # some features on, some off
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if arch == "topk":
+        assert int((got > 0).sum(-1).max()) <= 8
+    torch.testing.assert_close(sae.encode(x[3]), got[3])
+    torch.testing.assert_close(sae.decoder(5), _weights(HIDDEN, 96, 0, arch == "jumprelu")["W_dec"][5])
+    st = sae.steer(5, scale=2.0, span="prompt")
+    assert (st.layer, st.site, st.scale, st.span) == (2, "resid_post", 2.0, "prompt")
+
+
+@pytest.mark.parametrize("hook,site,layer", [
+    ("blocks.0.hook_resid_pre", "resid_pre", 0), ("blocks.1.hook_resid_mid", "resid_mid", 1),
+    ("blocks.3.hook_attn_out", "attn_out", 3), ("blocks.2.hook_mlp_out", "mlp_out", 2),
+    ("blocks.1.attn.hook_z", "z", 1)])
+def test_hook_names_give_site_and_layer(tmp_path, hook, site, layer):
+    sae = vlens.SAE.load(save_saelens(tmp_path / "s", "standard", hook))
+    assert (sae.site, sae.layer) == (site, layer)
+    assert (vlens.SAE.load(tmp_path / "s", site="mlp_out", layer=0).site) == "mlp_out"
+
+
+def test_gemma_scope_npz(tmp_path):
+    w = _weights(HIDDEN, 32, 3, threshold=True)
+    folder = tmp_path / "gemma-scope-2b-pt-res" / "layer_2" / "width_16k" / "average_l0_71"
+    folder.mkdir(parents=True)
+    np.savez(folder / "params.npz", **{k: v.numpy() for k, v in w.items()})
+    sae = vlens.SAE.load(folder)
+    assert (sae.site, sae.layer, sae.spec.architecture, sae.spec.b_dec_in) == (
+        "resid_post", 2, "jumprelu", False)
+    x = torch.randn(6, HIDDEN) * 2
+    pre = x @ w["W_enc"] + w["b_enc"]  # Gemma Scope's JumpReLU: no b_dec on the input
+    torch.testing.assert_close(sae.encode(x), (pre > w["threshold"]) * torch.relu(pre))
+
+
+def test_bad_saes_are_refused(tmp_path):
+    with pytest.raises(VlensError, match="not an SAE folder"):
+        vlens.SAE.load(tmp_path)
+    save_saelens(tmp_path / "g", "gated", "blocks.0.hook_resid_post")
+    with pytest.raises(VlensError, match="gated"):
+        vlens.SAE.load(tmp_path / "g")
+    save_saelens(tmp_path / "h", "standard", "blocks.0.ln1.hook_normalized")
+    with pytest.raises(VlensError, match="site= and layer="):
+        vlens.SAE.load(tmp_path / "h")
+    save_saelens(tmp_path / "k", "topk", "blocks.0.hook_resid_post")
+    with pytest.raises(VlensError, match="k="):
+        vlens.SAE.load(tmp_path / "k")
+    save_saelens(tmp_path / "n", "standard", "blocks.0.hook_resid_post",
+                 normalize_activations="expected_average_only_in")
+    with pytest.raises(VlensError, match="scaling factor"):
+        vlens.SAE.load(tmp_path / "n")
+    sae = vlens.SAE.load(save_saelens(tmp_path / "ok", "standard", "blocks.0.hook_resid_post"))
+    with pytest.raises(VlensError, match="feature must be an int"):
+        sae.decoder(96)
+    with pytest.raises(VlensError, match=r"\[n, 64\]"):
+        sae.encode(torch.zeros(2, 10))
