@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import vlens
 from vlens.errors import VlensError
 
-HIDDEN = 64  # tests/conftest.py's tiny Llama
+HIDDEN = 128  # tests/conftest.py's tiny Llama
 
 
 def _weights(d_in: int, d_sae: int, seed: int, threshold: bool = False) -> dict[str, torch.Tensor]:
@@ -138,5 +138,83 @@ def test_bad_saes_are_refused(tmp_path):
     sae = vlens.SAE.load(save_saelens(tmp_path / "ok", "standard", "blocks.0.hook_resid_post"))
     with pytest.raises(VlensError, match="feature must be an int"):
         sae.decoder(96)
-    with pytest.raises(VlensError, match=r"\[n, 64\]"):
+    with pytest.raises(VlensError, match=r"\[n, 128\]"):
         sae.encode(torch.zeros(2, 10))
+
+
+# -- feature reads in the engine ----------------------------------------------------
+
+
+def _prompt(n_words: int, offset: int) -> str:
+    return " ".join(f"w{(offset + 7 * i) % 240}" for i in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def loaded_session(tiny_llama, engine_options):
+    """Chunked prefill of 32 tokens and a KV cache too small for the batch."""
+    s = vlens.Session(tiny_llama, reuse=False, max_model_len=512, max_num_batched_tokens=32,
+                      enable_prefix_caching=True, num_gpu_blocks_override=6, **engine_options)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def sae_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saes")
+    return {
+        "standard": save_saelens(root / "std", "standard", "blocks.1.hook_resid_post", seed=1),
+        "jumprelu": save_saelens(root / "jump", "jumprelu", "blocks.2.hook_mlp_out", seed=2,
+                                 normalize_activations="constant_norm_rescale"),
+        "topk": save_saelens(root / "topk", "topk", "blocks.1.attn.hook_z", seed=3, k=12),
+    }
+
+
+@pytest.mark.engine
+def test_feature_reads_equal_the_reference_encode_on_a_loaded_engine(loaded_session, sae_folders):
+    s = loaded_session
+    saes = {a: vlens.SAE.load(f) for a, f in sae_folders.items()}
+    # 118-125 prompt tokens: chunked in 32s, and decoding past 128 tokens
+    # needs KV blocks the 6-block cache no longer has (preemption)
+    prompts = [_prompt(n, k) for k, n in enumerate([120, 122, 125, 118, 124, 60, 119, 9])]
+    kw = dict(layers=[1, 2], sites=["resid_post", "mlp_out", "z"], max_new_tokens=12)
+    run = s.trace(prompts, saes=list(saes.values()), **kw)
+    assert any(t.restarts > 0 for t in run), "the KV cache was meant to force preemption"
+    top = s.trace(prompts, saes=list(saes.values()), features_top_k=5, **kw)
+    for t, tt in zip(run, top):
+        for arch, sae in saes.items():
+            x = t.activations(sae.site)[[1, 2].index(sae.layer)]
+            x = x.reshape(x.shape[0], -1)
+            want = reference_encode(x, sae_folders[arch])
+            got = t.features(sae)
+            assert got.shape == (t.n_tokens, 96) and got.dtype == torch.float32
+            assert (want > 0).any()
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            # top-k: exactly each token's 5 largest, zeros elsewhere
+            kept = tt.features(sae)
+            ids = got.topk(5, dim=-1).indices
+            torch.testing.assert_close(kept.gather(1, ids), got.gather(1, ids), atol=1e-4,
+                                       rtol=1e-4)
+            assert int((kept != 0).sum(-1).max()) <= 5
+            rest = kept.clone().scatter_(1, ids, 0.0)
+            assert not rest.any()
+    assert s.status()["records"] == 0
+
+
+@pytest.mark.engine
+def test_feature_reads_are_checked_before_anything_runs(llama_session, tmp_path):
+    s = llama_session
+    wide = vlens.SAE.load(save_saelens(tmp_path / "w", "standard", "blocks.1.hook_resid_post",
+                                       d_in=HIDDEN * 2))
+    with pytest.raises(VlensError, match="trained on another model"):
+        s.trace("hi", saes=[wide])
+    deep = vlens.SAE.load(save_saelens(tmp_path / "d", "standard", "blocks.9.hook_resid_post"))
+    with pytest.raises(VlensError, match="layer 9"):
+        s.trace("hi", saes=deep)
+    ok = vlens.SAE.load(save_saelens(tmp_path / "ok", "standard", "blocks.1.hook_resid_post"))
+    with pytest.raises(VlensError, match="features_top_k"):
+        s.trace("hi", saes=[ok], features_top_k=-1)
+    with pytest.raises(VlensError, match="saes must be"):
+        s.trace("hi", saes=["sae"])
+    t = s.trace("the cat", saes=[ok], sites=[], max_new_tokens=2)[0]
+    assert t.features(ok).shape == (t.n_tokens, 96)
+    assert t.read_keys == [f"resid_post:sae:{ok.id}"]
