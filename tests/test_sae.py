@@ -12,65 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import vlens
 from vlens.errors import VlensError
 
-HIDDEN = 128  # tests/conftest.py's tiny Llama
-
-
-def _weights(d_in: int, d_sae: int, seed: int, threshold: bool = False) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w = {"W_enc": torch.randn(d_in, d_sae, generator=g) / d_in ** 0.5,
-         "W_dec": torch.randn(d_sae, d_in, generator=g) / d_sae ** 0.5,
-         "b_enc": torch.randn(d_sae, generator=g) * 0.1,
-         "b_dec": torch.randn(d_in, generator=g) * 0.1}
-    if threshold:
-        w["threshold"] = torch.rand(d_sae, generator=g) * 0.2
-    return w
-
-
-def save_saelens(folder: Path, arch: str, hook: str, d_in: int = HIDDEN, d_sae: int = 96,
-                 seed: int = 0, **cfg) -> Path:
-    """An SAE folder laid out as SAELens's ``save_model`` writes it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    w = _weights(d_in, d_sae, seed, threshold=arch == "jumprelu")
-    save_file(w, str(folder / "sae_weights.safetensors"))
-    full = {"architecture": arch, "d_in": d_in, "d_sae": d_sae, "dtype": "float32",
-            "device": "cpu", "apply_b_dec_to_input": True, "normalize_activations": "none",
-            "metadata": {"hook_name": hook, "model_name": "tiny"}, **cfg}
-    (folder / "cfg.json").write_text(json.dumps(full))
-    return folder
-
-
-def reference_encode(x: torch.Tensor, folder: Path) -> torch.Tensor:
-    """SAELens's encode, from its documented formulas (SAE.encode for the
-    standard, JumpReLU and TopK architectures)."""
-    from safetensors.torch import load_file
-
-    cfg = json.loads((folder / "cfg.json").read_text())
-    w = {k: v.double() for k, v in load_file(str(folder / "sae_weights.safetensors")).items()}
-    x = x.double()
-    norm = cfg.get("normalize_activations", "none")
-    if norm == "constant_norm_rescale":
-        x = x * (cfg["d_in"] ** 0.5) / x.norm(dim=-1, keepdim=True)
-    elif norm == "layer_norm":
-        mu = x.mean(-1, keepdim=True)
-        x = x - mu
-        x = x / (x.std(-1, keepdim=True) + 1e-5)
-    if cfg.get("apply_b_dec_to_input", True):
-        x = x - w["b_dec"]
-    pre = x @ w["W_enc"] + w["b_enc"]
-    arch = cfg["architecture"]
-    if arch == "jumprelu":
-        out = torch.relu(pre) * (pre > w["threshold"]).double()
-    elif arch == "topk":
-        vals, idx = pre.topk(cfg["k"], dim=-1)
-        out = torch.zeros_like(pre).scatter(-1, idx, vals.relu())
-    else:
-        out = torch.relu(pre)
-    return out.float()
+from _sae_reference import HIDDEN, _weights, reference_encode, save_saelens
 
 
 ARCHS = [("standard", {}), ("jumprelu", {}), ("topk", {"k": 8}),
@@ -218,3 +164,68 @@ def test_feature_reads_are_checked_before_anything_runs(llama_session, tmp_path)
     t = s.trace("the cat", saes=[ok], sites=[], max_new_tokens=2)[0]
     assert t.features(ok).shape == (t.n_tokens, 96)
     assert t.read_keys == [f"resid_post:sae:{ok.id}"]
+
+
+# -- clamping -----------------------------------------------------------------------
+
+
+def hf_clamp(path, jobs, tmp_path):
+    """Run tests/_hf_clamp.py in a fresh process (as tests/test_ablation.py does)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"path": str(path), "jobs": jobs}))
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
+    proc = subprocess.run([sys.executable, str(root / "tests" / "_hf_clamp.py"), str(spec),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp_path / "out.pt")
+
+
+@pytest.mark.engine
+def test_clamp_equals_a_hugging_face_hook_and_leaves_others_alone(llama_session, tiny_llama,
+                                                                   tmp_path):
+    s = llama_session
+    folders = [save_saelens(tmp_path / "std", "standard", "blocks.1.hook_resid_post", seed=5),
+               save_saelens(tmp_path / "topk", "topk", "blocks.0.hook_mlp_out", seed=6, k=12)]
+    saes = [vlens.SAE.load(f) for f in folders]
+    clamps = [vlens.Clamp(saes[0], feature=7, value=4.0, span=(2, 9)),
+              vlens.Clamp(saes[1], feature=3, value=2.0, span="all")]
+    prompts = [_prompt(90, 1), _prompt(12, 2)]  # the long one is chunked (64-token steps)
+    kw = dict(layers=None, sites=["resid_post"], max_new_tokens=5)
+    plain = s.trace(prompts, **kw)
+    runs, jobs = [], []
+    for c, folder in zip(clamps, folders):
+        run = s.trace(prompts, clamp=vlens.PerPrompt([c, None]), **kw)
+        runs.append(run)
+        t = run[0]
+        start, stop = c.positions(len(s.tokenize(prompts[0])))
+        jobs.append({"ids": t.token_ids, "sae": str(folder), "site": c.site, "layer": c.layer,
+                     "feature": c.feature, "value": c.value,
+                     "span": [start, None if stop < 0 else stop]})
+        # the other request of the batch: bit-identical to the unclamped run
+        assert torch.equal(run[1].activations(), plain[1].activations())
+        assert run[1].output_token_ids == plain[1].output_token_ids
+    for c, run, ref in zip(clamps, runs, hf_clamp(tiny_llama, jobs, tmp_path)):
+        t = run[0]
+        err = (t.activations() - ref["resid_post"]).abs().max()
+        assert err <= 1e-4, f"{c}: resid_post differs from Hugging Face by {err}"
+        # every generated token's logprob (the first one's included): row P + j - 1
+        # of Hugging Face's log-softmax predicts generated token j
+        p_len = len(t.token_ids) - len(t.output_token_ids) + 1
+        for j, tok in enumerate(t.output_token_ids):
+            want = float(ref["logprobs"][p_len + j - 1][tok])
+            assert abs(t.logprobs[p_len + j] - want) <= 1e-4, (c, j)
+        assert not torch.equal(t.activations(), plain[0].activations())  # it wrote something
+    with pytest.raises(VlensError, match="Clamp value"):
+        vlens.Clamp(saes[0], feature=7, value=float("nan"))
+    with pytest.raises(VlensError, match="feature must be"):
+        vlens.Clamp(saes[0], feature=96, value=1.0)
+    # sweep over values: a clamp to 0 is a write (feature 7 off), not the baseline
+    sw = s.sweep(prompts[1], steer=clamps[0], scales=[0.0, 8.0], max_new_tokens=3)
+    assert len(sw.runs) == 2 and all(t.steered_rows > 0 for t in sw.runs)
+    assert sw.baseline.steered_rows == 0
+    assert sw.runs[1].logprobs != sw.baseline.logprobs

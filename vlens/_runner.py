@@ -191,13 +191,26 @@ class Runner:
         (``{id: tensor [width]}``)."""
         adds = tuple(
             Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
-                relative=st.relative)
+                relative=st.relative, **self._clamp_of(st))
             for st in steers
         )
         plan = Plan(tag=tag, reads=tuple(reads), adds=adds, sets=tuple(sets), edits=tuple(edits),
                     clone=clone, prompt_len=len(ids), index=index)
         params = self.sampling_params(max_new_tokens, logprobs, plan, sampling or {}, score)
         return Request(ids, plan, params, {**{st.id: st.vector for st in steers}, **(vectors or {})})
+
+    def _clamp_of(self, st: Steer) -> dict[str, Any]:
+        """A Clamp's plan fields (its SAE's encoder goes to the workers with
+        the call); nothing for a plain Steer."""
+        sae = getattr(st, "sae", None)
+        if sae is None:
+            return {}
+        if self.remote:
+            raise VlensError("Clamps over vlens.connect are not supported yet: clamp in a "
+                             "local Session")
+        if sae.id not in self.saes:
+            self.saes[sae.id] = sae.payload()
+        return {"sae": sae.id, "feature": st.feature}
 
     def background(self, ids: list[int], max_new_tokens: int, sampling: dict[str, Any]) -> Request:
         """An untraced request, as other users' traffic would be."""
@@ -250,7 +263,8 @@ class Runner:
                      [r.plan.tag for r in requests if r.plan is not None])
         try:
             with engine.lock, engine.hold_vectors(vectors):
-                saes = {r.sae for q in requests if q.plan for r in q.plan.reads if r.sae}
+                saes = {r.sae for q in requests if q.plan
+                        for r in q.plan.reads + q.plan.adds if r.sae}
                 if saes:
                     engine.hold_saes({sid: self.saes[sid] for sid in saes})
                 if edit_fns:

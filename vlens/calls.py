@@ -52,6 +52,7 @@ class TraceParams:
     heads: int | Sequence[int] | None = None
     saes: Any = None
     features_top_k: int = 0
+    clamp: Any = None
     sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -144,6 +144,7 @@ class Session:
         heads: int | Sequence[int] | None = None,
         saes: Any = None,
         features_top_k: int = 0,
+        clamp: Any = None,
         progress: Any = None,
         **sampling: Any,
     ) -> Run:
@@ -176,7 +177,8 @@ class Session:
           pick heads (and layers) for long prompts;
         * ``saes``: a :class:`~vlens.SAE` or a list: each encodes its site at
           its layer in the worker (``t.features(sae)``, ``[T, d_sae]``);
-          ``features_top_k=k`` ships only each token's k largest;
+          ``features_top_k=k`` ships only each token's k largest; ``clamp``:
+          a :class:`~vlens.Clamp` (a list, or ``PerPrompt``) sets a feature;
         * ``background``: prompts run in the same batch with no plan, as
           other users' traffic would (``run.background_texts``);
         * ``progress``: True for a progress bar, or ``fn(done, total)``
@@ -190,7 +192,7 @@ class Session:
             layers=layers, sites=sites, max_new_tokens=max_new_tokens, logprobs=logprobs,
             background=background, steer=steer, ablate=ablate, edit=edit, edit_at=edit_at,
             reduce=reduce, logit_lens=logit_lens, heads=heads, saes=saes,
-            features_top_k=features_top_k, sampling=sampling)
+            features_top_k=features_top_k, clamp=clamp, sampling=sampling)
         return self._runner.run(self._trace_call(prompts, params), budget=self.read_budget,
                                 progress=progress)
 
@@ -218,7 +220,9 @@ class Session:
         reads += sae.feature_reads(params.saes, params.features_top_k, facts, self._runner)
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
-        steers_each = checks.check_steers(params.steer, lens, max_new_tokens, facts)
+        steers_each = sae.with_clamps(
+            checks.check_steers(params.steer, lens, max_new_tokens, facts), params.clamp,
+            checks.check_steers(params.clamp, lens, max_new_tokens, facts))
         ablates = per_prompt(params.ablate, len(prompts), Ablate)
         ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(params.edit, params.edit_at, facts,
@@ -344,13 +348,15 @@ class Session:
         _, prompt_ids = checks.check_prompts([prompt], facts, self.tokenize)
         checks.check_generation(max_new_tokens, sampling, facts)
         checks.check_steer(steer, facts, len(prompt_ids[0]), max_new_tokens)
-        arms = [(str(j), [[] if st.scale == 0 else [st]]) for j, st in enumerate(variants)]
-        if 0.0 not in scales:
+        plain = getattr(steer, "sae", None) is None  # a Clamp to 0 writes: not the baseline
+        arms = [(str(j), [[] if plain and st.scale == 0 else [st]])
+                for j, st in enumerate(variants)]
+        if not plain or 0.0 not in scales:
             arms.append(("base", [[]]))
         call = self._steering_call([prompt], prompt_ids, arms, max_new_tokens, sampling)
         runs = self._runner.run(call, budget=self.read_budget, progress=progress)
         traces = [run[0] for run in runs]
-        baseline = traces[scales.index(0.0)] if 0.0 in scales else traces[-1]
+        baseline = traces[scales.index(0.0)] if plain and 0.0 in scales else traces[-1]
         steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
         return Sweep(prompt, scales, steered, baseline,
                      [generated_kl(baseline, t) for t in steered])

@@ -26,7 +26,11 @@ from vlens.protocol.features import ARCHITECTURES, FeatureSpec, encode
 from vlens.protocol.plan import Read
 from vlens.protocol.tensors import encode_tensor
 
-__all__ = ["SAE", "feature_reads", "hook_site"]
+__all__ = ["CLAMP_MAX", "Clamp", "SAE", "feature_reads", "hook_site", "with_clamps"]
+
+#: the largest ``|value|`` a Clamp may set a feature to: the write is
+#: ``(value - f(x)) * W_dec[i]``, and it must stay finite in any dtype
+CLAMP_MAX = 1e4
 
 #: TransformerLens hook names -> vlens sites
 HOOKS = {"hook_resid_pre": "resid_pre", "hook_resid_mid": "resid_mid",
@@ -238,3 +242,48 @@ def feature_reads(saes: Any, top_k: Any, facts: Any, runner: Any) -> list[Read]:
         else:
             reads[sae.id] = Read(sae.site, (sae.layer,), "sae", sae.d_sae, sae=sae.id)
     return list(reads.values())
+
+
+class Clamp(Steer):
+    """Set feature ``feature`` of ``sae`` to ``value`` at each token of
+    ``span``: the row ``x`` becomes ``x + (value - f(x)) * W_dec[feature]``
+    (``f(x)``: the feature's activation of that row, encoded in the worker).
+    Pass it as ``s.trace(..., clamp=...)`` (one, a list, or ``PerPrompt``),
+    or as ``steer=`` to ``compare`` and ``sweep`` (over values)."""
+
+    def __init__(self, sae: SAE, feature: int, value: float, span: str | tuple[int, int] = "all"
+                 ) -> None:
+        if not isinstance(sae, SAE):
+            raise VlensError(f"Clamp needs a vlens.SAE, got {type(sae).__name__}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                abs(float(value)) <= CLAMP_MAX):
+            raise VlensError(f"Clamp value must be a finite number with |value| <= {CLAMP_MAX:g} "
+                             f"(the bound on a clamp's write), got {value!r}")
+        super().__init__(sae.decoder(feature), sae.layer, float(value), sae.site, span)
+        object.__setattr__(self, "sae", sae)
+        object.__setattr__(self, "feature", feature)
+
+    @property
+    def value(self) -> float:
+        return self.scale
+
+    def __repr__(self) -> str:
+        return f"Clamp({self.sae!r}, feature={self.feature}, value={self.scale:g}, span={self.span!r})"
+
+    def with_scale(self, scale: float) -> Clamp:
+        """The same clamp to another value (what ``sweep`` varies)."""
+        return Clamp(self.sae, self.feature, scale, self.span)
+
+
+def with_clamps(steers_each: list[list[Steer]], clamp: Any, checked: list[list[Steer]]
+                ) -> list[list[Steer]]:
+    """``trace``'s steers of each prompt plus its clamps (``checked``: the
+    ``clamp=`` value as checked Steers per prompt, each a Clamp)."""
+    if clamp is None:
+        return steers_each
+    for entries in checked:
+        for c in entries:
+            if not isinstance(c, Clamp):
+                raise VlensError(f"clamp= takes vlens.Clamp entries, got {type(c).__name__}: "
+                                 "pass a Steer as steer=")
+    return [a + b for a, b in zip(steers_each, checked)]

@@ -82,6 +82,11 @@ class Add:
     start: int = 0
     stop: int = -1  # -1: to the end of the sequence
     relative: bool = False  # scale by each token's activation norm
+    #: a clamp (``vlens.Clamp``): ``vec`` is the decoder row of ``feature``
+    #: of SAE ``sae`` and ``scale`` the value it is set to; each row gets
+    #: ``(scale - f(row)) * vector``
+    sae: str = ""
+    feature: int = -1
 
     def rows_in(self, lo: int, hi: int) -> int:
         """How many of positions ``[lo, hi)`` this add's span covers."""
@@ -146,7 +151,8 @@ class Plan:
             ],
             "adds": [
                 {"site": w.site, "layer": w.layer, "vec": w.vec, "scale": float(w.scale),
-                 "start": w.start, "stop": w.stop, "relative": w.relative}
+                 "start": w.start, "stop": w.stop, "relative": w.relative,
+                 **({"sae": w.sae, "feature": w.feature} if w.sae else {})}
                 for w in self.adds
             ],
             "sets": [
@@ -195,7 +201,8 @@ def parse_plan(raw: Any) -> Plan:
         adds=_shared(tuple(
             Add(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
                   int(w.get("start", 0)), int(w.get("stop", -1)),
-                  bool(w.get("relative", False)))
+                  bool(w.get("relative", False)), str(w.get("sae", "")),
+                  int(w.get("feature", -1)))
             for w in raw.get("adds") or ()
         )),
         sets=_shared(tuple(

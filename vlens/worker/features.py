@@ -61,6 +61,14 @@ class FeatureStore:
         """Feature activations of ``rows`` ``[n, ...]`` (flattened to
         ``[n, d_in]``): ``{"value": [n, d_sae]}``, or with ``k > 0`` each
         row's k largest, ``{"ids": [n, k] int32, "values": [n, k]}``."""
+        acts = self.activations(rows, sid)
+        if k > 0:
+            ids, values = top_features(acts, k)
+            return {"ids": ids, "values": values}
+        return {"value": acts}
+
+    def activations(self, rows: torch.Tensor, sid: str) -> torch.Tensor:
+        """``[n, d_sae]`` float32 feature activations of ``rows`` ``[n, ...]``."""
         held = self._saes.get(sid)
         if held is None:
             raise ValueError(f"SAE {sid} has not reached this worker")
@@ -69,11 +77,7 @@ class FeatureStore:
         if x.shape[1] != weights["W_enc"].shape[0]:
             raise ValueError(f"SAE {sid} encodes width {weights['W_enc'].shape[0]}, "
                              f"the site's rows are {x.shape[1]} wide")
-        acts = encode(x.to(weights["W_enc"].device), weights, spec)
-        if k > 0:
-            ids, values = top_features(acts, k)
-            return {"ids": ids, "values": values}
-        return {"value": acts}
+        return encode(x.to(weights["W_enc"].device), weights, spec)
 
     @property
     def nbytes(self) -> int:

@@ -356,7 +356,8 @@ class WorkerHooks:
         if batch is not None:
             try:
                 matrix = self.heads.add_matrix(site, layer, batch)
-                apply_adds(matrix, batch, step.layout, get_value, get_target, label)
+                apply_adds(matrix, batch, step.layout, get_value, get_target, label,
+                           self.features)
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
         for call in step.edits.get(key, ()):

@@ -32,7 +32,7 @@ def _token_rows(t: torch.Tensor, layout: StepLayout, label: str) -> torch.Tensor
 
 
 def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_value: Getter,
-               get_target: Getter, label: str) -> None:
+               get_target: Getter, label: str, features: Any = None) -> None:
     """Every request's steering add at this (site, layer), in one
     ``index_add_``; relative adds scale by each row's norm before the add.
     Never reads a tensor back to the host."""
@@ -52,6 +52,13 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
         flat = _token_rows(get_value(), layout, label)
         norms = flat.index_select(0, batch.rows).float().norm(dim=-1)
         delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
+    if batch.clamps:  # (value - f_i(row)) * W_dec[i]: the feature set to the value
+        flat = _token_rows(get_value(), layout, label)
+        for sid, sel, feats in batch.clamps:
+            rows = flat.index_select(0, batch.rows.index_select(0, sel))
+            now = features.activations(rows, sid).gather(1, feats[:, None])
+            dec = matrix.index_select(0, batch.vectors.index_select(0, sel))
+            delta.index_add_(0, sel, -now * dec)
     add_rows(target, layout, batch.rows, delta, site=label, check=False)
 
 
