@@ -1,8 +1,11 @@
-"""Sparse autoencoders: loading SAELens folders and Gemma Scope's npz, the
-client's encode against SAELens's formulas (written here from its
-documentation, independently of vlens's code), and feature reads in the
-worker on a loaded engine (chunked prefill, preemption) equal to the
-reference encode of the same activations."""
+"""Sparse autoencoders: loading SAELens folders and Gemma Scope's npz; the
+client's encode against SAELens's own encode (recorded by
+scripts/record_saelens.py in tests/data/saelens/: SAEs saved by SAELens
+6.54 and its outputs on fixed inputs) and against SAELens's formulas
+(tests/_sae_reference.py, checked against the same recordings); feature
+reads in the worker on a loaded engine (chunked prefill, preemption) equal
+to the reference encode of the same activations; Clamp against a Hugging
+Face hook."""
 
 from __future__ import annotations
 
@@ -17,6 +20,24 @@ import vlens
 from vlens.errors import VlensError
 
 from _sae_reference import HIDDEN, _weights, reference_encode, save_saelens
+
+
+SAELENS = Path(__file__).resolve().parent / "data" / "saelens"
+
+
+@pytest.mark.parametrize("name", ["standard", "jumprelu", "topk", "layer_norm"])
+def test_encode_equals_saelens_own(name):
+    """SAEs saved by SAELens itself; its encode of fixed inputs, recorded."""
+    from safetensors.torch import load_file
+
+    rec = load_file(str(SAELENS / "encodes.safetensors"))
+    x, want = rec[f"{name}.x"], rec[f"{name}.acts"]
+    sae = vlens.SAE.load(SAELENS / name)
+    assert sae.d_in == 128 and sae.d_sae == 64
+    assert (want > 0).any() and (want == 0).any()
+    torch.testing.assert_close(sae.encode(x), want, atol=1e-5, rtol=1e-5)
+    # the reference the engine tests use agrees with SAELens too
+    torch.testing.assert_close(reference_encode(x, SAELENS / name), want, atol=1e-5, rtol=1e-5)
 
 
 ARCHS = [("standard", {}), ("jumprelu", {}), ("topk", {"k": 8}),
@@ -77,6 +98,10 @@ def test_bad_saes_are_refused(tmp_path):
     save_saelens(tmp_path / "k", "topk", "blocks.0.hook_resid_post")
     with pytest.raises(VlensError, match="k="):
         vlens.SAE.load(tmp_path / "k")
+    save_saelens(tmp_path / "r", "topk", "blocks.0.hook_resid_post", k=4,
+                 rescale_acts_by_decoder_norm=True)
+    with pytest.raises(VlensError, match="rescale_acts_by_decoder_norm"):
+        vlens.SAE.load(tmp_path / "r")
     save_saelens(tmp_path / "n", "standard", "blocks.0.hook_resid_post",
                  normalize_activations="expected_average_only_in")
     with pytest.raises(VlensError, match="scaling factor"):
@@ -105,14 +130,9 @@ def loaded_session(tiny_llama, engine_options):
 
 
 @pytest.fixture(scope="module")
-def sae_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("saes")
-    return {
-        "standard": save_saelens(root / "std", "standard", "blocks.1.hook_resid_post", seed=1),
-        "jumprelu": save_saelens(root / "jump", "jumprelu", "blocks.2.hook_mlp_out", seed=2,
-                                 normalize_activations="constant_norm_rescale"),
-        "topk": save_saelens(root / "topk", "topk", "blocks.1.attn.hook_z", seed=3, k=12),
-    }
+def sae_folders():
+    """Saved by SAELens itself (scripts/record_saelens.py)."""
+    return {a: SAELENS / a for a in ("standard", "jumprelu", "topk")}
 
 
 @pytest.mark.engine
@@ -132,7 +152,7 @@ def test_feature_reads_equal_the_reference_encode_on_a_loaded_engine(loaded_sess
             x = x.reshape(x.shape[0], -1)
             want = reference_encode(x, sae_folders[arch])
             got = t.features(sae)
-            assert got.shape == (t.n_tokens, 96) and got.dtype == torch.float32
+            assert got.shape == (t.n_tokens, 64) and got.dtype == torch.float32
             assert (want > 0).any()
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             # top-k: exactly each token's 5 largest, zeros elsewhere

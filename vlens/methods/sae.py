@@ -204,6 +204,9 @@ def _spec_of(cfg: dict[str, Any], path: Path) -> FeatureSpec:
     if arch not in ARCHITECTURES:
         raise VlensError(f"{path}: SAE architecture {arch!r} is not supported; vlens encodes "
                          f"{', '.join(ARCHITECTURES)}")
+    if cfg.get("rescale_acts_by_decoder_norm"):
+        raise VlensError(f"{path}: rescale_acts_by_decoder_norm=true is not supported; fold the "
+                         "decoder norms into W_enc and W_dec")
     norm = str(cfg.get("normalize_activations") or "none")
     scale = 1.0
     if norm == "expected_average_only_in":
