@@ -249,3 +249,19 @@ def test_clamp_equals_a_hugging_face_hook_and_leaves_others_alone(llama_session,
     assert len(sw.runs) == 2 and all(t.steered_rows > 0 for t in sw.runs)
     assert sw.baseline.steered_rows == 0
     assert sw.runs[1].logprobs != sw.baseline.logprobs
+
+
+def test_the_bundled_toyworld_sae_loads_and_fits_the_bundled_model():
+    import json as json_
+
+    from vlens.models import RECIPE, toyworld_path, toyworld_sae_path
+
+    path = toyworld_sae_path()
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size <= 5 * 2**20, f"the bundled SAE is {size / 2**20:.1f} MB"
+    sae = vlens.SAE.load(path)
+    hidden = json_.loads((toyworld_path() / "config.json").read_text())["hidden_size"]
+    assert (sae.site, sae.layer, sae.d_in, sae.spec.architecture) == (
+        "resid_post", RECIPE["layer"], hidden, "topk")
+    measured = json_.loads((path / "measured.json").read_text())
+    assert measured["features"]["mood=happy"]["held_out_precision"] >= 0.9
