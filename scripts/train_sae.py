@@ -153,7 +153,7 @@ def main() -> None:
         steering[f"steer relative x{scale}"] = flips(s, sad_prompts, steer=st)
     # a clamp's value is in the units of the residual stream (decoder rows are
     # unit vectors): set it to a fraction of the layer's typical norm
-    for frac in (0.5, 0.75, 1.0):
+    for frac in (0.5, 0.6, 0.65, 0.75):
         c = vlens.Clamp(sae, feature=happy, value=round(norm * frac, 1))
         steering[f"clamp {c.value:g} ({frac}x mean norm)"] = flips(s, sad_prompts, clamp=c)
     summary = {"rows": int(x.shape[0]), "mean_norm": round(norm, 1),
