@@ -48,6 +48,7 @@ class _Server:
         self.tokens = {f"c{i}": f"token-{i}-" + os.urandom(12).hex() for i in range(12)}
         self.token_file = folder / "tokens"
         self.token_file.write_text("".join(f"{n} {t}\n" for n, t in self.tokens.items()))
+        self.token_file.chmod(0o600)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / "server.log"
@@ -58,7 +59,8 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlens.cli", "serve", "--port", str(self.port),
              "--token-file", str(self.token_file), "--kv-cache-memory-bytes", KV,
-             "--max-body-mb", "1", "--max-concurrent", "2", "--max-read-mb", "64"],
+             "--max-body-mb", "1", "--max-concurrent", "2", "--max-read-mb", "64",
+             "--body-timeout", "3", "--stall-timeout", "3"],
             env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -540,3 +542,309 @@ def test_a_server_restart_is_a_clear_error_then_reconnect_works(server, toy_sess
         assert run[0].text == want[0].text
         torch.testing.assert_close(run[0].activations(), want[0].activations(),
                                    atol=1e-5, rtol=0)
+
+
+def _plan_body(ids: list[int], plan: dict, vectors: dict | None = None,
+               max_tokens: int = 3, stream: bool = False, **params) -> dict:
+    """A /v1/generate body around a hand-made plan (made canonical, as a
+    Session writes plans, so that only its content is on trial)."""
+    from vllm import SamplingParams
+
+    from vlens.protocol.plan import parse_plan
+
+    plan = {"v": 3, "tag": "h-0", "index": 0, "clone": False, "prompt_len": len(ids),
+            "reads": [], "adds": [], "sets": [], "edits": [], **plan}
+    sp = SamplingParams(max_tokens=max_tokens, skip_reading_prefix_cache=True,
+                        extra_args={"vlens": parse_plan(plan).to_wire()},
+                        **{"temperature": 0.0, **params})
+    return {"requests": [{"ids": ids, "params": params_to_wire(sp)}],
+            "vectors": vectors or {}, "stream": stream}
+
+
+def _generated_plans(ids: list[int], sites, n_layers: int, vid: str, seed: int = 0) -> list:
+    """Hand-made plans: every site x reduction x span kind, with steering
+    adds and sets on the same site, and counts at and past the plan limits."""
+    from vlens.checks import PLAN_MAX, REDUCES
+
+    rng = random.Random(seed)
+    plen, total = len(ids), len(ids) + 2  # max_tokens 3: two tokens fed back
+    spans = {"all": (0, -1), "prompt": (0, plen), "generated": (plen, -1), "tuple": (1, 3),
+             "past the end": (0, total + 4)}
+    plans = []
+    for site in sites:
+        for reduce in (*REDUCES, "max"):
+            for kind, (start, stop) in spans.items():
+                layers = sorted(rng.sample(range(n_layers), rng.randint(1, n_layers)))
+                k = rng.choice([1, 5, 1001]) if reduce == "logit_lens" else rng.choice([0, 0, 3])
+                plan = {"reads": [{"site": site, "layers": layers, "reduce": reduce, "k": k}]}
+                if rng.random() < 0.5:
+                    plan["adds"] = [{"site": site, "layer": rng.randrange(n_layers), "vec": vid,
+                                     "scale": rng.choice([1.0, -2.0, 50.0, 1e30]),
+                                     "start": start, "stop": stop,
+                                     "relative": rng.random() < 0.5}]
+                else:
+                    plan["sets"] = [{"site": site, "layer": rng.randrange(n_layers),
+                                     "vec": rng.choice(["", vid]), "lo": 0, "hi": -1,
+                                     "start": start, "stop": stop}]
+                plans.append((f"{site} {reduce} {kind}", plan))
+    read = {"site": "resid_post", "layers": [0], "reduce": "norm", "k": 0}
+    add = {"site": "resid_post", "layer": 1, "vec": vid, "scale": 0.5, "start": 0, "stop": -1,
+           "relative": False}
+    one_set = {"site": "mlp_out", "layer": 2, "vec": "", "lo": 0, "hi": 8, "start": 0,
+               "stop": -1}
+    for part, entry in (("reads", read), ("adds", add), ("sets", one_set)):
+        for n in (PLAN_MAX[part], PLAN_MAX[part] + 1, 20 * PLAN_MAX[part]):
+            plans.append((f"{n} {part}", {part: [entry] * n}))
+    return plans
+
+
+def test_generated_plans_get_4xx_or_run_and_never_touch_another_client(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    hidden, n_layers = toy_session.hidden_size, toy_session.n_layers
+    from vlens.edits import vector_id
+
+    vec = torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    vid = vector_id(vec)
+    vec_wire = {"data": vec.numpy().tobytes(), "shape": [hidden], "dtype": "float32"}
+    plans = _generated_plans(ids, toy_session.sites, n_layers, vid)
+    assert len(plans) >= 200
+    with server.connect("c5") as victim:
+        alone = victim.trace(["the wind", "a fox"], layers=[0, 3], max_new_tokens=4)
+        stop = threading.Event()
+        seen: list = []
+
+        def victim_calls() -> None:
+            deadline = time.monotonic() + 300
+            while not stop.is_set() and len(seen) < 300 and time.monotonic() < deadline:
+                seen.append(victim.trace(["the wind", "a fox"], layers=[0, 3],
+                                         max_new_tokens=4))
+
+        worker = threading.Thread(target=victim_calls)
+        worker.start()
+        outcomes = {"4xx": 0, "ran": 0}
+        try:
+            for what, plan in plans:
+                body = _plan_body(ids, plan, {vid: vec_wire})
+                resp = server.post(pack(body), "c3")
+                if 400 <= resp.status_code < 500:
+                    outcomes["4xx"] += 1
+                    continue
+                assert resp.status_code == 200, (what, resp.status_code, resp.text[:300])
+                done = _frames(resp)[-1]
+                assert done["kind"] == "done", (what, done)
+                [rec] = done["records"]["h-0"]
+                assert rec["errors"] == [], (what, rec["errors"])
+                assert bool(rec["reads"]) == bool(plan.get("reads")), what
+                outcomes["ran"] += 1
+        finally:
+            stop.set()
+            worker.join(300)
+    assert outcomes["4xx"] >= 50 and outcomes["ran"] >= 30, outcomes
+    assert len(seen) >= 3
+    for run in seen:
+        for got, want in zip(run, alone, strict=True):
+            assert got.output_token_ids == want.output_token_ids
+            torch.testing.assert_close(got.activations(), want.activations(), atol=1e-5, rtol=0)
+    st = server.status()
+    assert st["records"] == 0 and st["calls"] == 0 and st["unfinished"] == 0
+
+
+def test_an_overflowing_steer_on_the_server_spoils_no_other_client(server, toy_session):
+    short = ["the wind", "a happy fox was", "the sky"]
+    d = toy_session.direction(["a happy fox"], ["a sad fox"], layer=1)
+    sites = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+    steers = [vlens.Steer(d, layer=layer, scale=100.0, relative=True, site=site)
+              for layer in range(toy_session.n_layers) for site in sites]
+    with server.connect("c6") as other, server.connect("c2") as wild:
+        clean = other.trace(short, layers=[0, 3], max_new_tokens=4)
+        with pytest.raises(vlens.VlensError, match="would overflow this float32 model"):
+            wild.trace("the wind was", steer=vlens.Steer(d, layer=1, scale=1e37))
+        with pytest.raises(vlens.EngineError, match="turned this request's values non-finite"):
+            wild.trace(["the wind was happy and"] * 2, steer=steers, max_new_tokens=8)
+        ids = toy_session.tokenize("the wind was")
+        from vlens.edits import vector_id
+
+        vec = {"data": d.numpy().tobytes(), "shape": [d.numel()], "dtype": "float32"}
+        add = {"site": "resid_post", "layer": 1, "vec": vector_id(d), "scale": 1e37,
+               "start": 0, "stop": -1, "relative": False}
+        resp = server.post(pack(_plan_body(ids, {"adds": [add]}, {vector_id(d): vec})), "c2")
+        assert resp.status_code == 400 and "a write may put at most" in resp.json()["error"]
+        with pytest.raises(vlens.VlensError, match="Ablate mean .* would overflow"):
+            wild.trace("the wind was", ablate=vlens.Ablate(
+                "resid_post", 1, kind="mean", mean=torch.full((d.numel(),), 1e30)))
+        huge = torch.full((d.numel(),), 1e30)
+        one_set = {"site": "resid_post", "layer": 1, "vec": vector_id(huge), "lo": 0, "hi": -1,
+                   "start": 0, "stop": -1}
+        wire = {vector_id(huge): {"data": huge.numpy().tobytes(), "shape": [huge.numel()],
+                                  "dtype": "float32"}}
+        resp = server.post(pack(_plan_body(ids, {"sets": [one_set]}, wire)), "c2")
+        assert resp.status_code == 400 and "a write may put at most" in resp.json()["error"]
+        after = other.trace(short, layers=[0, 3], max_new_tokens=4)
+    for a, b in zip(after, clean, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert torch.equal(a.activations(), b.activations())
+    assert server.status()["nonfinite_writes"] > 0
+
+
+def _settled(server, timeout: float = 60) -> dict:
+    """The server's status once it holds no call, request or record."""
+    deadline = time.monotonic() + timeout
+    while (st := server.status())["calls"] or st["unfinished"] or st["records"]:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    return st
+
+
+def _partial_post(server, client: str, length: int, sent: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    head = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            f"{server.tokens[client]}\r\nContent-Type: {FRAME_TYPE}\r\n"
+            f"Content-Length: {length}\r\n\r\n")
+    sock.sendall(head.encode() + sent)
+    return sock
+
+
+def test_slow_bodies_count_as_calls_and_end_at_their_deadline(server):
+    """A body that trickles in holds one of its client's call slots (so a
+    client cannot park bodies outside the limits) until --body-timeout."""
+    socks = [_partial_post(server, "c9", 500_000, b"\0" * 1000) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while server.status()["calls"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with server.connect("c9") as s:
+            with pytest.raises(vlens.VlensError, match="429"):
+                s.trace("the wind was", max_new_tokens=2)
+            for sock in socks:  # --body-timeout 3
+                reply = sock.recv(65536).decode(errors="replace")
+                assert reply.startswith("HTTP/1.1 408"), reply[:200]
+            _settled(server)
+            assert s.trace("the wind was", max_new_tokens=2)[0].text
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_reader_that_stops_reading_ends_its_call(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    layers = list(range(toy_session.n_layers))
+    reads = [{"site": site, "layers": layers, "reduce": "full", "k": 0}
+             for site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")]
+    # about 18 MB of reads: more than the socket buffers on both sides hold
+    body = pack(_plan_body(ids, {"reads": reads}, max_tokens=400, stream=True,
+                           ignore_eos=True))
+    before = server.status()["stalled"]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    try:
+        head = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                f"{server.tokens['c8']}\r\nContent-Type: {FRAME_TYPE}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")
+        sock.sendall(head.encode() + body)  # then never reads the answer
+        deadline = time.monotonic() + 120
+        while server.status()["stalled"] == before:
+            assert time.monotonic() < deadline, server.status()
+            time.sleep(0.3)
+        st = _settled(server)
+        assert st["plans"] == 0 and st["your_calls"] == 0
+    finally:
+        sock.close()
+
+
+def test_work_per_call_is_bounded(server, toy_session):
+    ids = toy_session.tokenize("the wind was")
+    one = _plan_body(ids, {}, max_tokens=2, n=16, temperature=1.0)
+    body = {**one, "requests": one["requests"] * 20}  # 20 prompts x n=16 = 320 sequences
+    resp = server.post(pack(body), "c7")
+    assert resp.status_code == 413 and "320 sequences" in resp.json()["error"]
+    from vllm import SamplingParams
+
+    long_ids = [ids[i % len(ids)] for i in range(500)]
+    sp = params_to_wire(SamplingParams(max_tokens=1, prompt_logprobs=0))
+    body = {"requests": [{"ids": long_ids, "params": sp}] * 256, "vectors": {},
+            "stream": False}
+    resp = server.post(pack(body), "c7")
+    assert resp.status_code == 413 and "log-probabilities" in resp.json()["error"]
+    read = {"site": "resid_post", "layers": [0], "reduce": "logit_lens", "k": 5}
+    resp = server.post(pack(_plan_body(ids, {"reads": [read] * 2000})), "c7")
+    assert resp.status_code == 400 and "at most 64 reads" in resp.json()["error"]
+    _settled(server)
+
+
+def test_vector_ids_are_hashes_and_tags_are_per_call(server, toy_session):
+    """What a peer sharing one token could do: replace a vector under its
+    id, or collect another call's records under the same tag."""
+    from vlens.edits import vector_id
+
+    ids = toy_session.tokenize("the wind was")
+    a = torch.randn(toy_session.hidden_size, generator=torch.Generator().manual_seed(5))
+    b = -a
+    add = {"site": "resid_post", "layer": 1, "vec": vector_id(a), "scale": 1.0, "start": 0,
+           "stop": -1, "relative": False}
+    forged = {vector_id(a): {"data": b.numpy().tobytes(), "shape": [a.numel()],
+                             "dtype": "float32"}}
+    resp = server.post(pack(_plan_body(ids, {"adds": [add]}, forged)), "c1")
+    assert resp.status_code == 400 and "not the hash of its data" in resp.json()["error"]
+    # two calls at once under one token and one tag: each gets its own records
+    prompts = [ids, toy_session.tokenize("a happy fox was")]
+    got: list = [None, None]
+
+    def call(i: int, barrier) -> None:
+        body = pack(_plan_body(prompts[i], {}, max_tokens=40, ignore_eos=True))
+        barrier.wait()
+        got[i] = _frames(server.post(body, "c1"))[-1]
+
+    _in_threads(call, 2)
+    for i, done in enumerate(got):
+        [rec] = done["records"]["h-0"]
+        assert rec["token_ids"][:len(prompts[i])] == prompts[i]
+    _settled(server)
+
+
+def test_the_token_file_is_taken_up_without_a_restart(server):
+    original = server.token_file.read_text()
+    new = "new-token-" + os.urandom(12).hex()
+    try:
+        server.token_file.write_text(original + f"late {new}\n")
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/v1/info", headers={"Authorization": f"Bearer {new}"},
+                        timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "the new token never worked"
+            time.sleep(0.5)
+        with vlens.connect(server.url, token=new + "\n") as s:  # a newline read with it
+            assert s.trace("the wind was", max_new_tokens=2)[0].text
+        # a file that does not load (world-readable) keeps the tokens as they were
+        server.token_file.chmod(0o644)
+        server.token_file.write_text(original)
+        time.sleep(2.5)
+        assert server.get("/v1/info", "c0").status_code == 200
+        assert httpx.get(server.url + "/v1/info", headers={"Authorization": f"Bearer {new}"},
+                         timeout=30).status_code == 200
+    finally:
+        server.token_file.write_text(original)
+        server.token_file.chmod(0o600)
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/v1/info", headers={"Authorization": f"Bearer {new}"},
+                    timeout=30).status_code != 401:
+        assert time.monotonic() < deadline, "the removed token still works"
+        time.sleep(0.5)
+
+
+def test_a_stream_of_deltas_rebuilds_each_partial_run(server, toy_session):
+    """The server streams each step's new tokens only; every partial Run the
+    client yields still holds everything so far, and grows by prefix."""
+    with server.connect("c4") as s:
+        parts = list(s.stream(["the wind was", "a fox"], max_new_tokens=10, ignore_eos=True))
+        want = s.trace(["the wind was", "a fox"], max_new_tokens=10, ignore_eos=True)
+    *partial, final = parts
+    partial = [p for p in partial if len(p) == 2]  # both prompts under way
+    assert len(partial) >= 3
+    for i in range(2):
+        seen = [p[i].output_token_ids for p in partial]
+        for a, b in zip(seen, seen[1:]):
+            assert b[:len(a)] == a  # each step extends the last
+        assert seen[-1] == final[i].output_token_ids[:len(seen[-1])]
+        assert final[i].output_token_ids == want[i].output_token_ids
+        assert final[i].text == want[i].text

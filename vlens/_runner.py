@@ -23,7 +23,7 @@ from typing import Any
 from vlens._progress import progress_factory
 from vlens.calls import Call
 from vlens.protocol.tensors import decode_tensor
-from vlens.checks import ModelFacts, check_budget
+from vlens.checks import ModelFacts, check_budget, check_plan
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
 from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 from vlens.results import Run, Trace
@@ -196,8 +196,13 @@ class Runner:
         )
         plan = Plan(tag=tag, reads=tuple(reads), adds=adds, sets=tuple(sets), edits=tuple(edits),
                     clone=clone, prompt_len=len(ids), index=index)
+        vectors = {**{st.id: st.vector for st in steers}, **(vectors or {})}
+        # the very checks the server's guard runs on every plan it is sent
+        check_plan(plan, self.facts, {vid: (int(v.numel()), float(v.abs().max()) if v.numel()
+                                            else 0.0) for vid, v in vectors.items()},
+                   max_new_tokens)
         params = self.sampling_params(max_new_tokens, logprobs, plan, sampling or {}, score)
-        return Request(ids, plan, params, {**{st.id: st.vector for st in steers}, **(vectors or {})})
+        return Request(ids, plan, params, vectors)
 
     def _clamp_of(self, st: Steer) -> dict[str, Any]:
         """A Clamp's plan fields (its SAE's encoder goes to the workers with

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         # vLLM's engine flags join vlens's own: that parser is vLLM's
-        from vlens.remote.server import main as serve_main
+        from vlens.remote.launch import main as serve_main
 
         return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="vlens", description=__doc__)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vlens.checks import check_span_fits, check_write_site
+from vlens.checks import check_set_values, check_span_fits, check_write_site
 from vlens.edits import Ablate, vector_id
 from vlens.errors import VlensError
 from vlens.protocol.plan import Set
@@ -50,6 +50,9 @@ def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -
         raise VlensError(
             f"Ablate mean has {ab.mean.numel()} elements; site {ab.site!r} rows have {width}"
         )
+    if ab.mean is not None:
+        check_set_values(f"Ablate mean (layer {ab.layer}, {ab.site})",
+                         float(ab.mean.abs().max()), facts)
     check_span_fits("Ablate", ab.span, prompt_len, max_new_tokens)
 
 

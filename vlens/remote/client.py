@@ -203,15 +203,17 @@ class RemoteEngine:
         raise ServerGone(f"the vlens server at {self.url} ended the call without results")
 
     def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
-        from vlens.remote.wire import output_from_wire
+        from vlens.remote.wire import merge_delta, output_from_wire
 
         frames = self._frames(prompts, params, stream=True)
+        have: list[dict[str, Any] | None] = [None] * len(prompts)
         try:
             for frame in frames:
                 if frame["kind"] == "done":
                     yield self._done(frame)
                     return
-                yield [output_from_wire(o) for o in frame["outputs"]]
+                have = [merge_delta(h, o) for h, o in zip(have, frame["outputs"], strict=True)]
+                yield [output_from_wire(o) for o in have]
         finally:
             frames.close()
         raise ServerGone(f"the vlens server at {self.url} ended the call without results")
@@ -232,4 +234,9 @@ def connect(url: str = "http://127.0.0.1:8765", token: str | None = None, *,
     if not token:
         raise VlensError("vlens.connect needs token=... (or $VLENS_TOKEN): "
                          "the server's operator gives each participant one")
+    token = token.strip()  # a token pasted or read from a file with its newline
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        raise VlensError("the token holds spaces, control or non-ASCII characters: copy it "
+                         "again exactly as the workshop's operator gave it (it is not shown "
+                         "here)")
     return Session._attach(RemoteEngine(url, token, timeout=timeout))

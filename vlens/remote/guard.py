@@ -17,15 +17,27 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vlens.checks import REMOTE_EDIT, ModelFacts, check_budget
+from vlens.checks import check_plan as check_plan_rules
 from vlens.errors import VlensError
 from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
 from vlens.remote.wire import PARAM_FIELDS
 
 __all__ = ["Refused", "Limits", "Checked", "check_call"]
 
-_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # used with fullmatch: no trailing newline
 _DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_REDUCES = {"full", "norm", "logit_lens", "logprobs"}
+
+
+def _strict_equal(a: Any, b: Any) -> bool:
+    """JSON-like ``a == b`` where types count too (``True`` is not ``1``,
+    ``1`` is not ``1.0``)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_strict_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_strict_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 class Refused(Exception):
@@ -48,9 +60,13 @@ class Limits:
     samples: int = 16  # n per request
     vectors: int = 64  # steering vectors one call may ship
     body_bytes: int = 64 * 2**20  # one request body
+    body_seconds: float = 30.0  # to send one request body
+    stall_seconds: float = 30.0  # a stream's reader may stop reading this long
 
-    def public(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def public(self) -> dict[str, Any]:
+        from vlens.checks import PLAN_MAX
+
+        return {**self.__dict__, **{f"plan_{k}": v for k, v in PLAN_MAX.items()}}
 
 
 @dataclass
@@ -74,9 +90,10 @@ def _int(x: Any, what: str, lo: int, hi: int) -> int:
     return x
 
 
-def check_vector(vid: Any, payload: Any, widths: set[int]) -> dict[str, Any]:
-    """One steering / ablation / patching vector: ``[width]`` of a writable site."""
-    if not isinstance(vid, str) or not _ID.match(vid):
+def check_vector(vid: Any, payload: Any, widths: set[int]) -> tuple[dict[str, Any], float]:
+    """One steering / ablation / patching vector: ``[width]`` of a writable
+    site. Returns it and its largest ``|value|`` (what bounds its writes)."""
+    if not isinstance(vid, str) or not _ID.fullmatch(vid):
         raise _bad(f"vector id {vid!r:.60} is not a vlens id (1-128 of A-Z a-z 0-9 _ . : -)")
     if not isinstance(payload, dict) or set(payload) != {"data", "shape", "dtype"}:
         raise _bad(f"vector {vid}: expected {{data, shape, dtype}}")
@@ -95,82 +112,47 @@ def check_vector(vid: Any, payload: Any, widths: set[int]) -> dict[str, Any]:
 
     from vlens.protocol.tensors import decode_tensor
 
-    if not torch.isfinite(decode_tensor(payload).float()).all():
+    from vlens.edits import vector_id
+
+    values = decode_tensor(payload).float()
+    if not torch.isfinite(values).all():
         raise _bad(f"vector {vid} holds NaN or infinite values")
-    return payload
+    if vector_id(values) != vid:
+        # ids are the hash of the data: a vector cached under an id is that data,
+        # whoever sends it (peers sharing one token included)
+        raise _bad(f"vector id {vid!r:.60} is not the hash of its data "
+                   "(vlens.edits.vector_id)")
+    return payload, float(values.abs().max())
 
 
-def check_plan(raw: Any, ids: list[int], facts: ModelFacts, vectors: dict[str, int],
-               client: str) -> Plan:
-    """Parse and check a client's plan; return it with the tag and vector
-    ids prefixed by ``client``."""
+def check_plan(raw: Any, ids: list[int], facts: ModelFacts,
+               vectors: dict[str, tuple[int, float]], client: str, max_tokens: int) -> Plan:
+    """Parse and check a client's plan with the Session's own checks
+    (:func:`vlens.checks.check_plan`); return it with the tag and vector ids
+    prefixed by ``client``. ``vectors``: ``{id: (width, largest |value|)}``."""
     try:
         plan = parse_plan(raw)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise _bad(f"malformed plan: {exc}") from None
-    if plan.to_wire() != raw:  # only the canonical form: no coerced strings, no extra keys
+    if not _strict_equal(plan.to_wire(), raw):  # only the canonical form
         raise _bad("malformed plan: it is not in the form vlens writes plans "
                    "(wrong types, missing or extra fields; are the client's and the "
                    "server's vlens the same version?)")
     if plan.edits:
         raise _bad(REMOTE_EDIT)
-    if not _ID.match(plan.tag):
+    if not _ID.fullmatch(plan.tag):
         raise _bad(f"plan tag {plan.tag!r:.60} is not a vlens tag")
     if plan.prompt_len != len(ids):
         raise _bad(f"plan prompt_len {plan.prompt_len} != the prompt's {len(ids)} tokens")
     _int(plan.index, "plan index", 0, 1 << 20)
-    for r in plan.reads:
-        if r.site not in facts.sites:
-            raise _bad(f"read site {r.site!r:.40} is not one of {list(facts.sites)}")
-        if r.reduce not in _REDUCES:
-            raise _bad(f"read reduce {r.reduce!r:.40} is not one of {sorted(_REDUCES)}")
-        if not r.layers or len(r.layers) > facts.n_layers:
-            raise _bad(f"read layers must be 1 to {facts.n_layers} layers")
-        for layer in r.layers:
-            _int(layer, "read layer", 0, facts.n_layers - 1)
-        hi = min(facts.vocab_size, 1000) if r.reduce == "logit_lens" else 0
-        _int(r.k, f"read k for {r.reduce}", 1 if hi else 0, hi)
-        if r.heads and r.site != "attn_pattern":
-            raise _bad("read heads select heads of attn_pattern only")
-        for h in r.heads:
-            _int(h, "read head", 0, facts.n_heads - 1)
-    adds = []
-    for a in plan.adds:
-        if a.site not in facts.writable:
-            raise _bad(f"steering site {a.site!r:.40} is not one of {list(facts.writable)}")
-        _int(a.layer, "steering layer", 0, facts.n_layers - 1)
-        if not math.isfinite(a.scale):
-            raise _bad("steering scale must be a finite number")
-        _int(a.start, "steering start", 0, 1 << 24)
-        if a.stop != -1:
-            _int(a.stop, "steering stop", a.start + 1, 1 << 24)
-        _vector_for(a.vec, a.site, vectors, facts)
-        adds.append(replace(a, vec=f"{client}/{a.vec}"))
-    sets = []
-    for w in plan.sets:
-        if w.site not in facts.writable:
-            raise _bad(f"ablation/patching site {w.site!r:.40} is not one of "
-                       f"{list(facts.writable)}")
-        _int(w.layer, "ablation/patching layer", 0, facts.n_layers - 1)
-        width = facts.width(w.site)
-        _int(w.lo, "ablation/patching lo", 0, width - 1)
-        if w.hi != -1:
-            _int(w.hi, "ablation/patching hi", w.lo + 1, width)
-        _int(w.start, "ablation/patching start", 0, 1 << 24)
-        if w.stop != -1:
-            _int(w.stop, "ablation/patching stop", w.start + 1, 1 << 24)
-        if w.vec:
-            _vector_for(w.vec, w.site, vectors, facts)
-        sets.append(replace(w, vec=f"{client}/{w.vec}" if w.vec else ""))
-    return replace(plan, tag=f"{client}/{plan.tag}", adds=tuple(adds), sets=tuple(sets))
-
-
-def _vector_for(vid: str, site: str, vectors: dict[str, int], facts: ModelFacts) -> None:
-    if vid not in vectors:
-        raise _bad(f"vector {vid!r:.60} was not sent with this call")
-    if vectors[vid] != facts.width(site):
-        raise _bad(f"vector {vid!r:.60} has {vectors[vid]} values; {site} takes "
-                   f"{facts.width(site)}")
+    try:
+        check_plan_rules(plan, facts, vectors, max_tokens)
+    except VlensError as exc:
+        raise _bad(str(exc)) from None
+    owner = client.split("/", 1)[0]  # vectors: the client's; the tag: this call's
+    adds = tuple(replace(a, vec=f"{owner}/{a.vec}") for a in plan.adds)
+    sets = tuple(replace(w, vec=f"{owner}/{w.vec}" if w.vec else "") for w in plan.sets)
+    return replace(plan, tag=f"{client}/{plan.tag}", adds=adds, sets=sets)
 
 
 _NUM = (int, float)
@@ -188,7 +170,8 @@ assert set(_KINDS) == set(PARAM_FIELDS)
 
 
 def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
-                 vectors: dict[str, int], client: str) -> tuple[Any, Plan | None]:
+                 vectors: dict[str, tuple[int, float]], client: str
+                 ) -> tuple[Any, Plan | None]:
     """A whitelisted params dict -> (vLLM SamplingParams, checked plan)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -240,7 +223,7 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
     if extra is not None:
         if not isinstance(extra, dict) or set(extra) != {PLAN_KEY}:
             raise _bad(f"extra_args may hold only {{{PLAN_KEY!r}: plan}}")
-        plan = check_plan(extra[PLAN_KEY], ids, facts, vectors, client)
+        plan = check_plan(extra[PLAN_KEY], ids, facts, vectors, client, max_tokens)
         args["extra_args"] = {PLAN_KEY: plan.to_wire()}
     try:
         sp = SamplingParams(**args)
@@ -255,8 +238,12 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
     return sp, plan
 
 
-def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Checked:
-    """A decoded /v1/generate body -> a :class:`Checked` call, or Refused."""
+def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str,
+               call: str = "") -> Checked:
+    """A decoded /v1/generate body -> a :class:`Checked` call, or Refused.
+    Tags are prefixed by ``client/call`` (``call``: unique per call, so two
+    calls with the same tag, even under one shared token, never meet);
+    vector ids by ``client`` (they are hashes of their data)."""
     if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
         raise _bad("body must be {requests: [...], vectors: {...}, stream: bool}")
     if set(body) - {"requests", "vectors", "stream"}:
@@ -269,8 +256,9 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Che
     if not isinstance(raw_vectors, dict) or len(raw_vectors) > limits.vectors:
         raise Refused(413, f"vectors must be an object of at most {limits.vectors} vectors")
     widths = {facts.width(site) for site in facts.writable}
-    vectors = {vid: check_vector(vid, p, widths) for vid, p in raw_vectors.items()}
-    sizes_of = {vid: p["shape"][0] for vid, p in vectors.items()}
+    checked = {vid: check_vector(vid, p, widths) for vid, p in raw_vectors.items()}
+    vectors = {vid: p for vid, (p, _) in checked.items()}
+    sizes_of = {vid: (p["shape"][0], peak) for vid, (p, peak) in checked.items()}
     ids_all, params, tags, sizes = [], [], [], []
     for i, req in enumerate(reqs):
         if not isinstance(req, dict) or set(req) != {"ids", "params"}:
@@ -283,12 +271,28 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str) -> Che
                                f"most {limits.prompt_tokens} per prompt")
         for t in ids:
             _int(t, f"request {i} token id", 0, facts.vocab_size - 1)
-        sp, plan = check_params(req["params"], ids, facts, limits, sizes_of, client)
+        sp, plan = check_params(req["params"], ids, facts, limits, sizes_of,
+                                f"{client}/{call}" if call else client)
         ids_all.append(ids)
         params.append(sp)
         tags.append(plan.tag if plan else None)
         if plan is not None:
             sizes.append((len(ids), plan.reads, sp.max_tokens, sp.n))
+    sequences = sum(sp.n or 1 for sp in params)
+    if sequences > limits.requests:
+        raise Refused(413, f"this call runs {sequences} sequences (prompts x n); this server "
+                           f"takes at most {limits.requests} per call")
+    # vLLM works out the log-probabilities over the whole vocabulary for every
+    # row that asks (prompt_logprobs: every prompt row): count them as reads
+    lp_bytes = sum(4 * facts.vocab_size * (
+        (len(i) if sp.prompt_logprobs is not None else 0)
+        + ((sp.n or 1) * sp.max_tokens if sp.logprobs is not None else 0))
+        for i, sp in zip(ids_all, params))
+    if lp_bytes > limits.read_bytes:
+        raise Refused(413, f"the log-probabilities this call asks for cover about "
+                           f"{lp_bytes / 2**20:.0f} MiB of the vocabulary, over this server's "
+                           f"limit of {limits.read_bytes / 2**20:.0f} MiB per call: ask for "
+                           "fewer or shorter prompts, or logprobs=False")
     try:
         check_budget(sizes, facts, limits.read_bytes)
     except VlensError as exc:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
-import sys
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,46 +28,15 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
 from vlens.remote.guard import Checked, Limits, Refused, check_call
+from vlens.remote.tokens import TokenFile
 from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
 
-__all__ = ["main", "load_tokens", "make_app"]
+__all__ = ["Server", "make_app"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 # files a client needs to rebuild the tokenizer locally
 _TOKENIZER_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
     r"config\.json|generation_config\.json|chat_template.*|.*\.tiktoken)$")
-
-
-def load_tokens(path: str | Path) -> dict[str, str]:
-    """A token file -> ``{token: client name}``. One client a line:
-    ``NAME TOKEN`` or just ``TOKEN`` (named ``client<line>``); blank lines
-    and ``#`` comments are skipped. Tokens must be at least 16 characters."""
-    from vlens.errors import VlensError
-
-    tokens: dict[str, str] = {}
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise VlensError(f"cannot read the token file {path}: {exc.strerror}") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        name, token = (parts[0], parts[1]) if len(parts) == 2 else (f"client{n}", parts[0])
-        if len(parts) > 2 or not _NAME.match(name):
-            raise VlensError(f"{path}:{n}: expected 'NAME TOKEN' or 'TOKEN' "
-                             "(NAME: 1-32 of A-Z a-z 0-9 _ . -)")
-        if len(token) < 16:
-            raise VlensError(f"{path}:{n}: tokens must be at least 16 characters "
-                             "(python -c 'import secrets; print(secrets.token_urlsafe())')")
-        if token in tokens or name in tokens.values():
-            raise VlensError(f"{path}:{n}: a name or token appears twice")
-        tokens[token] = name
-    if not tokens:
-        raise VlensError(f"{path} holds no tokens")
-    return tokens
 
 
 @dataclass
@@ -82,7 +50,7 @@ class Server:
     """The engine, the clients and the limits behind the HTTP routes."""
 
     def __init__(self, llm: Any, info: dict[str, Any], tokens: dict[str, str], limits: Limits,
-                 model_dir: str, max_calls: int) -> None:
+                 model_dir: str, max_calls: int, token_file: str | None = None) -> None:
         from vlens.checks import ModelFacts
 
         self.llm = llm
@@ -92,19 +60,24 @@ class Server:
         self.model_dir = model_dir
         self.max_calls = max_calls
         self.instance = uuid.uuid4().hex[:12]
-        self._tokens = [(t.encode(), name) for t, name in tokens.items()]
+        self.tokens = TokenFile(tokens, token_file)
         self.clients = {name: _Client(name) for name in tokens.values()}
         self.calls = 0
         self.calls_done = 0
         self._vector_lock = asyncio.Lock()
+        self._status_task: asyncio.Future | None = None  # the status call under way
+        self._tokenizer: bytes | None = None  # the packed files, read once
+        self.stalled = 0  # streams aborted because their reader stopped reading
 
     def authenticate(self, header: str | None) -> _Client:
+        for name in self.tokens.reload():  # a changed token file: new names are clients
+            self.clients.setdefault(name, _Client(name))
         if not header or not header.startswith("Bearer "):
             raise Refused(401, "no token: pass vlens.connect(url, token=...) "
                                "(or set VLENS_TOKEN)")
         given = header[len("Bearer "):].encode()
         found = None
-        for token, name in self._tokens:  # every token compared, in constant time
+        for token, name in self.tokens.pairs:  # every token compared, in constant time
             if hmac.compare_digest(given, token):
                 found = name
         if found is None:
@@ -145,6 +118,11 @@ class Server:
         client.active += 1
         self.calls += 1
 
+    def release(self, client: _Client) -> None:
+        """Give back a slot :meth:`admit` took (a call that never ran)."""
+        client.active -= 1
+        self.calls -= 1
+
     async def run(self, client: _Client, call: Checked, stream: bool):
         """The frames of one admitted call (an async iterator of bytes)."""
         from vlens.edits import engine_prompt
@@ -170,18 +148,32 @@ class Server:
                 queue.put_nowait((i, exc))
             queue.put_nowait((i, None))
 
-        def wire(i: int) -> dict[str, Any] | None:
+        sent: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]  # tokens, chars
+        sent_prompt = [False] * n
+
+        def wire(i: int, delta: bool = False) -> dict[str, Any] | None:
+            """Request i's outputs so far; ``delta``: only what the last
+            frame did not carry (the client adds it to what it has)."""
             if not samples[i]:
                 return None
             comps = [samples[i][k] for k in sorted(samples[i])]
-            return {
-                "finished": finished[i],
-                "prompt_logprobs": logprobs_to_wire(prompt_lps[i]),
-                "outputs": [{"index": int(c.index), "text": c.text,
-                             "token_ids": [int(t) for t in c.token_ids],
-                             "logprobs": logprobs_to_wire(c.logprobs),
-                             "finish_reason": c.finish_reason} for c in comps],
-            }
+            outs = []
+            for c in comps:
+                t0, c0 = sent[i].get(c.index, (0, 0)) if delta else (0, 0)
+                ids = c.token_ids
+                outs.append({"index": int(c.index), "text": c.text[c0:],
+                             "token_ids": [int(t) for t in ids[t0:]],
+                             "logprobs": logprobs_to_wire(c.logprobs[t0:]
+                                                          if c.logprobs is not None else None),
+                             "finish_reason": c.finish_reason})
+                if delta:
+                    sent[i][c.index] = (len(ids), len(c.text))
+            lps = prompt_lps[i]
+            if delta:
+                lps, sent_prompt[i] = (None if sent_prompt[i] else lps), sent_prompt[i] or (
+                    lps is not None)
+            return {"finished": finished[i], "prompt_logprobs": logprobs_to_wire(lps),
+                    "outputs": outs, **({"delta": True} if delta else {})}
 
         try:
             await self._hold(client, call.vectors)
@@ -205,11 +197,11 @@ class Server:
                         finished[i] = len(samples[i]) == want and all(
                             c.finish_reason is not None for c in samples[i].values())
                 if stream and live:
-                    yield pack({"kind": "step", "outputs": [wire(i) for i in range(n)]})
+                    yield pack({"kind": "step", "outputs": [wire(i, True) for i in range(n)]})
             records = {}
             if tags:
                 got = (await self.llm.collective_rpc("vlens_collect", args=(tags,)))[0]
-                records = {t.split("/", 1)[1]: recs for t, recs in got.items()}
+                records = {t.rsplit("/", 1)[1]: recs for t, recs in got.items()}
             self.calls_done += 1
             yield pack({"kind": "done", "outputs": [wire(i) for i in range(n)],
                         "records": records})
@@ -229,41 +221,104 @@ class Server:
                         await self.llm.collective_rpc("vlens_drop", args=(tags,))
                     await self._release(client, call.vectors)
                 finally:
-                    client.active -= 1
-                    self.calls -= 1
+                    self.release(client)
+
+    async def _worker_status(self) -> dict[str, Any]:
+        """The workers' status. One engine call at a time, whoever asks:
+        a request arriving while one is under way shares its answer, so a
+        flood of status polls cannot queue engine calls (and an answer is
+        never older than the call that was running when it was asked for)."""
+        task = self._status_task
+        if task is None or task.done():
+            task = self._status_task = asyncio.ensure_future(
+                self.llm.collective_rpc("vlens_status"))
+        return (await asyncio.shield(task))[0]
 
     async def status(self, client: _Client) -> dict[str, Any]:
-        worker = (await self.llm.collective_rpc("vlens_status"))[0]
+        worker = await self._worker_status()
         return {
             **{k: worker[k] for k in ("records", "plans", "vectors", "vector_bytes",
-                                      "hook_errors", "steps_seen", "steps_planned", "hooks",
+                                      "hook_errors", "nonfinite_writes", "steps_seen", "steps_planned", "hooks",
                                       "edit_fns")},
             "unfinished": int(self.llm.output_processor.get_num_unfinished_requests()),
             "calls": self.calls,
             "calls_done": self.calls_done,
+            "stalled": self.stalled,
             "your_calls": client.active,
             "your_vectors": len(client.vectors),
             "server": self.instance,
         }
 
 
-async def _read_body(request: Any, limit: int) -> bytes:
+async def _read_body(request: Any, limit: int, seconds: float) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise Refused(413, f"request body over this server's limit of {limit} bytes")
     if request.headers.get("content-type") != FRAME_TYPE:
         raise Refused(415, f"send a vlens frame ({FRAME_TYPE})")
+    from starlette.requests import ClientDisconnect
+
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise Refused(413, f"request body over this server's limit of {limit} bytes")
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            buf.extend(chunk)
+            if len(buf) > limit:
+                raise Refused(413, f"request body over this server's limit of {limit} bytes")
+
+    try:
+        await asyncio.wait_for(read(), seconds)
+    except asyncio.TimeoutError:
+        raise Refused(408, f"the request body took over {seconds:g} s to arrive") from None
+    except ClientDisconnect:
+        raise Refused(400, "the client went away while sending its body") from None
     return bytes(buf)
+
+
+def _stream_class():
+    from starlette.responses import StreamingResponse
+
+    class TimedStream(StreamingResponse):
+        """One call's frames, each of which must leave within ``stall``
+        seconds: a reader that stopped reading ends the call (its generator
+        is closed: requests aborted, records dropped, slot given back).
+        Starlette's own part stays: a client that goes away cancels it."""
+
+        def __init__(self, frames: Any, server: Server, client: _Client, stall: float) -> None:
+            from vlens.remote.wire import FRAME_TYPE
+
+            super().__init__(frames, media_type=FRAME_TYPE)
+            self.frames = frames
+            self.server = server
+            self.client = client
+            self.stall = stall
+
+        async def stream_response(self, send: Any) -> None:
+            import inspect
+
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for frame in self.frames:
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": frame,
+                                                 "more_body": True}), self.stall)
+                await asyncio.wait_for(send({"type": "http.response.body", "body": b"",
+                                             "more_body": False}), self.stall)
+            except asyncio.TimeoutError:
+                self.server.stalled += 1  # the connection closes unfinished
+            finally:
+                if inspect.getasyncgenstate(self.frames) == inspect.AGEN_CREATED:
+                    # never started (the client left first): run() never took
+                    # over the slot, so give it back here
+                    self.server.release(self.client)
+                await self.frames.aclose()
+
+    return TimedStream
 
 
 def make_app(server: Server):
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
 
     app = FastAPI(title="vlens serve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -286,120 +341,47 @@ def make_app(server: Server):
     @app.get("/v1/tokenizer")
     async def tokenizer(request: Request):
         who(request)
-        folder = Path(server.model_dir)
-        files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-                 if p.is_file() and _TOKENIZER_FILES.match(p.name)
-                 and p.stat().st_size < 64 * 2**20} if folder.is_dir() else {}
-        return Response(pack({"files": files}), media_type=FRAME_TYPE)
+        if server._tokenizer is None:  # read once: the model folder does not change
+            folder = Path(server.model_dir)
+            files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+                     if p.is_file() and _TOKENIZER_FILES.match(p.name)
+                     and p.stat().st_size < 64 * 2**20} if folder.is_dir() else {}
+            server._tokenizer = pack({"files": files})
+        return Response(server._tokenizer, media_type=FRAME_TYPE)
 
     @app.get("/v1/status")
     async def status(request: Request):
         return await server.status(who(request))
 
-    @app.post("/v1/generate")
-    async def generate(request: Request):
-        client = who(request)
-        raw = await _read_body(request, server.limits.body_bytes)
+    def parse(raw: bytes, client: _Client) -> tuple[Any, Checked]:
         try:
-            body = unpack_one(raw)
-            call = check_call(body, server.facts, server.limits, client.name)
+            # a call's header: per request its ids, params and plan (at most ~550
+            # lists and objects at the plan limits)
+            body = unpack_one(raw, max_containers=600 * server.limits.requests + 4096)
+            return body, check_call(body, server.facts, server.limits, client.name,
+                                    uuid.uuid4().hex[:12])
         except Refused:
             raise
         except WireError as exc:
             raise Refused(400, f"unreadable frame: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - anything odd a client sends is its error
             raise Refused(400, f"malformed call: {type(exc).__name__}: {exc}") from None
+
+    @app.post("/v1/generate")
+    async def generate(request: Request):
+        client = who(request)
+        # the slot is taken before the body is read: a client's bodies in
+        # flight count against its calls at once, and each has a deadline
         server.admit(client)
-        return StreamingResponse(server.run(client, call, bool(body.get("stream"))),
-                                 media_type=FRAME_TYPE)
+        try:
+            raw = await _read_body(request, server.limits.body_bytes,
+                                   server.limits.body_seconds)
+            # parsed and checked off the event loop: other clients' frames flow
+            body, call = await asyncio.to_thread(parse, raw, client)
+        except BaseException:
+            server.release(client)
+            raise
+        return _stream_class()(server.run(client, call, bool(body.get("stream"))), server,
+                               client, server.limits.stall_seconds)
 
     return app
-
-
-def _parser():
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    p = FlexibleArgumentParser(prog="vlens serve", description=(
-        "Serve one model to many notebooks (vlens.connect). Every vLLM engine flag "
-        "(--max-model-len, --tensor-parallel-size, ...) is accepted as well."))
-    p.add_argument("model_tag", nargs="?", default=None,
-                   help="a local model folder (default: the bundled toy-world model)")
-    g = p.add_argument_group("vlens serve")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8765)
-    g.add_argument("--token-file", required=True,
-                   help="one client a line: 'NAME TOKEN' or 'TOKEN'")
-    g.add_argument("--max-read-mb", type=float, default=256,
-                   help="activations one call of a client may read (MiB)")
-    g.add_argument("--max-concurrent", type=int, default=4, help="calls in flight per client")
-    g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="tokens per prompt (default: the model's max length)")
-    g.add_argument("--max-requests", type=int, default=256, help="engine requests per call")
-    g.add_argument("--max-body-mb", type=float, default=64, help="request body size (MiB)")
-    g.add_argument("--max-calls", type=int, default=256, help="calls in flight, all clients")
-    return AsyncEngineArgs.add_cli_args(p)
-
-
-async def _serve(args: Any, argv: list[str]) -> None:
-    import uvicorn
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from vlens.engine.env import apply_env_defaults
-    from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, resolve_model
-    from vlens.errors import VlensError
-
-    if any(a.startswith("--worker-extension-cls") or a.startswith("--worker-cls")
-           for a in argv):
-        raise VlensError("--worker-extension-cls / --worker-cls cannot be passed: "
-                         "vlens sets its own")
-    tokens = load_tokens(args.token_file)
-    explicit = args.model_tag or (args.model if any(a.startswith("--model") for a in argv)
-                                  else None)
-    args.model = resolve_model(explicit)
-    checkpoint = Checkpoint.check(args.model, args.model_impl)
-    if not any(a.startswith("--dtype") for a in argv) and checkpoint.default_dtype is not None:
-        args.dtype = checkpoint.default_dtype
-    args.worker_extension_cls = EXTENSION
-    args.enforce_eager = True  # hooks must run every step (compiled mode is not served)
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    apply_env_defaults({"kv_cache_memory_bytes": engine_args.kv_cache_memory_bytes})
-    llm = AsyncLLM.from_engine_args(engine_args)
-    try:
-        setup = (await llm.collective_rpc("vlens_setup"))[0]
-        # compiled mode is not served
-        info = engine_info(setup, llm.model_config, llm.vllm_config, compiled=False,
-                           checkpoint=checkpoint)
-        from vlens.models.recipes import is_toyworld
-
-        info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
-        limits = Limits(
-            read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
-            prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
-            requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20))
-        server = Server(llm, info, tokens, limits, args.model, args.max_calls)
-        config = uvicorn.Config(make_app(server), host=args.host, port=args.port,
-                                log_level="warning", timeout_graceful_shutdown=5)
-        print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
-              f"for {len(tokens)} client(s)", flush=True)
-        await uvicorn.Server(config).serve()
-    finally:
-        llm.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from vlens.errors import VlensError
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    try:
-        asyncio.run(_serve(args, argv))
-    except VlensError as exc:
-        print(f"vlens serve: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FRAME_TYPE", "WireError", "pack", "unpack", "FrameReader", "PARAM_FIELDS",
-           "params_to_wire", "logprobs_to_wire", "output_from_wire", "RemoteOutput",
+           "params_to_wire", "logprobs_to_wire", "output_from_wire", "merge_delta", "RemoteOutput",
            "RemoteCompletion", "Logprob"]
 
 FRAME_TYPE = "application/x-vlens-frame"
@@ -72,8 +72,11 @@ def pack(obj: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def unpack(frame: bytes | memoryview) -> Any:
-    """One frame's body (without its leading length) -> the data."""
+def unpack(frame: bytes | memoryview, max_containers: int | None = None) -> Any:
+    """One frame's body (without its leading length) -> the data.
+    ``max_containers``: refuse a header with more lists and objects than
+    this, counted before it is parsed (a body of millions of nested empty
+    lists costs seconds to parse, and tells the server nothing)."""
     view = memoryview(frame)
     if len(view) < _HEAD.size:
         raise WireError("frame shorter than its header")
@@ -81,8 +84,12 @@ def unpack(frame: bytes | memoryview) -> Any:
     pos = _HEAD.size + head_len
     if pos > len(view) or n_blobs > _MAX_BLOBS:
         raise WireError("frame header names more bytes than the frame holds")
+    raw_head = bytes(view[_HEAD.size:pos])
+    if max_containers is not None and (
+            raw_head.count(b"[") + raw_head.count(b"{") > max_containers):
+        raise WireError(f"frame header holds over {max_containers} lists and objects")
     try:
-        head = json.loads(bytes(view[_HEAD.size:pos]))
+        head = json.loads(raw_head)
     except (ValueError, UnicodeDecodeError) as exc:
         raise WireError(f"frame header is not JSON ({exc})") from None
     blobs = []
@@ -104,7 +111,7 @@ def unpack(frame: bytes | memoryview) -> Any:
         if isinstance(x, dict):
             if len(x) == 1 and "$blob" in x:
                 i = x["$blob"]
-                if not isinstance(i, int) or not 0 <= i < len(blobs):
+                if type(i) is not int or not 0 <= i < len(blobs):
                     raise WireError(f"frame names blob {i!r}, which it does not hold")
                 return blobs[i]
             return {k: dec(v, depth + 1) for k, v in x.items()}
@@ -115,14 +122,14 @@ def unpack(frame: bytes | memoryview) -> Any:
     return dec(head)
 
 
-def unpack_one(data: bytes) -> Any:
+def unpack_one(data: bytes, max_containers: int | None = None) -> Any:
     """A whole request body (exactly one frame, its length included)."""
     if len(data) < _LEN.size:
         raise WireError("body shorter than a frame")
     (n,) = _LEN.unpack_from(data, 0)
     if n != len(data) - _LEN.size:
         raise WireError(f"frame says {n} bytes, body holds {len(data) - _LEN.size}")
-    return unpack(memoryview(data)[_LEN.size:])
+    return unpack(memoryview(data)[_LEN.size:], max_containers)
 
 
 class FrameReader:
@@ -209,6 +216,33 @@ def _entries(raw: Any) -> list[dict[int, Logprob] | None] | None:
     if raw is None:
         return None
     return [None if e is None else {int(t): Logprob(float(lp)) for t, lp in e} for e in raw]
+
+
+def merge_delta(have: dict[str, Any] | None, delta: dict[str, Any] | None
+                ) -> dict[str, Any] | None:
+    """A request's outputs so far (wire form) with a stream frame's delta
+    added: the server streams each step's new tokens, text and logprobs
+    only, never the whole output again."""
+    if delta is None:
+        return have
+    if have is None or not delta.get("delta"):
+        have = {"finished": False, "prompt_logprobs": None, "outputs": []}
+    outs = {o["index"]: dict(o) for o in have["outputs"]}
+    for d in delta["outputs"]:
+        o = outs.get(d["index"])
+        if o is None:
+            outs[d["index"]] = {**d, "token_ids": list(d["token_ids"]),
+                                "logprobs": None if d["logprobs"] is None else list(d["logprobs"])}
+            continue
+        o["text"] += d["text"]
+        o["token_ids"] = o["token_ids"] + list(d["token_ids"])
+        if d["logprobs"] is not None:
+            o["logprobs"] = (o["logprobs"] or []) + list(d["logprobs"])
+        o["finish_reason"] = d["finish_reason"]
+    return {"finished": bool(delta["finished"]),
+            "prompt_logprobs": delta["prompt_logprobs"] if delta["prompt_logprobs"] is not None
+            else have["prompt_logprobs"],
+            "outputs": [outs[k] for k in sorted(outs)]}
 
 
 def output_from_wire(raw: dict[str, Any] | None) -> RemoteOutput | None:

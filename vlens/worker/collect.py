@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
+from vlens.worker.groups import BatchGroups
 from vlens.worker.journal import Journal
 from vlens.worker.records import RequestRecord
 
@@ -63,6 +64,29 @@ class RequestBook:
             self.plans = {k: v for k, v in self.plans.items() if k in live}
         self.plans[req_id] = plan
         return plan
+
+    def batch_plans(self, req_ids: list[str],
+                    reader: bool) -> tuple[list, list[int], list[int], BatchGroups]:
+        """Plans of the batch's requests, and which of them keep records in
+        the forward (those reading attn_pattern: every rank) and which are
+        journaled (the others, on the reading rank). Worked out again only
+        when the batch changes (a decode step usually runs the same one)."""
+        last = self.batch
+        if last is not None and last[0] == req_ids:
+            return last[1:]
+        plans = [self.plan_for(r) for r in req_ids]
+        eager, lazy = [], []
+        for i, p in enumerate(plans):
+            if p is None:
+                continue
+            if any(r.site == "attn_pattern" for r in p.reads):
+                eager.append(i)
+            elif reader:
+                lazy.append(i)
+        self.batch = (req_ids, plans, eager, lazy, BatchGroups.of(plans))
+        if lazy:
+            self.journal.note(req_ids, plans, lazy)
+        return self.batch[1:]
 
     def record(self, req_id: str, plan: Plan) -> RequestRecord:
         rec = self.records.get(req_id)
@@ -140,6 +164,8 @@ class Counters:
     """What ``s.status()`` shows of the worker's steps and their cost."""
 
     hook_errors: int = 0
+    #: writes that turned non-finite (their rows were restored)
+    nonfinite_writes: int = 0
     steps_seen: int = 0
     steps_planned: int = 0
     layout_ns: int = 0
@@ -157,6 +183,7 @@ class Counters:
     def as_dict(self) -> dict[str, int]:
         return {
             "hook_errors": self.hook_errors,
+            "nonfinite_writes": self.nonfinite_writes,
             "steps_seen": self.steps_seen,
             "steps_planned": self.steps_planned,
             "layout_ns": self.layout_ns,

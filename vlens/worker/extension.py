@@ -87,6 +87,8 @@ class VlensWorkerExtension:
             "architecture": hooks.sites.architecture,
             "n_layers": hooks.sites.n_layers,
             "hidden_size": hooks.hidden,
+            # bounds what a write may add (vlens.checks.write_bound)
+            "dtype": str(next(hooks.model.parameters()).dtype).removeprefix("torch."),
             "sites": sorted(set(hooks.sites.specs) - set(hooks.unhooked)),
             "rank": int(getattr(self, "rank", 0)),
             "hooks": len(hooks.handles),

@@ -25,10 +25,11 @@ from vlens.protocol.sites import HEAD_SITES, ModelSites, resolve_sites
 from vlens.protocol.tensors import decode_tensor
 from vlens.worker.attention import head_refusals
 from vlens.worker.collect import Counters, RequestBook
+from vlens.worker.finite import WrittenRows
 from vlens.worker.head_sites import HeadSites
 from vlens.worker.journal import StepArrays, kept, rows_of
 from vlens.worker.layout import token_axis
-from vlens.worker.planner import BatchGroups, StepPlan, plan_step
+from vlens.worker.planner import StepPlan, plan_step
 from vlens.worker.records import StepLog, to_host
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
@@ -71,6 +72,8 @@ class WorkerHooks:
         #: sites this engine leaves unhooked, and why (head sites in
         #: compiled mode and under tensor parallelism)
         self.unhooked: dict[str, str] = {}
+        #: this step's writes, checked for non-finite rows when it ends
+        self.written = WrittenRows(self.book, self.counters)
         # the current step's marks of the counters (None: not a decode step)
         self._decode_mark: tuple[int, int, int] | None = None
 
@@ -160,6 +163,7 @@ class WorkerHooks:
         """Plan the step. Never raises: a failure is recorded on every
         traced request of the step, and the step runs unhooked."""
         self.step = None
+        self.written.clear()  # a forward that failed before its end leaves none behind
         self.counters.steps_seen += 1
         req_ids: list[str] = []
         try:
@@ -180,30 +184,8 @@ class WorkerHooks:
                             f"planning an engine step failed: {type(exc).__name__}: {exc}"
                         )
 
-    def _batch_plans(self, req_ids: list[str]) -> tuple[list, list[int], list[int], BatchGroups]:
-        """Plans of the batch's requests, and which of them keep records in
-        the forward (those reading attn_pattern: every rank) and which are
-        journaled (the others, on the reading rank). Worked out again only
-        when the batch changes (a decode step usually runs the same one)."""
-        last = self.book.batch
-        if last is not None and last[0] == req_ids:
-            return last[1:]
-        plans = [self.book.plan_for(r) for r in req_ids]
-        eager, lazy = [], []
-        for i, p in enumerate(plans):
-            if p is None:
-                continue
-            if any(r.site == "attn_pattern" for r in p.reads):
-                eager.append(i)
-            elif self.reader:
-                lazy.append(i)
-        self.book.batch = (req_ids, plans, eager, lazy, BatchGroups.of(plans))
-        if lazy:
-            self.book.journal.note(req_ids, plans, lazy)
-        return self.book.batch[1:]
-
     def _plan_step(self, req_ids: list[str], args: tuple, kwargs: dict) -> None:
-        plans, eager, lazy, groups = self._batch_plans(req_ids)
+        plans, eager, lazy, groups = self.book.batch_plans(req_ids, self.reader)
         if not groups.planned.size:
             return
         t0 = time.perf_counter_ns()
@@ -278,6 +260,7 @@ class WorkerHooks:
 
     def _end_step(self, module: Any, args: tuple, output: Any) -> None:
         # Nothing may keep a reference into this step's buffers past here.
+        self.written.check(self._fail)
         step, self.step = self.step, None
         log, self.log = self.log, None
         mark, self._decode_mark = self._decode_mark, None
@@ -356,8 +339,9 @@ class WorkerHooks:
         if batch is not None:
             try:
                 matrix = self.heads.add_matrix(site, layer, batch)
-                apply_adds(matrix, batch, step.layout, get_value, get_target, label,
-                           self.features)
+                ok, rows = apply_adds(matrix, batch, step.layout, get_value, get_target, label,
+                                      self.features)
+                self.written.add((ok, rows, key, "a steering add", step.layout))
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
         for call in step.edits.get(key, ()):
@@ -369,7 +353,11 @@ class WorkerHooks:
                 fn = self.book.edit_fns.get(call.edit.fn)
                 if fn is None:
                     raise LookupError(f"edit function {call.edit.fn} never reached this worker")
-                copied = run_edit(fn, step.layout, spec.name, get_value, get_target, call, label)
+                copied, ok = run_edit(fn, step.layout, spec.name, get_value, get_target, call,
+                                      label)
+                if ok is not None:
+                    self.written.add((ok, None, key, ("its edit= function", call.req_id),
+                                          step.layout))
                 rec = self.book.rec(call.req_id) if copied else None
                 if rec is not None:
                     rec.copied_bytes += copied
@@ -403,7 +391,9 @@ class WorkerHooks:
                     f"ablating or patching {key[0]} under tensor parallelism ({self.tp} ranks, "
                     "each holding its own heads) is not supported yet: use "
                     "tensor_parallel_size=1, or a residual site")
-            apply_sets(self.vectors.matrix_of, batch, step.layout, get_value, get_target, label)
+            ok, rows = apply_sets(self.vectors.matrix_of, batch, step.layout, get_value,
+                                  get_target, label)
+            self.written.add((ok, rows, key, "an ablation or patched cell", step.layout))
         except Exception as exc:  # the requests concerned get the error
             self._fail(batch.req_ids, key, exc)
 
@@ -422,22 +412,33 @@ class WorkerHooks:
         flat = value[0] if axis == 1 else value
         if axis == 1 and value.shape[0] != 1:
             raise ValueError(f"site {label}: expected [1, T, ...], got {list(value.shape)}")
-        log = self.log
         for g in groups:
-            # one gather and one reduction for every request in the group;
-            # the rows are kept once for the group (cut per request after the run)
-            # rows the planner built from the step's offsets: inside the step
-            if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
-                rows = flat[g.bounds[0] : g.bounds[1]]
-            else:
-                rows = flat.index_select(0, g.index_on(flat.device))
-            if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
-                rows = self.heads.gather_heads(rows, -1)
-                rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
-            t0 = time.perf_counter_ns()
-            parts = reduce_rows(self.model, rows, g.read, self.features)
-            self.counters.reduce_ns += time.perf_counter_ns() - t0
-            if not self.reader or log is None:  # a non-reading rank joined a collective
-                continue
-            for part, t in parts.items():
-                log.put((g.read.key, part, layer), t, g)
+            try:
+                self._read_group(g, flat, heads, layer)
+            except Exception as exc:  # this group's requests only: never the step's others
+                self._fail(g.req_ids, (spec.name, layer), exc)
+
+    def _read_group(self, g, flat: torch.Tensor, heads: int | None, layer: int) -> None:
+        """One group's read: one gather and one reduction for every request in
+        the group; the rows are kept once for the group (cut per request after
+        the run)."""
+        log = self.log
+        # rows the planner built from the step's offsets: inside the step
+        if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
+            rows = flat[g.bounds[0] : g.bounds[1]]
+        else:
+            rows = flat.index_select(0, g.index_on(flat.device))
+        if heads is not None:  # [n, heads * head_dim] -> [n, heads, head_dim]
+            rows = self.heads.gather_heads(rows, -1)
+            rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
+        t0 = time.perf_counter_ns()
+        parts = reduce_rows(self.model, rows, g.read, self.features)
+        self.counters.reduce_ns += time.perf_counter_ns() - t0
+        if not self.reader or log is None:  # a non-reading rank joined a collective
+            return
+        for part, t in parts.items():
+            if t.dim() == 0 or t.shape[0] != rows.shape[0]:
+                # one row per gathered row, or the log could not be cut per request
+                raise ValueError(f"read {g.read.key} gave {list(t.shape)} for "
+                                 f"{rows.shape[0]} rows")
+            log.put((g.read.key, part, layer), t, g)

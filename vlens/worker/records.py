@@ -72,6 +72,10 @@ class StepLog:
                 n = lengths.get(id(spans))
                 if n is None:
                     n = lengths[id(spans)] = [sp.stop - sp.start for sp in spans]
+                if rows.dim() == 0 or rows.shape[0] != sum(n):
+                    # a read whose rows do not match its group's spans fails its
+                    # own requests (their records miss it), never the step's others
+                    continue
                 row_bytes = rows[:1].numel() * rows.element_size()
                 for sp, m, chunk in zip(spans, n, rows.split(n)):
                     per = cut.get(sp.key)

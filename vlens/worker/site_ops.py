@@ -21,9 +21,32 @@ from vlens.worker.planner import EditCall
 from vlens.worker.writes import AddBatch, SetBatch
 from vlens.protocol.sites import lens_logits, lens_top
 
-__all__ = ["apply_adds", "apply_sets", "reduce_rows", "run_edit"]
+__all__ = ["apply_adds", "apply_sets", "keep_finite", "reduce_rows", "run_edit"]
 
 Getter = Callable[[], torch.Tensor]
+#: what a write touched: an int64 index of step rows, or ``(lo, hi)``
+Written = torch.Tensor | tuple[int, int]
+
+
+def keep_finite(flat: torch.Tensor, rows: torch.Tensor | None,
+                before: torch.Tensor) -> torch.Tensor:
+    """After a write: every written row of ``flat`` (``rows``, an index of
+    its first axis; None: all of ``flat``, a view of the written rows) that
+    holds a non-finite value gets ``before`` (its value before the write)
+    back, so nothing non-finite that vlens wrote reaches the next kernel or
+    the KV cache. One reduction over the written rows (a row's float32 sum
+    is finite exactly when the row is, short of an overflow of the sum,
+    which marks a row too large to keep anyway), one select and one copy;
+    never reads back to the host. Returns ``ok`` ``[m]`` bool (False: the
+    row was restored)."""
+    after = flat if rows is None else flat.index_select(0, rows)
+    ok = after.reshape(after.shape[0], -1).sum(-1, dtype=torch.float32).isfinite()
+    fixed = torch.where(ok.view(-1, *([1] * (after.dim() - 1))), after, before)
+    if rows is None:
+        flat.copy_(fixed)
+    else:
+        flat.index_copy_(0, rows, fixed)
+    return ok
 
 
 def _token_rows(t: torch.Tensor, layout: StepLayout, label: str) -> torch.Tensor:
@@ -32,38 +55,46 @@ def _token_rows(t: torch.Tensor, layout: StepLayout, label: str) -> torch.Tensor
 
 
 def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_value: Getter,
-               get_target: Getter, label: str, features: Any = None) -> None:
+               get_target: Getter, label: str, features: Any = None
+               ) -> tuple[torch.Tensor, Written]:
     """Every request's steering add at this (site, layer), in one
     ``index_add_``; relative adds scale by each row's norm before the add.
-    Never reads a tensor back to the host."""
+    Rows the add made non-finite are restored (:func:`keep_finite`).
+    Returns ``(ok per written row, the rows written)``. Never reads a
+    tensor back to the host."""
     target = get_target()
+    flat = _token_rows(target, layout, label)
     if batch.uniform is not None:  # one vector on a run of rows: a slice add
         lo, hi, vec, scale = batch.uniform
-        flat = _token_rows(target, layout, label)
         delta = batch.cache.get("delta")
         if delta is None or delta.dtype != flat.dtype:
             # scale is a float32 value: the same product the indexed path adds;
             # made once while decode steps reuse this batch
             delta = batch.cache["delta"] = (matrix[vec] * scale).to(flat.dtype)
-        flat[lo:hi].add_(delta)
-        return
+        seg = flat[lo:hi]
+        before = seg.clone()
+        seg.add_(delta)
+        return keep_finite(seg, None, before), (lo, hi)
     delta = matrix.index_select(0, batch.vectors) * batch.scales[:, None]
     if batch.relative is not None:
-        flat = _token_rows(get_value(), layout, label)
-        norms = flat.index_select(0, batch.rows).float().norm(dim=-1)
+        value = _token_rows(get_value(), layout, label)
+        norms = value.index_select(0, batch.rows).float().norm(dim=-1)
         delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
     if batch.clamps:  # (value - f_i(row)) * W_dec[i]: the feature set to the value
-        flat = _token_rows(get_value(), layout, label)
+        value = _token_rows(get_value(), layout, label)
         for sid, sel, feats in batch.clamps:
-            rows = flat.index_select(0, batch.rows.index_select(0, sel))
+            rows = value.index_select(0, batch.rows.index_select(0, sel))
             now = features.activations(rows, sid).gather(1, feats[:, None])
             dec = matrix.index_select(0, batch.vectors.index_select(0, sel))
             delta.index_add_(0, sel, -now * dec)
+    before = flat.index_select(0, batch.rows)
     add_rows(target, layout, batch.rows, delta, site=label, check=False)
+    return keep_finite(flat, batch.rows, before), batch.rows
 
 
 def apply_sets(matrix_of: Callable[[int], torch.Tensor], batch: SetBatch, layout: StepLayout,
-               get_value: Getter, get_target: Getter, label: str) -> None:
+               get_value: Getter, get_target: Getter, label: str
+               ) -> tuple[torch.Tensor, Written]:
     """Every request's sets at this (site, layer) in one go: gather the rows'
     current values, replace the masked dims (``[lo, hi)`` of each row) with
     the vector's (or zeros), and add the difference to the target in one
@@ -71,7 +102,9 @@ def apply_sets(matrix_of: Callable[[int], torch.Tensor], batch: SetBatch, layout
     ``resid_post`` is ``hidden + residual``), so writing the difference into
     the target is what makes the value equal the replacement. Rows of other
     requests are never touched. ``matrix_of(width)``: the worker's vectors of
-    the site's width. Never reads a tensor back to the host."""
+    the site's width. Rows made non-finite are restored, as for adds; returns
+    ``(ok per written row, the rows written)``. Never reads a tensor back to
+    the host."""
     flat = _token_rows(get_value(), layout, label)
     current = flat.index_select(0, batch.rows).float()  # [m, width]
     width = current.shape[-1]
@@ -84,15 +117,21 @@ def apply_sets(matrix_of: Callable[[int], torch.Tensor], batch: SetBatch, layout
     dims = torch.arange(width, device=current.device)
     mask = (dims >= batch.lo[:, None]) & (dims < batch.hi[:, None])
     delta = torch.where(mask, replace - current, 0.0)
-    add_rows(get_target(), layout, batch.rows, delta, site=label, check=False)
+    target = get_target()
+    t_flat = _token_rows(target, layout, label)
+    before = t_flat.index_select(0, batch.rows)
+    add_rows(target, layout, batch.rows, delta, site=label, check=False)
+    return keep_finite(t_flat, batch.rows, before), batch.rows
 
 
 def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,
-             get_target: Getter | None, call: EditCall, label: str) -> int:
+             get_target: Getter | None, call: EditCall, label: str
+             ) -> tuple[int, torch.Tensor | None]:
     """Call one request's edit function on its rows and write back the
     change it returns, exactly once: whether the function returned a new
     tensor, the tensor it was given changed in place, or a view of it.
-    Returns the bytes copied for it (clone reads)."""
+    Returns the bytes copied for it (clone reads), and ok per row written
+    (None: nothing written; rows made non-finite are restored)."""
     plan, span = call.plan, call.span
     value = get_value()
     axis = token_axis(value, layout, site=label)
@@ -116,7 +155,7 @@ def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,
                 "returned None; vlens writes edits back only from what the "
                 "function returns: return the edited tensor"
             )
-        return copied
+        return copied, None
     if get_target is None:
         raise ValueError(
             f"site {site} is read-only: an edit function there may look "
@@ -132,8 +171,11 @@ def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,
     t_rows = narrow(target, layout, span, axis=axis, site=label)
     # the canonical value may be a sum (native resid_post): add the change
     change = result.to(t_rows.dtype) - before.to(t_rows.dtype)
+    old = t_rows.clone()
     widen(target, layout, span, t_rows + change, axis=axis, site=label)
-    return copied
+    if axis == 1:  # [1, n, ...] -> [n, ...]
+        t_rows, old = t_rows[0], old[0]
+    return copied, keep_finite(t_rows, None, old)
 
 
 def reduce_rows(model: Any, rows: torch.Tensor, read: Read,

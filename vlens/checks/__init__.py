@@ -3,18 +3,32 @@ wrong and what would be right, before anything is shipped to the workers.
 
 Pure functions over :class:`ModelFacts` (what the live model is) and plain
 arguments, so they can be read and tested without an engine; the Session
-calls them before it builds a single request.
+calls them before it builds a single request. The model's facts and the
+bounds on writes live in :mod:`vlens.checks.facts`, the rules for a whole
+plan (shared with the server's guard) in :mod:`vlens.checks.plans`; both are
+re-exported here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from vlens.checks.facts import (
+    MANAGED,
+    RELATIVE_MAX,
+    ModelFacts,
+    check_set_values,
+    check_span_fits,
+    check_write_site,
+    check_write_size,
+    is_int,
+    write_bound,
+)
+from vlens.checks.plans import LENS_K_MAX, LENS_SITES, PLAN_MAX, REDUCES, check_plan, check_read
+from vlens.edits import Steer, per_prompt
 from vlens.errors import VlensError
 from vlens.protocol.plan import Read
-from vlens.edits import Steer, per_prompt
 
 __all__ = [
     "ModelFacts",
@@ -23,80 +37,26 @@ __all__ = [
     "check_generation",
     "check_heads",
     "check_layers",
+    "check_plan",
+    "check_read",
+    "check_write_size",
     "check_prompts",
     "check_reads",
     "check_sites",
     "check_steer",
     "check_steers",
+    "write_bound",
+    "check_set_values",
+    "check_span_fits",
+    "check_write_site",
+    "MANAGED",
+    "RELATIVE_MAX",
+    "PLAN_MAX",
+    "REDUCES",
+    "LENS_SITES",
+    "LENS_K_MAX",
+    "REMOTE_EDIT",
 ]
-
-# Sampling settings vlens manages itself: the user sets them another way.
-MANAGED = {
-    "max_tokens": "use max_new_tokens=",
-    "extra_args": "vlens uses extra_args to carry its plan",
-    "logprobs": "use logprobs=True/False",
-    "prompt_logprobs": "use logprobs=True/False",
-    "skip_reading_prefix_cache": "traced requests always recompute their prompt",
-}
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the checks need to know about the live model."""
-
-    n_layers: int
-    hidden_size: int
-    sites: tuple[str, ...]
-    writable: tuple[str, ...]  # sites a Steer or edit may change
-    max_model_len: int
-    vocab_size: int
-    device: str = "cpu"
-    #: sites this architecture has no value for -> why (a parallel block's resid_mid)
-    absent: tuple[tuple[str, str], ...] = ()
-    n_heads: int = 0
-    n_kv_heads: int = 0
-    head_dim: int = 0
-
-    def width(self, site: str) -> int:
-        """Floats per token of a full read (or of a vector written) at ``site``;
-        for ``attn_pattern`` per key."""
-        if site in ("q", "z", "attn_pattern"):
-            return self.n_heads * (1 if site == "attn_pattern" else self.head_dim)
-        if site in ("k", "v"):
-            return self.n_kv_heads * self.head_dim
-        return 1 if site == "positions" else self.hidden_size
-
-    def no_such_site(self, site: Any, what: str = "site") -> VlensError:
-        """The error for a site this model lacks: why, where the architecture
-        has no such value, else which sites exist."""
-        why = dict(self.absent).get(site)
-        if why:
-            return VlensError(f"{what} {site!r} does not exist in this model: {why}")
-        return VlensError(f"unknown {what} {site!r}: this model has {', '.join(self.sites)}")
-
-    @classmethod
-    def from_info(cls, info: dict[str, Any]) -> ModelFacts:
-        """From ``Engine.info``."""
-        from vlens.protocol.sites import HEAD_WRITABLE, WRITABLE
-
-        sites = tuple(info["sites"])
-        return cls(
-            n_layers=int(info["n_layers"]),
-            hidden_size=int(info["hidden_size"]),
-            sites=sites,
-            writable=tuple(x for x in WRITABLE + HEAD_WRITABLE if x in sites),
-            n_heads=int(info.get("n_heads", 0)),
-            n_kv_heads=int(info.get("n_kv_heads", 0)),
-            head_dim=int(info.get("head_dim", 0)),
-            max_model_len=int(info["max_model_len"]),
-            vocab_size=int(info["vocab_size"]),
-            device=str(info.get("device", "cpu")),
-            absent=tuple(sorted((info.get("absent_sites") or {}).items())),
-        )
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_prompts(
@@ -134,11 +94,11 @@ def check_layers(layers: Any, facts: ModelFacts) -> list[int]:
     n = facts.n_layers
     if layers is None:
         return list(range(n))
-    if _is_int(layers):
+    if is_int(layers):
         layers = [layers]
     if isinstance(layers, range):
         layers = list(layers)
-    if not isinstance(layers, (list, tuple)) or not all(_is_int(x) for x in layers):
+    if not isinstance(layers, (list, tuple)) or not all(is_int(x) for x in layers):
         raise VlensError(f"layers must be None (all), an int or a list of ints, got {layers!r}")
     if not layers:
         raise VlensError(f"layers is empty: pick from 0 to {n - 1}, or None for all")
@@ -170,7 +130,7 @@ def check_generation(max_new_tokens: Any, sampling: dict[str, Any], facts: Model
     for key, how in MANAGED.items():
         if key in sampling:
             raise VlensError(f"{key}= is set by vlens: {how}")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise VlensError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if sampling.get("seed") is not None and facts.device == "cpu":
         raise VlensError(
@@ -189,11 +149,11 @@ def check_heads(heads: Any, sites: list[str], facts: ModelFacts) -> tuple[int, .
     if "attn_pattern" not in sites:
         raise VlensError("heads= selects heads of the attn_pattern read: add 'attn_pattern' "
                          "to sites=, or leave heads out")
-    if _is_int(heads):
+    if is_int(heads):
         heads = [heads]
     if isinstance(heads, range):
         heads = list(heads)
-    if not isinstance(heads, (list, tuple)) or not heads or not all(_is_int(h) for h in heads):
+    if not isinstance(heads, (list, tuple)) or not heads or not all(is_int(h) for h in heads):
         raise VlensError(f"heads must be None (all), an int or a non-empty list of ints, "
                          f"got {heads!r}")
     bad = [h for h in heads if not 0 <= h < facts.n_heads]
@@ -210,7 +170,7 @@ def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
     ``heads``: the query heads of an ``attn_pattern`` read (empty: all)."""
     if reduce not in ("full", "norm"):
         raise VlensError(f"reduce must be 'full' or 'norm', got {reduce!r}")
-    if not _is_int(k) or k < 0:
+    if not is_int(k) or k < 0:
         raise VlensError(f"logit_lens must be a non-negative int (top-k), got {k!r}")
     if reduce != "full" and "attn_pattern" in sites:
         raise VlensError("attn_pattern is read in full only (probabilities have no useful "
@@ -225,23 +185,6 @@ def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
             )
         reads.append(Read("resid_post", tuple(layers), "logit_lens", k))
     return reads
-
-
-def check_write_site(what: str, site: str, layer: int, facts: ModelFacts) -> None:
-    """A Steer's or an Ablate's (site, layer): the layer exists and the site
-    is one this model has and can write."""
-    n = facts.n_layers
-    if not 0 <= layer < n:
-        raise VlensError(
-            f"{what} layer {layer} does not exist: this model has {n} layers, "
-            f"numbered 0 to {n - 1}"
-        )
-    if site not in facts.sites:
-        raise facts.no_such_site(site, f"{what} site")
-    if site not in facts.writable:
-        raise VlensError(
-            f"{what} site {site!r} cannot be written: use one of {', '.join(facts.writable)}"
-        )
 
 
 def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int) -> Steer:
@@ -263,26 +206,9 @@ def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int
             f"is {facts.hidden_size}: compute it on this model (s.direction)"
         )
     check_span_fits("Steer", st.span, prompt_len, max_new_tokens)
+    check_write_size(f"Steer (layer {st.layer}, {st.site})", float(st.vector.abs().max()),
+                     float(st.scale), st.relative, facts)
     return st
-
-
-def check_span_fits(what: str, span: Any, prompt_len: int, max_new_tokens: int) -> None:
-    """A Steer's or an Ablate's span lands on rows the request runs: the last
-    generated token is sampled, never fed back, so a request runs
-    ``prompt_len + max_new_tokens - 1`` rows at most."""
-    total = prompt_len + max_new_tokens - 1
-    if span == "generated" and max_new_tokens == 1:
-        raise VlensError(
-            f"{what} span 'generated' can never land with max_new_tokens=1: the one "
-            "generated token is sampled, never fed back. Ask for max_new_tokens >= 2, "
-            "or span='all'/'prompt'"
-        )
-    if isinstance(span, tuple) and span[1] > total:
-        raise VlensError(
-            f"{what} span {span} reaches past the sequence: this request runs {total} "
-            f"tokens ({prompt_len} prompt + {max_new_tokens - 1} fed back), positions 0 "
-            f"to {total - 1}"
-        )
 
 
 def check_steers(steer: Any, prompt_lens: Sequence[int], max_new_tokens: int,

@@ -1,0 +1,147 @@
+"""The checks of one request's plan, as the workers would run it: the same
+function on a Session's own plans and, in the server's guard, on a plan a
+client made by hand (one set of rules on both sides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vlens.checks.facts import (
+    ModelFacts,
+    check_set_values,
+    check_write_site,
+    check_write_size,
+    is_int,
+)
+from vlens.errors import VlensError
+from vlens.protocol.plan import Plan, Read
+
+#: the most reads, steering adds and sets (ablations, patched cells) one
+#: request's plan may carry: a call's work in the engine grows with them
+PLAN_MAX = {"reads": 64, "adds": 64, "sets": 256}
+
+
+#: the reductions a read may ask for, and where: the logit lens and the full
+#: log-probabilities unembed the residual stream after the last norm
+REDUCES = ("full", "norm", "logit_lens", "logprobs", "sae", "sae_top")
+
+#: the reductions of a feature read (an SAE's encoder, named by ``read.sae``):
+#: every feature (``k``: the SAE's width) or each row's ``k`` largest
+FEATURE_REDUCES = ("sae", "sae_top")
+FEATURE_K_MAX = 1 << 20
+
+
+LENS_SITES = ("resid_post",)
+
+
+#: the most top-k of a logit-lens read
+LENS_K_MAX = 1000
+
+
+def check_read(read: Read, facts: ModelFacts) -> None:
+    """One read of a plan, as the workers would run it: the site exists, the
+    reduction suits it (``attn_pattern`` and ``positions`` in full only; the
+    logit lens and the log-probabilities at ``resid_post`` only), the layers
+    and heads exist, ``k`` suits the reduction."""
+    if read.site not in facts.sites:
+        raise facts.no_such_site(read.site, "read site")
+    if read.reduce not in REDUCES:
+        raise VlensError(f"read reduce {read.reduce!r:.40} is not one of {list(REDUCES)}")
+    if read.site in ("attn_pattern", "positions") and read.reduce != "full":
+        raise VlensError(f"{read.site} is read in full only, not with reduce={read.reduce!r}")
+    if read.reduce in ("logit_lens", "logprobs") and read.site not in LENS_SITES:
+        raise VlensError(f"the {read.reduce} reduction reads {', '.join(LENS_SITES)} only, "
+                         f"not {read.site!r}")
+    layers = read.layers
+    if (not isinstance(layers, tuple) or not layers or len(layers) > facts.n_layers
+            or not all(is_int(x) and 0 <= x < facts.n_layers for x in layers)
+            or len(set(layers)) != len(layers)):
+        raise VlensError(f"read layers must be 1 to {facts.n_layers} distinct layers, numbered "
+                         f"0 to {facts.n_layers - 1}; got {list(layers)!r:.80}")
+    if (read.reduce in FEATURE_REDUCES) != bool(read.sae):
+        raise VlensError(f"a feature read ({', '.join(FEATURE_REDUCES)}) names its SAE, and "
+                         f"only a feature read does; got reduce={read.reduce!r:.40}")
+    if read.sae:
+        if not is_int(read.k) or not 1 <= read.k <= FEATURE_K_MAX:
+            raise VlensError(f"read k for {read.reduce} must be from 1 to {FEATURE_K_MAX}, "
+                             f"got {read.k!r:.20}")
+        return
+    hi = min(facts.vocab_size, LENS_K_MAX) if read.reduce == "logit_lens" else 0
+    if not is_int(read.k) or not (1 if hi else 0) <= read.k <= hi:
+        raise VlensError(f"read k for {read.reduce} must be " + (
+            f"a top-k from 1 to {hi}" if hi else "0") + f", got {read.k!r:.20}")
+    if read.heads:
+        if read.site != "attn_pattern":
+            raise VlensError("read heads select heads of attn_pattern only")
+        if (len(set(read.heads)) != len(read.heads)
+                or not all(is_int(h) and 0 <= h < facts.n_heads for h in read.heads)):
+            raise VlensError(f"read heads must be distinct heads from 0 to {facts.n_heads - 1}")
+
+
+def _span_ok(what: str, start: Any, stop: Any, total: int) -> None:
+    """A plan entry's positions ``[start, stop)`` (stop -1: to the end) land
+    on the ``total`` rows the request runs."""
+    if not is_int(start) or not is_int(stop) or start < 0 or (stop != -1 and stop <= start):
+        raise VlensError(f"{what}: positions [{start!r:.20}, {stop!r:.20}) are not a span "
+                         "(0 <= start < stop, or stop -1 for the end)")
+    if start >= total or stop > total:
+        raise VlensError(f"{what}: positions [{start}, {stop}) reach past the {total} rows this "
+                         "request runs (prompt + max_tokens - 1)")
+
+
+def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, float]],
+               max_tokens: int) -> None:
+    """Every read and write of one request's plan, before it is shipped:
+    the same checks on a Session's own plans and, in the server's guard, on
+    a plan a client made by hand. ``vectors``: the vectors the call sends,
+    ``{id: (width, largest |value|)}``; ``max_tokens``: the request's."""
+    for part, limit in PLAN_MAX.items():
+        n = len(getattr(plan, part))
+        if n > limit:
+            raise VlensError(f"a plan holds at most {limit} {part}, this one {n}: split the "
+                             "call, or read fewer sites")
+    total = plan.prompt_len + max_tokens - 1
+    for read in plan.reads:
+        check_read(read, facts)
+    for a in plan.adds:
+        what = f"steering add (layer {a.layer!r:.10}, {a.site!r:.40})"
+        if not is_int(a.layer):
+            raise VlensError(f"{what}: the layer must be an int")
+        check_write_site("Steer", a.site, a.layer, facts)
+        _span_ok(what, a.start, a.stop, total)
+        width, peak = _vector_of(what, a.vec, a.site, vectors, facts)
+        if isinstance(a.scale, bool) or not isinstance(a.scale, (int, float)):
+            raise VlensError(f"{what}: the scale must be a number")
+        check_write_size(what, peak, float(a.scale), bool(a.relative), facts)
+        if a.sae and (a.relative or not is_int(a.feature) or a.feature < 0):
+            raise VlensError(f"{what}: a clamp names a feature (an int >= 0) and is not relative")
+    for w in plan.sets:
+        what = f"ablation/patching set (layer {w.layer!r:.10}, {w.site!r:.40})"
+        if not is_int(w.layer):
+            raise VlensError(f"{what}: the layer must be an int")
+        check_write_site("Ablate", w.site, w.layer, facts)
+        _span_ok(what, w.start, w.stop, total)
+        width = facts.width(w.site)
+        if not (is_int(w.lo) and is_int(w.hi) and 0 <= w.lo < width
+                and (w.hi == -1 or w.lo < w.hi <= width)):
+            raise VlensError(f"{what}: dims [{w.lo!r:.10}, {w.hi!r:.10}) are not inside the "
+                             f"row's {width} (0 <= lo < hi <= {width}, or hi -1)")
+        if w.vec:
+            _, peak = _vector_of(what, w.vec, w.site, vectors, facts)
+            check_set_values(what, peak, facts)
+    for e in plan.edits:
+        if not is_int(e.layer) or not 0 <= e.layer < facts.n_layers or e.site not in facts.sites:
+            raise VlensError(f"edit at ({e.site!r:.40}, {e.layer!r:.10}): no such site/layer")
+
+
+def _vector_of(what: str, vid: str, site: str, vectors: Mapping[str, tuple[int, float]],
+               facts: ModelFacts) -> tuple[int, float]:
+    got = vectors.get(vid)
+    if got is None:
+        raise VlensError(f"{what}: vector {vid!r:.60} was not sent with this call")
+    if got[0] != facts.width(site):
+        raise VlensError(f"{what}: vector {vid!r:.60} has {got[0]} values; {site} takes "
+                         f"{facts.width(site)}")
+    return got

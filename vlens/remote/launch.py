@@ -1,0 +1,130 @@
+"""``vlens serve``'s command line: vLLM's engine flags plus vlens's own,
+the engine started through the same start-up as a Session's
+(``engine/startup.py``), then the HTTP app (``server.py``) served by
+uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from vlens.remote.guard import Limits
+from vlens.remote.server import Server, make_app
+from vlens.remote.tokens import load_tokens
+
+__all__ = ["main", "is_loopback"]
+
+
+def _parser():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(prog="vlens serve", description=(
+        "Serve one model to many notebooks (vlens.connect). Every vLLM engine flag "
+        "(--max-model-len, --tensor-parallel-size, ...) is accepted as well."))
+    p.add_argument("model_tag", nargs="?", default=None,
+                   help="a local model folder (default: the bundled toy-world model)")
+    g = p.add_argument_group("vlens serve")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8765)
+    g.add_argument("--token-file", required=True,
+                   help="one client a line: 'NAME TOKEN' or 'TOKEN'")
+    g.add_argument("--max-read-mb", type=float, default=256,
+                   help="activations one call of a client may read (MiB)")
+    g.add_argument("--max-concurrent", type=int, default=4, help="calls in flight per client")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="tokens per prompt (default: the model's max length)")
+    g.add_argument("--max-requests", type=int, default=256, help="engine requests per call")
+    g.add_argument("--max-body-mb", type=float, default=64, help="request body size (MiB)")
+    g.add_argument("--max-calls", type=int, default=256, help="calls in flight, all clients")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send one request body")
+    g.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="seconds a client may stop reading a call's answer before the call "
+                        "is ended")
+    return AsyncEngineArgs.add_cli_args(p)
+
+
+async def _serve(args: Any, argv: list[str]) -> None:
+    import uvicorn
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vlens.engine.env import apply_env_defaults
+    from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, resolve_model
+    from vlens.errors import VlensError
+
+    if any(a.startswith("--worker-extension-cls") or a.startswith("--worker-cls")
+           for a in argv):
+        raise VlensError("--worker-extension-cls / --worker-cls cannot be passed: "
+                         "vlens sets its own")
+    tokens = load_tokens(args.token_file)
+    explicit = args.model_tag or (args.model if any(a.startswith("--model") for a in argv)
+                                  else None)
+    args.model = resolve_model(explicit)
+    checkpoint = Checkpoint.check(args.model, args.model_impl)
+    if not any(a.startswith("--dtype") for a in argv) and checkpoint.default_dtype is not None:
+        args.dtype = checkpoint.default_dtype
+    args.worker_extension_cls = EXTENSION
+    args.enforce_eager = True  # hooks must run every step (compiled mode is not served)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    apply_env_defaults({"kv_cache_memory_bytes": engine_args.kv_cache_memory_bytes})
+    llm = AsyncLLM.from_engine_args(engine_args)
+    try:
+        setup = (await llm.collective_rpc("vlens_setup"))[0]
+        # compiled mode is not served
+        info = engine_info(setup, llm.model_config, llm.vllm_config, compiled=False,
+                           checkpoint=checkpoint)
+        from vlens.models.recipes import is_toyworld
+
+        info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
+        limits = Limits(
+            read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
+            prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
+            requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20),
+            body_seconds=args.body_timeout, stall_seconds=args.stall_timeout)
+        server = Server(llm, info, tokens, limits, args.model, args.max_calls, args.token_file)
+        config = uvicorn.Config(make_app(server), host=args.host, port=args.port,
+                                log_level="warning", timeout_graceful_shutdown=5)
+        print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
+              f"for {len(tokens)} client(s)", flush=True)
+        if not is_loopback(args.host):
+            print(f"vlens serve: warning: {args.host} is reachable from other machines and "
+                  "this server speaks plain HTTP: tokens and results cross the network "
+                  "unencrypted. Put TLS in front of it (a reverse proxy such as caddy or "
+                  "nginx; docs/workshop.md), or serve on 127.0.0.1 over an SSH tunnel",
+                  file=sys.stderr, flush=True)
+        await uvicorn.Server(config).serve()
+    finally:
+        llm.shutdown()
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vlens.errors import VlensError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        asyncio.run(_serve(args, argv))
+    except VlensError as exc:
+        print(f"vlens serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
