@@ -153,10 +153,21 @@ def main() -> None:
         steering[f"steer relative x{scale}"] = flips(s, sad_prompts, steer=st)
     # a clamp's value is in the units of the residual stream (decoder rows are
     # unit vectors): set it to a fraction of the layer's typical norm
+    sad_f = found[f"mood={world.SAD}"]["feature"]
     for frac in (0.5, 0.6, 0.65, 0.75):
         c = vlens.Clamp(sae, feature=happy, value=round(norm * frac, 1))
         steering[f"clamp {c.value:g} ({frac}x mean norm)"] = flips(s, sad_prompts, clamp=c)
-    summary = {"rows": int(x.shape[0]), "mean_norm": round(norm, 1),
+    for frac in (0.75, 1.0, 1.5):  # on the prompt only: the story then runs freely
+        c = vlens.Clamp(sae, feature=happy, value=round(norm * frac, 1), span="prompt")
+        steering[f"clamp {c.value:g} ({frac}x mean norm), prompt"] = flips(s, sad_prompts,
+                                                                          clamp=c)
+    for frac in (0.6, 0.65):  # happy set, sad switched off
+        both = [vlens.Clamp(sae, feature=happy, value=round(norm * frac, 1)),
+                vlens.Clamp(sae, feature=sad_f, value=0.0)]
+        steering[f"clamp {both[0].value:g} ({frac}x mean norm), sad off"] = flips(
+            s, sad_prompts, clamp=both)
+    summary = {"rows_read": int(x.shape[0]), "trained_here": not args.eval_only,
+               "mean_norm": round(norm, 1),
                "seconds": round(time.time() - t0),
                "features": found, "sad->happy (flipped, well-formed)": steering}
     print(json.dumps(summary, indent=1))
