@@ -25,7 +25,7 @@ PLAN_MAX = {"reads": 64, "adds": 64, "sets": 256}
 
 #: the reductions a read may ask for, and where: the logit lens and the full
 #: log-probabilities unembed the residual stream after the last norm
-REDUCES = ("full", "norm", "logit_lens", "logprobs", "sae", "sae_top")
+REDUCES = ("full", "norm", "logit_lens", "logprobs")
 
 #: the reductions of a feature read (an SAE's encoder, named by ``read.sae``):
 #: every feature (``k``: the SAE's width) or each row's ``k`` largest
@@ -47,8 +47,9 @@ def check_read(read: Read, facts: ModelFacts) -> None:
     and heads exist, ``k`` suits the reduction."""
     if read.site not in facts.sites:
         raise facts.no_such_site(read.site, "read site")
-    if read.reduce not in REDUCES:
-        raise VlensError(f"read reduce {read.reduce!r:.40} is not one of {list(REDUCES)}")
+    if read.reduce not in REDUCES + FEATURE_REDUCES:
+        raise VlensError(f"read reduce {read.reduce!r:.40} is not one of "
+                         f"{list(REDUCES + FEATURE_REDUCES)}")
     if read.site in ("attn_pattern", "positions") and read.reduce != "full":
         raise VlensError(f"{read.site} is read in full only, not with reduce={read.reduce!r}")
     if read.reduce in ("logit_lens", "logprobs") and read.site not in LENS_SITES:
