@@ -23,12 +23,14 @@ if TYPE_CHECKING:
     from vlens.session import Session
     from vlens.protocol.architectures import supported_architectures
     from vlens.edits import Ablate, PerPrompt, Steer
+    from vlens.methods.sae import SAE, Clamp
     from vlens.results import Comparison, Sweep
     from vlens.widgets import explore
     from vlens.remote.client import connect
 
 __all__ = [
     "Ablate",
+    "Clamp",
     "ClosedError",
     "Comparison",
     "EditContext",
@@ -36,6 +38,7 @@ __all__ = [
     "Patching",
     "PerPrompt",
     "Run",
+    "SAE",
     "Session",
     "Steer",
     "Sweep",
@@ -56,6 +59,8 @@ _LAZY = {
     "Patching": "vlens.results.patching",
     "EditContext": "vlens.protocol.plan",
     "PerPrompt": "vlens.edits",
+    "SAE": "vlens.methods.sae",
+    "Clamp": "vlens.methods.sae",
     "Session": "vlens.session",
     "Steer": "vlens.edits",
     "Run": "vlens.results",

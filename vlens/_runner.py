@@ -28,6 +28,7 @@ from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
 from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 from vlens.results import Run, Trace
 from vlens.edits import Steer, engine_prompt
+from vlens.prompts import prompt_parts
 from vlens.tokens import TokenReader
 
 __all__ = ["Request", "Runner", "env_flag", "live_engines"]
@@ -98,6 +99,8 @@ class Runner:
         self._name = f"s{next(Runner._ids)}-{uuid.uuid4().hex[:6]}"
         self._calls = itertools.count()
         self._reader: TokenReader | None = None
+        #: the SAEs this session's calls read ({id: payload}, methods/sae.py)
+        self.saes: dict[str, dict[str, Any]] = {}
         self._facts = ModelFacts.from_info(shared.engine.info)
 
     def _check_open(self) -> None:
@@ -193,7 +196,7 @@ class Runner:
         (:class:`vlens.prompts.Prompt`) whose roles the Trace shows."""
         adds = tuple(
             Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
-                relative=st.relative)
+                relative=st.relative, **self._clamp_of(st))
             for st in steers
         )
         plan = Plan(tag=tag, reads=tuple(reads), adds=adds, sets=tuple(sets), edits=tuple(edits),
@@ -205,6 +208,19 @@ class Runner:
                    max_new_tokens)
         params = self.sampling_params(max_new_tokens, logprobs, plan, sampling or {}, score)
         return Request(ids, plan, params, vectors, prompt=source)
+
+    def _clamp_of(self, st: Steer) -> dict[str, Any]:
+        """A Clamp's plan fields (its SAE's encoder goes to the workers with
+        the call); nothing for a plain Steer."""
+        sae = getattr(st, "sae", None)
+        if sae is None:
+            return {}
+        if self.remote:
+            raise VlensError("Clamps over vlens.connect are not supported yet: clamp in a "
+                             "local Session")
+        if sae.id not in self.saes:
+            self.saes[sae.id] = sae.payload()
+        return {"sae": sae.id, "feature": st.feature}
 
     def background(self, ids: list[int], max_new_tokens: int, sampling: dict[str, Any]) -> Request:
         """An untraced request, as other users' traffic would be."""
@@ -257,6 +273,10 @@ class Runner:
                      [r.plan.tag for r in requests if r.plan is not None])
         try:
             with engine.lock, engine.hold_vectors(vectors):
+                saes = {r.sae for q in requests if q.plan
+                        for r in q.plan.reads + q.plan.adds if r.sae}
+                if saes:
+                    engine.hold_saes({sid: self.saes[sid] for sid in saes})
                 if edit_fns:
                     engine.rpc("vlens_put_edits", edit_fns)
                 yield call
@@ -296,7 +316,8 @@ class Runner:
                     tokens=self.token_strings(fed),
                     output_tokens=self.token_strings(comp.token_ids),
                     positions=list(range(len(fed))), logprobs=[],
-                    finish_reason=comp.finish_reason, **_prompt_parts(req, fed, 0),
+                    finish_reason=comp.finish_reason,
+                    **prompt_parts(req.prompt, len(req.ids), fed, 0),
                 ))
         return Run(traces, prompts=list(prompts))
 
@@ -354,7 +375,7 @@ class Runner:
             step_rows=rec["step_rows"],
             cached_tokens=rec.get("start", 0),
             restarts=rec.get("restarts", 0),
-            **_prompt_parts(req, rec["token_ids"], rec.get("start", 0)),
+            **prompt_parts(req.prompt, len(req.ids), rec["token_ids"], rec.get("start", 0)),
         )
 
 
@@ -400,18 +421,6 @@ def _match(i: int, prompt: str, req: Request, comp: Any,
     if rec["errors"]:
         raise EngineError(f"prompt {i} ({prompt[:40]!r}): " + "; ".join(rec["errors"]))
     return rec
-
-
-def _prompt_parts(req: Request, fed: Sequence[int], start: int) -> dict[str, Any]:
-    """A Trace's ``roles``, ``prompt_text`` and ``offsets`` from its request's
-    normalised prompt (rows from ``start`` on; past the prompt "generated")."""
-    p = req.prompt
-    n = len(req.ids)
-    roles = list(p.roles) if p is not None else [None] * n
-    roles = (roles + ["generated"] * max(0, len(fed) + start - n))[start:start + len(fed)]
-    if p is None:
-        return {"roles": roles}
-    return {"roles": roles, "prompt_text": p.text, "offsets": list(p.offsets)}
 
 
 def _cached_adds(adds: Sequence[Add], start: int) -> int:

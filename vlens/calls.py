@@ -50,6 +50,9 @@ class TraceParams:
     reduce: str = "full"
     logit_lens: int = 0
     heads: int | Sequence[int] | None = None
+    saes: Any = None
+    features_top_k: int = 0
+    clamp: Any = None
     sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -262,7 +262,9 @@ def resolve_roles(edits: Sequence[Any], prompt: Prompt, i: int) -> list[Any]:
             found = sorted({r for r in prompt.roles if r})
             raise VlensError(f"{what} span {ed.span!r}: prompt {i} has no {ed.span} message "
                              f"content (its roles: {found})")
-        out.extend(dataclasses.replace(ed, span=r) for r in ranges)
+        # a Clamp is made from its SAE, not from its fields: it says how to move it
+        move = getattr(ed, "with_span", None) or (lambda r, ed=ed: dataclasses.replace(ed, span=r))
+        out.extend(move(r) for r in ranges)
     return out
 
 
@@ -275,3 +277,14 @@ def edits_each(value: Any, plist: Sequence[Prompt], kind: type, *,
     if not resolve:
         return each
     return PerPrompt([resolve_roles(e, p, i) for i, (e, p) in enumerate(zip(each, plist))])
+
+
+def prompt_parts(p: Prompt | None, n: int, fed: Sequence[int], start: int) -> dict[str, Any]:
+    """A Trace's ``roles``, ``prompt_text`` and ``offsets`` from its request's
+    normalised prompt ``p`` of ``n`` ids (rows from ``start`` on; past the
+    prompt "generated")."""
+    roles = list(p.roles) if p is not None else [None] * n
+    roles = (roles + ["generated"] * max(0, len(fed) + start - n))[start:start + len(fed)]
+    if p is None:
+        return {"roles": roles}
+    return {"roles": roles, "prompt_text": p.text, "offsets": list(p.offsets)}

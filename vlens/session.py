@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vlens import checks
-from vlens.methods import ablation, patching
+from vlens.methods import ablation, directions, patching, sae
 from vlens._runner import Runner, env_flag, live_engines
 from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
@@ -28,7 +28,7 @@ from vlens.protocol.plan import Edit, Read
 from vlens.results import Comparison, Run, Sweep, generated_kl
 from vlens.calls import Call, TraceParams
 from vlens.edits import Ablate, Steer
-from vlens.prompts import Prompt, edits_each, is_conversation, normalise, resolve_roles
+from vlens.prompts import Prompt, edits_each, normalise, resolve_roles
 
 __all__ = ["Session", "live_engines"]
 
@@ -155,6 +155,9 @@ class Session:
         reduce: str = "full",
         logit_lens: int = 0,
         heads: int | Sequence[int] | None = None,
+        saes: Any = None,
+        features_top_k: int = 0,
+        clamp: Any = None,
         progress: Any = None,
         **sampling: Any,
     ) -> Run:
@@ -185,6 +188,10 @@ class Session:
         * ``heads``: the query heads an ``attn_pattern`` read computes (None:
           all); the pattern costs ``heads x T x T`` floats per layer, so
           pick heads (and layers) for long prompts;
+        * ``saes``: a :class:`~vlens.SAE` or a list: each encodes its site at
+          its layer in the worker (``t.features(sae)``, ``[T, d_sae]``);
+          ``features_top_k=k`` ships only each token's k largest; ``clamp``:
+          a :class:`~vlens.Clamp` (a list, or ``PerPrompt``) sets a feature;
         * ``background``: prompts run in the same batch with no plan, as
           other users' traffic would (``run.background_texts``);
         * ``progress``: True for a progress bar, or ``fn(done, total)``
@@ -197,7 +204,8 @@ class Session:
         params = TraceParams(
             layers=layers, sites=sites, max_new_tokens=max_new_tokens, logprobs=logprobs,
             background=background, steer=steer, ablate=ablate, edit=edit, edit_at=edit_at,
-            reduce=reduce, logit_lens=logit_lens, heads=heads, sampling=sampling)
+            reduce=reduce, logit_lens=logit_lens, heads=heads, saes=saes,
+            features_top_k=features_top_k, clamp=clamp, sampling=sampling)
         return self._runner.run(self._trace_call(prompts, params), budget=self.read_budget,
                                 progress=progress)
 
@@ -223,10 +231,14 @@ class Session:
         sites = checks.check_sites(sites, facts)
         reads = checks.check_reads(sites, layers, params.reduce, params.logit_lens, facts,
                                    checks.check_heads(params.heads, sites, facts))
+        reads += sae.feature_reads(params.saes, params.features_top_k, facts, self._runner)
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
-        steers_each = checks.check_steers(edits_each(params.steer, plist, Steer), lens,
-                                          max_new_tokens, facts)
+        steers_each = sae.with_clamps(
+            checks.check_steers(edits_each(params.steer, plist, Steer), lens, max_new_tokens,
+                                facts), params.clamp,
+            checks.check_steers(edits_each(params.clamp, plist, Steer), lens, max_new_tokens,
+                                facts))
         ablates = edits_each(params.ablate, plist, Ablate, resolve=False)
         ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(params.edit, params.edit_at, facts,
@@ -278,33 +290,9 @@ class Session:
         flat, as a Steer there takes it). ``position="last"`` takes each
         prompt's last token, ``"mean"`` the mean over its tokens (the BOS row,
         the same for every prompt, left out)."""
-        if position not in ("last", "mean"):
-            raise VlensError(f"position must be 'last' or 'mean', got {position!r}")
-        for name, group in (("positive", positive), ("negative", negative)):
-            if (isinstance(group, str) or not isinstance(group, (list, tuple)) or not group
-                    or is_conversation(group)):
-                raise VlensError(f"{name} must be a non-empty list of prompts (strings, or "
-                                 "conversations: one conversation alone is wrapped in a list)")
-        layer = checks.check_layers([layer], self._facts)[0]
-        checks.check_sites([site], self._facts)
-        if site == "attn_pattern":
-            raise VlensError("a direction needs a site with a value per token; attn_pattern "
-                             "has one per token pair: use 'z' or a residual site")
-        run = self.trace(list(positive) + list(negative), layers=[layer], sites=[site],
-                         max_new_tokens=1, logprobs=False, progress=progress)
-        bos = self.tokenizer.bos_token_id
-        means = []
-        for t in run:
-            rows = t.activations(site)[0]  # [prompt tokens, hidden]
-            rows = rows.reshape(rows.shape[0], -1)  # head sites: heads * head_dim, flat
-            if position == "last":
-                means.append(rows[-1])
-            else:
-                skip = 1 if bos is not None and t.token_ids[0] == bos and len(rows) > 1 else 0
-                means.append(rows[skip:].mean(0))
-        stacked = torch.stack(means)
-        k = len(positive)
-        return stacked[:k].mean(0) - stacked[k:].mean(0)
+        return directions.difference_of_means(self, self._facts, positive, negative,
+                                              layer=layer, site=site, position=position,
+                                              progress=progress)
 
     def compare(self, prompts: str | Sequence[str], *, steer: Any, max_new_tokens: int = 16,
                 progress: Any = None, **sampling: Any) -> Comparison:
@@ -358,14 +346,16 @@ class Session:
         variants = [resolve_roles([st], plist[0], 0) for st in variants]
         for st in variants[0]:
             checks.check_steer(st, facts, len(plist[0].ids), max_new_tokens)
-        arms = [(str(j), [[] if sts[0].scale == 0 else sts]) for j, sts in enumerate(variants)]
-        if 0.0 not in scales:
+        plain = getattr(steer, "sae", None) is None  # a Clamp to 0 writes: not the baseline
+        arms = [(str(j), [[] if plain and sts[0].scale == 0 else sts])
+                for j, sts in enumerate(variants)]
+        if not plain or 0.0 not in scales:
             arms.append(("base", [[]]))
         call = self._steering_call(plist, arms, max_new_tokens, sampling)
         prompt = plist[0].label
         runs = self._runner.run(call, budget=self.read_budget, progress=progress)
         traces = [run[0] for run in runs]
-        baseline = traces[scales.index(0.0)] if 0.0 in scales else traces[-1]
+        baseline = traces[scales.index(0.0)] if plain and 0.0 in scales else traces[-1]
         steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
         return Sweep(prompt, scales, steered, baseline,
                      [generated_kl(baseline, t) for t in steered])

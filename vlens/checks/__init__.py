@@ -251,6 +251,8 @@ def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
                 w = facts.width(read.site)
                 if read.site == "attn_pattern":  # [heads, T, T]: every key of every row
                     w = (len(read.heads) or facts.n_heads) * tokens
+            elif read.reduce == "sae":  # every feature of an SAE (k: its width)
+                w = read.k
             elif read.reduce == "norm" and read.site in ("q", "k", "v", "z"):
                 w = facts.n_heads  # one norm per head
             else:

@@ -27,6 +27,11 @@ PLAN_MAX = {"reads": 64, "adds": 64, "sets": 256}
 #: log-probabilities unembed the residual stream after the last norm
 REDUCES = ("full", "norm", "logit_lens", "logprobs")
 
+#: the reductions of a feature read (an SAE's encoder, named by ``read.sae``):
+#: every feature (``k``: the SAE's width) or each row's ``k`` largest
+FEATURE_REDUCES = ("sae", "sae_top")
+FEATURE_K_MAX = 1 << 20
+
 
 LENS_SITES = ("resid_post",)
 
@@ -42,8 +47,9 @@ def check_read(read: Read, facts: ModelFacts) -> None:
     and heads exist, ``k`` suits the reduction."""
     if read.site not in facts.sites:
         raise facts.no_such_site(read.site, "read site")
-    if read.reduce not in REDUCES:
-        raise VlensError(f"read reduce {read.reduce!r:.40} is not one of {list(REDUCES)}")
+    if read.reduce not in REDUCES + FEATURE_REDUCES:
+        raise VlensError(f"read reduce {read.reduce!r:.40} is not one of "
+                         f"{list(REDUCES + FEATURE_REDUCES)}")
     if read.site in ("attn_pattern", "positions") and read.reduce != "full":
         raise VlensError(f"{read.site} is read in full only, not with reduce={read.reduce!r}")
     if read.reduce in ("logit_lens", "logprobs") and read.site not in LENS_SITES:
@@ -55,6 +61,14 @@ def check_read(read: Read, facts: ModelFacts) -> None:
             or len(set(layers)) != len(layers)):
         raise VlensError(f"read layers must be 1 to {facts.n_layers} distinct layers, numbered "
                          f"0 to {facts.n_layers - 1}; got {list(layers)!r:.80}")
+    if (read.reduce in FEATURE_REDUCES) != bool(read.sae):
+        raise VlensError(f"a feature read ({', '.join(FEATURE_REDUCES)}) names its SAE, and "
+                         f"only a feature read does; got reduce={read.reduce!r:.40}")
+    if read.sae:
+        if not is_int(read.k) or not 1 <= read.k <= FEATURE_K_MAX:
+            raise VlensError(f"read k for {read.reduce} must be from 1 to {FEATURE_K_MAX}, "
+                             f"got {read.k!r:.20}")
+        return
     hi = min(facts.vocab_size, LENS_K_MAX) if read.reduce == "logit_lens" else 0
     if not is_int(read.k) or not (1 if hi else 0) <= read.k <= hi:
         raise VlensError(f"read k for {read.reduce} must be " + (
@@ -102,6 +116,8 @@ def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, f
         if isinstance(a.scale, bool) or not isinstance(a.scale, (int, float)):
             raise VlensError(f"{what}: the scale must be a number")
         check_write_size(what, peak, float(a.scale), bool(a.relative), facts)
+        if a.sae and (a.relative or not is_int(a.feature) or a.feature < 0):
+            raise VlensError(f"{what}: a clamp names a feature (an int >= 0) and is not relative")
     for w in plan.sets:
         what = f"ablation/patching set (layer {w.layer!r:.10}, {w.site!r:.40})"
         if not is_int(w.layer):

@@ -73,6 +73,7 @@ class Engine:
         # steering vectors the workers hold: id -> calls using it now, least
         # recently used first; unpinned ones past the cap are dropped
         self._vectors: OrderedDict[str, int] = OrderedDict()
+        self._saes: set[str] = set()  # SAEs the workers hold (kept: few, named by the user)
         self.vector_cache = int(os.environ.get("VLENS_VECTOR_CACHE", "256"))
 
         from vllm import LLM  # heavy: only now
@@ -165,6 +166,15 @@ class Engine:
                         self._vectors[vid] -= 1
                 if not self._closed:
                     self._evict_vectors()
+
+    def hold_saes(self, payloads: Mapping[str, dict[str, Any]]) -> None:
+        """Make sure the workers hold these SAEs' encoders (``{id: payload}``,
+        ``methods/sae.py``), shipping only the missing ones; they stay."""
+        with self.lock:
+            new = {sid: p for sid, p in payloads.items() if sid not in self._saes}
+            if new:
+                self.rpc("vlens_put_saes", new)
+                self._saes.update(new)
 
     def _evict_vectors(self) -> None:
         excess = len(self._vectors) - self.vector_cache

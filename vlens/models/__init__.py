@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COPY_HEAD", "RECIPE", "toyworld_path"]
+__all__ = ["COPY_HEAD", "RECIPE", "toyworld_path", "toyworld_sae_path"]
 
 #: The bundled model's sentiment-steering recipe, as data, for the docs, the
 #: notebooks, the demo and the steering widget's defaults (docs/toyworld.md).
@@ -51,3 +51,14 @@ def toyworld_path() -> Path:
             "rebuild it with `python scripts/train_toyworld.py`"
         )
     return _TOYWORLD
+
+
+def toyworld_sae_path() -> Path:
+    """The bundled model's sparse autoencoder (``resid_post`` of the recipe's
+    layer, SAELens's format; ``vlens.SAE.load(toyworld_sae_path())``), trained
+    by ``scripts/train_sae.py`` (docs/features.md)."""
+    path = Path(__file__).resolve().parent / "toyworld_sae"
+    if not (path / "cfg.json").is_file():
+        raise FileNotFoundError(f"the bundled SAE is missing from {path}; "
+                                "rebuild it with `python scripts/train_sae.py`")
+    return path

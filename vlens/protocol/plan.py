@@ -60,10 +60,14 @@ class Read:
     reduce: str = "full"
     k: int = 0
     heads: tuple[int, ...] = ()
+    #: a feature read: the id of the SAE whose encoder the worker applies
+    #: (``reduce`` "sae": every feature, ``k`` = d_sae; "sae_top": each
+    #: row's ``k`` largest, as ids and values)
+    sae: str = ""
 
     @cached_property
     def key(self) -> str:
-        return read_key(self.site, self.reduce)
+        return read_key(self.site, self.reduce) + (f":{self.sae}" if self.sae else "")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,11 @@ class Add:
     start: int = 0
     stop: int = -1  # -1: to the end of the sequence
     relative: bool = False  # scale by each token's activation norm
+    #: a clamp (``vlens.Clamp``): ``vec`` is the decoder row of ``feature``
+    #: of SAE ``sae`` and ``scale`` the value it is set to; each row gets
+    #: ``(scale - f(row)) * vector``
+    sae: str = ""
+    feature: int = -1
 
     def rows_in(self, lo: int, hi: int) -> int:
         """How many of positions ``[lo, hi)`` this add's span covers."""
@@ -136,12 +145,14 @@ class Plan:
             "prompt_len": self.prompt_len,
             "reads": [
                 {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k,
-                 **({"heads": list(r.heads)} if r.heads else {})}
+                 **({"heads": list(r.heads)} if r.heads else {}),
+                 **({"sae": r.sae} if r.sae else {})}
                 for r in self.reads
             ],
             "adds": [
                 {"site": w.site, "layer": w.layer, "vec": w.vec, "scale": float(w.scale),
-                 "start": w.start, "stop": w.stop, "relative": w.relative}
+                 "start": w.start, "stop": w.stop, "relative": w.relative,
+                 **({"sae": w.sae, "feature": w.feature} if w.sae else {})}
                 for w in self.adds
             ],
             "sets": [
@@ -183,13 +194,15 @@ def parse_plan(raw: Any) -> Plan:
         prompt_len=int(raw.get("prompt_len", 0)),
         reads=_shared(tuple(
             Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
-                 int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()))
+                 int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()),
+                 str(r.get("sae", "")))
             for r in raw.get("reads") or ()
         )),
         adds=_shared(tuple(
             Add(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
                   int(w.get("start", 0)), int(w.get("stop", -1)),
-                  bool(w.get("relative", False)))
+                  bool(w.get("relative", False)), str(w.get("sae", "")),
+                  int(w.get("feature", -1)))
             for w in raw.get("adds") or ()
         )),
         sets=_shared(tuple(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -122,6 +123,17 @@ class Trace:
         ids (int64) and probabilities, each ``[n_layers_read, n_tokens, k]``."""
         key = read_key(site, "logit_lens")
         return self._get(key, "ids"), self._get(key, "probs")
+
+    def features(self, sae: Any) -> torch.Tensor:
+        """``[n_tokens, d_sae]`` float32 feature activations of ``sae`` (a
+        :class:`~vlens.SAE`) read with ``trace(saes=[sae])``; read with
+        ``features_top_k=k``, each token's k largest and zeros elsewhere."""
+        dense = f"{sae.site}:sae:{sae.id}"
+        if dense in self._reads:
+            return self._reads[dense]["value"][0]
+        key = f"{sae.site}:sae_top:{sae.id}"
+        ids, values = self._get(key, "ids")[0].long(), self._get(key, "values")[0]
+        return torch.zeros(ids.shape[0], sae.d_sae).scatter_(1, ids, values)
 
     def vocab_logprobs(self, site: str = "resid_post") -> torch.Tensor:
         """Logit-lens log-probabilities over the vocabulary, ``[layers, tokens, vocab]``."""

@@ -110,6 +110,14 @@ class VlensWorkerExtension:
             store.drop(i)
         return len(store)
 
+    def vlens_put_saes(self, payloads: dict[str, dict[str, Any]]) -> int:
+        """Store sparse autoencoders for feature reads (``{id: payload}``,
+        see ``worker/features.py``); returns how many this worker holds."""
+        return self._vlens().features.put(payloads)
+
+    def vlens_drop_saes(self, ids: list[str]) -> int:
+        return self._vlens().features.drop(ids)
+
     def vlens_put_edits(self, fns: dict[str, Any]) -> int:
         book = self._vlens().book
         book.edit_fns.update(fns)

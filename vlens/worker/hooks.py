@@ -33,6 +33,7 @@ from vlens.worker.planner import StepPlan, plan_step
 from vlens.worker.records import StepLog, to_host
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
+from vlens.worker.features import FeatureStore
 
 __all__ = ["WorkerHooks"]
 
@@ -57,6 +58,7 @@ class WorkerHooks:
         self._last_step: StepPlan | None = None  # the last planned step (reused in decode)
         self.log: StepLog | None = None  # the current step's reads, for every request
         self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
+        self.features = FeatureStore(self.vectors.device)  # SAEs for feature reads
         #: plans, records, journal, edit functions: per request, between steps
         self.book = RequestBook(self.runner, self.vectors)
         self.heads = HeadSites(self.sites, self.vectors, self.tp, self.reader,
@@ -337,7 +339,8 @@ class WorkerHooks:
         if batch is not None:
             try:
                 matrix = self.heads.add_matrix(site, layer, batch)
-                ok, rows = apply_adds(matrix, batch, step.layout, get_value, get_target, label)
+                ok, rows = apply_adds(matrix, batch, step.layout, get_value, get_target, label,
+                                      self.features)
                 self.written.add((ok, rows, key, "a steering add", step.layout))
             except Exception as exc:  # the requests concerned get the error
                 self._fail(batch.req_ids, key, exc)
@@ -429,7 +432,7 @@ class WorkerHooks:
             rows = self.heads.gather_heads(rows, -1)
             rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
         t0 = time.perf_counter_ns()
-        parts = reduce_rows(self.model, rows, g.read)
+        parts = reduce_rows(self.model, rows, g.read, self.features)
         self.counters.reduce_ns += time.perf_counter_ns() - t0
         if not self.reader or log is None:  # a non-reading rank joined a collective
             return

@@ -55,7 +55,8 @@ def _token_rows(t: torch.Tensor, layout: StepLayout, label: str) -> torch.Tensor
 
 
 def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_value: Getter,
-               get_target: Getter, label: str) -> tuple[torch.Tensor, Written]:
+               get_target: Getter, label: str, features: Any = None
+               ) -> tuple[torch.Tensor, Written]:
     """Every request's steering add at this (site, layer), in one
     ``index_add_``; relative adds scale by each row's norm before the add.
     Rows the add made non-finite are restored (:func:`keep_finite`).
@@ -79,6 +80,13 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
         value = _token_rows(get_value(), layout, label)
         norms = value.index_select(0, batch.rows).float().norm(dim=-1)
         delta = delta * torch.where(batch.relative, norms, 1.0)[:, None]
+    if batch.clamps:  # (value - f_i(row)) * W_dec[i]: the feature set to the value
+        value = _token_rows(get_value(), layout, label)
+        for sid, sel, feats in batch.clamps:
+            rows = value.index_select(0, batch.rows.index_select(0, sel))
+            now = features.activations(rows, sid).gather(1, feats[:, None])
+            dec = matrix.index_select(0, batch.vectors.index_select(0, sel))
+            delta.index_add_(0, sel, -now * dec)
     before = flat.index_select(0, batch.rows)
     add_rows(target, layout, batch.rows, delta, site=label, check=False)
     return keep_finite(flat, batch.rows, before), batch.rows
@@ -170,13 +178,16 @@ def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,
     return copied, keep_finite(t_rows, None, old)
 
 
-def reduce_rows(model: Any, rows: torch.Tensor, read: Read) -> dict[str, torch.Tensor]:
+def reduce_rows(model: Any, rows: torch.Tensor, read: Read,
+                features: Any = None) -> dict[str, torch.Tensor]:
     """``rows`` is a gathered copy ([n, ...]); kept values never alias
     engine buffers that later kernels or steps overwrite. They stay on
     the model's device until the step ends (the worker copies them to
     the host in one go)."""
     if read.reduce == "full":
         return {"value": rows.float()}
+    if read.sae:  # feature activations of an SAE the worker holds (``features``)
+        return features.reduce(rows, read.sae, read.k if read.reduce == "sae_top" else 0)
     if read.reduce == "norm":
         if rows.dtype == torch.float32:  # no dtype argument: a shorter path in torch
             return {"value": torch.linalg.vector_norm(rows, dim=-1)}

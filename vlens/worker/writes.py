@@ -42,6 +42,10 @@ class AddBatch:
     #: the hooks' scratch for this batch (the uniform add's scaled vector),
     #: kept while decode steps reuse the plan
     cache: dict = field(default_factory=dict, compare=False, repr=False)
+    #: clamps among the adds: per SAE id, ``(its entries of the batch [c]
+    #: int64, their features [c] int64)``; each such row gets
+    #: ``(scale - f(row)) * vector`` instead of ``scale * vector``
+    clamps: tuple[tuple[str, torch.Tensor, torch.Tensor], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,8 @@ def clip_adds(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[st
                 )
             continue
         add_parts[(add.site, add.layer)].append(
-            (rows_lo, rows_hi, vec, add.scale, add.relative, keys))
+            (rows_lo, rows_hi, vec, add.scale, add.relative, keys,
+             (add.sae, add.feature) if add.sae else None))
 
 
 def clip_sets(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[str, int],
@@ -121,8 +126,9 @@ def add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> Ad
     scale = np.repeat(np.array([p[3] for p in parts], dtype=np.float32), per_part)
     rel = np.array([p[4] for p in parts], dtype=bool)
     relative = torch.from_numpy(np.repeat(rel, per_part)).to(device) if rel.any() else None
+    clamps = _clamps_of(parts, per_part, device)
     uniform = None
-    if relative is None and rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size and (
+    if relative is None and not clamps and rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size and (
             rows.size == 1 or bool((rows[1:] > rows[:-1]).all())) and (
             len({(p[2], p[3]) for p in parts}) == 1):
         uniform = (int(rows[0]), int(rows[-1]) + 1, int(parts[0][2]), float(scale[0]))
@@ -133,7 +139,24 @@ def add_batch(parts: list, layout: StepLayout, device: torch.device | str) -> Ad
         relative,
         tuple(r for p in parts for r in p[5]),
         uniform,
+        clamps=clamps,
     )
+
+
+def _clamps_of(parts: list, per_part: np.ndarray, device: torch.device | str) -> tuple:
+    """The batch entries of the clamps among ``parts``, grouped by SAE."""
+    if all(len(p) < 7 or p[6] is None for p in parts):
+        return ()
+    ends = np.cumsum(per_part)
+    by: dict[str, tuple[list, list]] = {}
+    for p, end, n in zip(parts, ends.tolist(), per_part.tolist()):
+        if len(p) > 6 and p[6] is not None:
+            sel, feats = by.setdefault(p[6][0], ([], []))
+            sel.append(np.arange(end - n, end))
+            feats.append(np.full(n, p[6][1], dtype=np.int64))
+    return tuple((sid, torch.from_numpy(np.concatenate(sel)).to(device),
+                  torch.from_numpy(np.concatenate(feats)).to(device))
+                 for sid, (sel, feats) in by.items())
 
 
 def _rows_of(parts: list, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,77 @@
+"""Clamps in the step, with plain tensors: the plan's wire form, the batched
+add whose delta depends on each row (``(v - f_i(x)) * W_dec[i]``), equal to
+a row-by-row loop, and rows of other requests untouched."""
+
+from __future__ import annotations
+
+import torch
+
+from vlens.protocol.features import FeatureSpec, encode
+from vlens.protocol.plan import Add, Plan, Read, parse_plan
+from vlens.protocol.tensors import encode_tensor
+from vlens.worker.features import FeatureStore
+from vlens.worker.planner import plan_step
+from vlens.worker.site_ops import apply_adds, reduce_rows
+from vlens.worker.vectors import VectorStore
+
+
+def _sae(width: int, d_sae: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = {"W_enc": torch.randn(width, d_sae, generator=g), "b_enc": torch.randn(d_sae, generator=g),
+         "b_dec": torch.randn(width, generator=g) * 0.1,
+         "W_dec": torch.randn(d_sae, width, generator=g)}
+    return w
+
+
+def test_feature_reads_and_clamps_round_trip_through_the_wire_form():
+    plan = Plan(tag="t", reads=(Read("resid_post", (1,), "sae_top", 8, sae="sae-1"),),
+                adds=(Add("resid_post", 1, "v1", 3.0, 2, 9, sae="sae-1", feature=4),
+                      Add("resid_post", 1, "v2", 1.0)))
+    back = parse_plan(plan.to_wire())
+    assert back.reads == plan.reads and back.adds == plan.adds
+    assert back.reads[0].key == "resid_post:sae_top:sae-1"
+    assert "sae" not in plan.to_wire()["adds"][1]  # a plain steer's wire form is unchanged
+
+
+def test_batched_clamps_equal_a_row_by_row_loop():
+    width, d_sae = 8, 12
+    w = _sae(width, d_sae, 0)
+    spec = FeatureSpec("standard")
+    features = FeatureStore()
+    features.put({"sae-a": {"spec": spec.to_wire(),
+                            **{k: encode_tensor(w[k]) for k in ("W_enc", "b_enc", "b_dec")}}})
+    store = VectorStore(width)
+    for i in (2, 5):
+        store.put(f"dec{i}", w["W_dec"][i])
+    store.put("plain", torch.ones(width))
+    plans = [
+        Plan(tag="a", adds=(Add("resid_post", 1, "dec2", 1.5, 3, 7, sae="sae-a", feature=2),)),
+        None,  # untraced traffic
+        Plan(tag="c", adds=(Add("resid_post", 1, "dec5", 0.0, 0, -1, sae="sae-a", feature=5),
+                            Add("resid_post", 1, "plain", 2.0))),
+        Plan(tag="d"),
+    ]
+    lengths, computed = [6, 3, 4, 2], [2, 0, 0, 0]
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    step = plan_step([f"r{i}" for i in range(4)], plans, qsl, computed, vector_rows=store.rows)
+    batch = step.adds[("resid_post", 1)]
+    assert batch.uniform is None and [c[0] for c in batch.clamps] == ["sae-a"]
+    T = qsl[-1]
+    x = torch.randn(T, width)
+    before = x.clone()
+    apply_adds(store.matrix, batch, step.layout, lambda: x, lambda: x, "resid_post[1]", features)
+    expect = before.clone()
+    acts = encode(before, w, spec)
+    for pos in range(3, 7):  # request a: positions 2..7, clamped on 3..6 -> rows 1..4
+        r = pos - 2
+        expect[r] += (1.5 - acts[r, 2]) * w["W_dec"][2]
+    for r in range(9, 13):  # request c: every row, feature 5 set to 0, plus the plain steer
+        expect[r] += (0.0 - acts[r, 5]) * w["W_dec"][5] + 2.0
+    torch.testing.assert_close(x, expect, atol=1e-5, rtol=1e-5)
+    untouched = [0, 5, 6, 7, 8, 13, 14]
+    assert torch.equal(x[untouched], before[untouched])
+    # after the clamp, feature 2 of a clamped row is what its encoder reads of the new row
+    top = reduce_rows(None, x[1:5], Read("resid_post", (1,), "sae_top", 3, sae="sae-a"), features)
+    assert top["ids"].shape == (4, 3) and top["values"].shape == (4, 3)
