@@ -92,6 +92,18 @@ def _span_ok(what: str, start: Any, stop: Any, total: int) -> None:
                          "request runs (prompt + max_tokens - 1)")
 
 
+def _write_at(kind: str, label: str, entry: Any, facts: ModelFacts, total: int) -> str:
+    """An add's or a set's layer, site and positions: it lands on rows the
+    request runs, at a (site, layer) this model can write. Returns the
+    entry's name for the errors that follow."""
+    what = f"{label} (layer {entry.layer!r:.10}, {entry.site!r:.40})"
+    if not is_int(entry.layer):
+        raise VlensError(f"{what}: the layer must be an int")
+    check_write_site(kind, entry.site, entry.layer, facts)
+    _span_ok(what, entry.start, entry.stop, total)
+    return what
+
+
 def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, float]],
                max_tokens: int) -> None:
     """Every read and write of one request's plan, before it is shipped:
@@ -107,11 +119,7 @@ def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, f
     for read in plan.reads:
         check_read(read, facts)
     for a in plan.adds:
-        what = f"steering add (layer {a.layer!r:.10}, {a.site!r:.40})"
-        if not is_int(a.layer):
-            raise VlensError(f"{what}: the layer must be an int")
-        check_write_site("Steer", a.site, a.layer, facts)
-        _span_ok(what, a.start, a.stop, total)
+        what = _write_at("Steer", "steering add", a, facts, total)
         width, peak = _vector_of(what, a.vec, a.site, vectors, facts)
         if isinstance(a.scale, bool) or not isinstance(a.scale, (int, float)):
             raise VlensError(f"{what}: the scale must be a number")
@@ -119,11 +127,7 @@ def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, f
         if a.sae and (a.relative or not is_int(a.feature) or a.feature < 0):
             raise VlensError(f"{what}: a clamp names a feature (an int >= 0) and is not relative")
     for w in plan.sets:
-        what = f"ablation/patching set (layer {w.layer!r:.10}, {w.site!r:.40})"
-        if not is_int(w.layer):
-            raise VlensError(f"{what}: the layer must be an int")
-        check_write_site("Ablate", w.site, w.layer, facts)
-        _span_ok(what, w.start, w.stop, total)
+        what = _write_at("Ablate", "ablation/patching set", w, facts, total)
         width = facts.width(w.site)
         if not (is_int(w.lo) and is_int(w.hi) and 0 <= w.lo < width
                 and (w.hi == -1 or w.lo < w.hi <= width)):
