@@ -78,3 +78,21 @@ def test_a_write_gone_non_finite_fails_alone_and_spoils_no_later_call(toy_sessio
     assert after["nonfinite_writes"] > before["nonfinite_writes"]
     assert after["hook_errors"] == before["hook_errors"]
     assert after["records"] == 0 and after["plans"] == 0
+
+
+def test_a_huge_clamp_is_refused_and_the_largest_allowed_leaves_others_clean(toy_session):
+    from vlens.methods.sae import CLAMP_MAX
+    from vlens.models import toyworld_sae_path
+
+    s = toy_session
+    sae = vlens.SAE.load(toyworld_sae_path())
+    for value in (1e30, float("inf"), float("nan")):
+        with pytest.raises(VlensError, match=r"Clamp value must be a finite number with "
+                                             r"\|value\| <= 10000"):
+            vlens.Clamp(sae, feature=0, value=value)
+    clean = _plain(s)
+    run = s.trace("the wind was", clamp=vlens.Clamp(sae, feature=0, value=CLAMP_MAX),
+                  layers=[s.n_layers - 1], max_new_tokens=4)
+    assert torch.isfinite(run[0].activations()).all()
+    _same(_plain(s), clean)
+    assert s.status()["records"] == 0
