@@ -129,10 +129,11 @@ def pytest_collection_modifyitems(config, items):
     Hugging Face model in-process must therefore run before it starts.
     """
     def uses_tf_backend(item) -> bool:
-        # directly, or through a parametrised fixture that picks it by name
+        # marked, directly, or through a parametrised fixture that picks it by name
         ids = item.nodeid.partition("[")[2].rstrip("]").split("-")
         return (
-            "llama_tf_session" in getattr(item, "fixturenames", ())
+            item.get_closest_marker("tf_backend") is not None
+            or "llama_tf_session" in getattr(item, "fixturenames", ())
             or "transformers" in ids
             or "llama_tf_session" in item.nodeid
         )

@@ -31,7 +31,7 @@ import torch
 
 import vlens
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.tf_backend]
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -245,3 +245,35 @@ def test_llama_transformers_backend_ablates_and_patches_heads_as_native(llama_ro
         assert err <= TOL, (a.index, a.sample, a.restarts, err)
     assert (tf["patched"].grid - native["patched"].grid).abs().max() <= 1e-4
     assert float(native["patched"].grid.abs().max()) > 1e-3
+
+
+def test_hugging_face_models_still_build_beside_the_transformers_backend(llama_tf_session,
+                                                                          tmp_path):
+    """vLLM's Transformers backend decorates Hugging Face's LlamaModel in this
+    process; ``make_tiny_model`` (and anything under ``hf_buildable``) must
+    still build the same model, and it must run as Hugging Face's own."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from vlens.tiny import hf_buildable, make_tiny_model
+
+    assert llama_tf_session.info["impl"] == "transformers"
+    made = make_tiny_model(tmp_path / "here", "llama", hidden=64, heads=2, layers=2, seed=3)
+    with pytest.raises(AssertionError, match="vLLM config is not set"):
+        transformers.AutoModelForCausalLM.from_pretrained(made)  # the decorated class
+    code = ("import sys; from vlens.tiny import make_tiny_model; "
+            "make_tiny_model(sys.argv[1], 'llama', hidden=64, heads=2, layers=2, seed=3)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "fresh")], check=True,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    ours, fresh = (load_file(p / "model.safetensors") for p in (made, tmp_path / "fresh"))
+    assert ours.keys() == fresh.keys()
+    assert all(torch.equal(ours[k], fresh[k]) for k in ours)
+    with hf_buildable():
+        model = transformers.AutoModelForCausalLM.from_pretrained(made)
+    ids = torch.tensor([[1, 5, 9, 12]])
+    code = ("import sys, torch, transformers; "
+            "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+            "torch.save(m(torch.tensor([[1, 5, 9, 12]])).logits, sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(made), str(tmp_path / "ref.pt")], check=True)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, torch.load(tmp_path / "ref.pt"))

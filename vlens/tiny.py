@@ -9,6 +9,9 @@ transformers load the same numbers, so their activations can be compared.
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 from pathlib import Path
 
 __all__ = ["TINY_ARCHS", "make_tiny_model", "tiny_vocabulary"]
@@ -97,6 +100,38 @@ def _configs(common: dict, hidden: int, layers: int, heads: int, kv: int, inter:
     }
 
 
+@contextmanager
+def hf_buildable():
+    """Let Hugging Face model classes be built in a process where vLLM's
+    Transformers backend has run.
+
+    That backend decorates the Hugging Face class it serves (``LlamaModel``,
+    ``GPTNeoXModel`` …) in place for torch.compile: the class gains a base
+    and an ``__init__`` that asks for vLLM's current config, so building the
+    class afterwards outside an engine fails ("Current vLLM config is not
+    set"). Inside this block a config with compilation off is current, so the
+    decorated class builds and runs as plain eager PyTorch. Without vLLM
+    imported it does nothing.
+    """
+    if "vllm.config" not in sys.modules:
+        yield
+        return
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+    from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
+
+    # the decorated __init__ reads only these two: the compilation mode (off,
+    # so the class runs its own forward) and the model's config, which its
+    # enable_if inspects for a rope scaling torch.compile cannot take
+    stand_in = SimpleNamespace(
+        compilation_config=CompilationConfig(mode=CompilationMode.NONE),
+        model_config=SimpleNamespace(hf_config=PretrainedConfig()),
+    )
+    with set_current_vllm_config(stand_in):
+        yield
+
+
 def make_tiny_model(
     path: str | Path,
     arch: str = "llama",
@@ -147,7 +182,8 @@ def make_tiny_model(
     config = getattr(transformers, cls_name)(**kwargs)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with hf_buildable():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with std 0.02 gives near-identical layers and zero biases;
     # widen the norms' weights and give every bias a value, so each layer's
     # output differs visibly from its input and bias handling is exercised.
