@@ -94,6 +94,17 @@ def llama_session(tiny_llama):
 
 
 @pytest.fixture(scope="session")
+def loaded_session(tiny_llama):
+    """The tiny Llama under load: prefill chunks of 32 tokens, prefix caching
+    on, and a KV cache of six blocks, so long or many requests are preempted
+    (ablation's and the SAE's batch tests share it)."""
+    s = _session(tiny_llama, reuse=False, max_model_len=512, max_num_batched_tokens=32,
+                 enable_prefix_caching=True, num_gpu_blocks_override=6)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
 def llama_tf_session(tiny_llama):
     """The same weights through vLLM's Transformers backend ([1, T, H])."""
     s = _session(

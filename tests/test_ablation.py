@@ -198,14 +198,6 @@ def test_ablate_forms_are_refused_when_ambiguous(llama_session):
 
 # -- a loaded engine -------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def loaded_session(tiny_llama, engine_options):
-    s = vlens.Session(tiny_llama, reuse=False, max_model_len=512, max_num_batched_tokens=32,
-                      enable_prefix_caching=True, num_gpu_blocks_override=6, **engine_options)
-    yield s
-    s.close()
-
-
 def test_a_loaded_engine_ablates_each_request_as_it_would_alone(loaded_session):
     """Chunked prefill of 32 tokens and a KV cache too small for the batch
     (vLLM preempts and recomputes requests): every request as if alone."""

@@ -121,15 +121,6 @@ def _prompt(n_words: int, offset: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def loaded_session(tiny_llama, engine_options):
-    """Chunked prefill of 32 tokens and a KV cache too small for the batch."""
-    s = vlens.Session(tiny_llama, reuse=False, max_model_len=512, max_num_batched_tokens=32,
-                      enable_prefix_caching=True, num_gpu_blocks_override=6, **engine_options)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
 def sae_folders():
     """Saved by SAELens itself (scripts/record_saelens.py)."""
     return {a: SAELENS / a for a in ("standard", "jumprelu", "topk")}
