@@ -210,10 +210,13 @@ def test_clamp_equals_a_hugging_face_hook_and_leaves_others_alone(llama_session,
                                                                    tmp_path):
     s = llama_session
     folders = [save_saelens(tmp_path / "std", "standard", "blocks.1.hook_resid_post", seed=5),
-               save_saelens(tmp_path / "topk", "topk", "blocks.0.hook_mlp_out", seed=6, k=12)]
+               save_saelens(tmp_path / "topk", "topk", "blocks.0.hook_mlp_out", seed=6, k=12),
+               save_saelens(tmp_path / "ln", "standard", "blocks.2.hook_resid_post", seed=7,
+                            normalize_activations="layer_norm")]
     saes = [vlens.SAE.load(f) for f in folders]
     clamps = [vlens.Clamp(saes[0], feature=7, value=4.0, span=(2, 9)),
-              vlens.Clamp(saes[1], feature=3, value=2.0, span="all")]
+              vlens.Clamp(saes[1], feature=3, value=2.0, span="all"),
+              vlens.Clamp(saes[2], feature=5, value=3.0, span="generated")]
     prompts = [_prompt(90, 1), _prompt(12, 2)]  # the long one is chunked (64-token steps)
     kw = dict(layers=None, sites=["resid_post"], max_new_tokens=5)
     plain = s.trace(prompts, **kw)
