@@ -526,7 +526,8 @@ def _serve_section(s: dict | None) -> list[str]:
 def sae_section(sae: dict | None, cpu: dict | None) -> list[str]:
     """The SAE conditions from their own short run (``results-sae.json``),
     when the main CPU run has none of them."""
-    if not sae or (cpu and any("sae_comp" in m["conditions"] for m in cpu["models"])):
+    if not sae or (cpu and any(k.startswith("sae") for m in cpu["models"]
+                               for k in m["conditions"])):
         return []
     out = ["### SAE features (sae): a separate short run", "",
            ("The main run above predates the SAE conditions; these figures come from a run "
