@@ -26,6 +26,10 @@ A shared 128-token preamble, where the prefix cache can hit:
     p_a p_c p_f (caching on), p_a_off p_c_off p_f_off (off)
 Per-step cost at two batch sizes (4 sites x 2 layers read, norms):
     k32 k256 (eager), k32_comp k256_comp (compiled)
+Features (issue 26): each token's top 32 features of a random 4096-wide SAE
+(hf_sae.py) at the steering layer:
+    sae (eager), sae_comp (compiled, against (a*)), sae_hf (the SAELens way:
+    Hugging Face generate with a hook that encodes every row)
 """
 
 from __future__ import annotations
@@ -71,19 +75,22 @@ LABELS: dict[str, str] = {
     "k256": "4 sites x 2 layers, norms, wide batch (eager)",
     "k32_comp": "4 sites x 2 layers, norms, the main batch (compiled)",
     "k256_comp": "4 sites x 2 layers, norms, wide batch (compiled)",
+    "sae": "top 32 features of a 4096-wide SAE at 1 layer",
+    "sae_comp": "compiled vlens, top 32 features of a 4096-wide SAE",
+    "sae_hf": "HF transformers generate + the SAE's encode, top 32",
 }
 
 # which engine each condition runs on
 ENGINE: dict[str, str] = {
-    "a_star": "plain", "h_floor": "none", "j": "none", "m": "none",
+    "a_star": "plain", "h_floor": "none", "j": "none", "m": "none", "sae_hf": "none",
     **{k: "comp" for k in LABELS if k.endswith("_comp")},
     **{k: "off" for k in LABELS if k.endswith("_off") and k not in ("i_edit_off",)},
 }
 # the conditions that are vLLM with nothing of vlens in it (no worker counters)
-PLAIN = ("a", "a_star", "a_off", "p_a", "p_a_off", "h_floor", "j", "m")
+PLAIN = ("a", "a_star", "a_off", "p_a", "p_a_off", "h_floor", "j", "m", "sae_hf")
 # slow, or second tables: run in the first ``slow_reps`` repetitions only, so
 # that the main and compiled tables get the most repetitions in the budget
-FEW = ("j", "m", "k32", "k256", "k32_comp", "k256_comp", "a_off", "c_off", "f_off",
+FEW = ("j", "m", "sae_hf", "k32", "k256", "k32_comp", "k256_comp", "a_off", "c_off", "f_off",
        "p_a", "p_f", "p_c", "p_a_off", "p_c_off", "p_f_off")
 K_SITES = ["resid_pre", "resid_post", "attn_out", "mlp_out"]
 
@@ -120,6 +127,8 @@ class Setup:
     # the wide batch of (k256) (prompts cycled) and the new tokens of (k)
     wide: int = 256
     k_tokens: int = 32
+    # the SAE of (sae) (hf_sae.make_sae), None: no SAE conditions
+    sae_path: Any = None
 
 
 class Conditions:
@@ -128,13 +137,15 @@ class Conditions:
     Each ``run_<base key>`` returns ``(tokens generated, extra figures)``."""
 
     def __init__(self, sessions: dict[str, Any], setup: Setup, *, plain: Any = None,
-                 floor: Any = None, hf: Any = None, nns: Any = None) -> None:
+                 floor: Any = None, hf: Any = None, nns: Any = None, hf_sae: Any = None) -> None:
         import vlens
         from vllm import SamplingParams
 
         self.sessions = sessions
         self.s = sessions["eager"]
         self.setup, self.plain, self.floor, self.hf, self.nns = setup, plain, floor, hf, nns
+        self.hf_sae = hf_sae
+        self.sae = vlens.SAE.load(setup.sae_path) if setup.sae_path else None
         n_layers = self.s.n_layers
         L, sc, vecs = setup.layer, setup.scale, setup.vectors
         self.shared = vlens.Steer(vecs[0], layer=L, scale=sc)
@@ -145,7 +156,7 @@ class Conditions:
         self.k_layers = sorted({n_layers // 4, (3 * n_layers) // 4})
         # hooked (site, layer) pairs each condition touches per step
         base = {"c": 1, "d": n_layers, "e": 1, "f": 1, "g": n_layers, "h": n_layers,
-                "i_read": 1, "i_edit_off": 1, "i_edit_on": 1, "p_c": 1, "p_f": 1,
+                "i_read": 1, "i_edit_off": 1, "i_edit_on": 1, "p_c": 1, "p_f": 1, "sae": 1,
                 "k32": len(K_SITES) * len(self.k_layers)}
         base["k256"] = base["k32"]
         self.sites_touched = {k: base.get(self.base(k), 0) for k in LABELS}
@@ -184,6 +195,8 @@ class Conditions:
             if (key == "a_star" and self.plain is None) or (key == "h_floor" and self.floor is None):
                 continue
             if (key == "j" and self.hf is None) or (key == "m" and self.nns is None):
+                continue
+            if key.startswith("sae") and (self.sae is None or (key == "sae_hf" and self.hf_sae is None)):
                 continue
             out.append(key)
         return out
@@ -257,6 +270,9 @@ class Conditions:
     def run_h(self, s, **kw):
         return self._trace(s, layers=None, sites=[], logit_lens=5, **kw)
 
+    def run_sae(self, s, **kw):
+        return self._trace(s, sites=[], saes=[self.sae], features_top_k=32, **kw)
+
     def run_p_c(self, s, prompts=None, tokens=None, **kw):
         return self.run_c(s, prompts=prompts or self.setup.long_prompts,
                           tokens=tokens or self.setup.long_tokens, **kw)
@@ -312,3 +328,6 @@ class Conditions:
 
     def run_m(self, **kw):
         return self.nns.run(**kw)
+
+    def run_sae_hf(self, **kw):
+        return self.hf_sae.run(**kw)

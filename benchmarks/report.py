@@ -17,7 +17,7 @@ import report_tables as rt
 from report_text import (
     CLIENT_FIX, CLONE_TEXT, COMPILED_MODE, COMPILED_TABLE_TEXT, DEV, FLOOR_TEXT, GOALS_TEXT,
     GPU_PENDING, INTRO, LAYOUT_FIX, NNSIGHT_VLLM, NOISE, OFF_TEXT, OPS_FIX, PREAMBLE_TEXT, READS_FIX,
-    STEP_DESIGN, STEP_TEXT,
+    SAE_TEXT, STEP_DESIGN, STEP_TEXT,
 )
 from suite import GOALS, LABELS
 
@@ -29,7 +29,8 @@ MAIN_GOALS = ["b", "c", "d", "e", "f", "g", "h", "j"]
 # every condition that runs vlens code (the worker table)
 WORKER_ORDER = ["b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on",
                 "b_comp", "c_comp", "f_comp", "g_comp", "h_comp", "c_off", "f_off",
-                "p_c", "p_f", "p_c_off", "p_f_off", "k32", "k256", "k32_comp", "k256_comp"]
+                "p_c", "p_f", "p_c_off", "p_f_off", "k32", "k256", "k32_comp", "k256_comp",
+                "sae", "sae_comp"]
 LETTER = {"i_read": "i", "i_edit_off": "i", "i_edit_on": "i", "a_star": "a*"}
 
 
@@ -282,7 +283,7 @@ def tables(results: dict) -> str:
     parts = []
     for m in results["models"]:
         parts.append(f"\n{m['name']}\n" + model_table(m))
-        for table in (rt.compiled_table(m), rt.floor_table(m), rt.off_table(m),
+        for table in (rt.compiled_table(m), rt.sae_table(m), rt.floor_table(m), rt.off_table(m),
                       rt.preamble_table(m), rt.step_table(m), worker_table(m)):
             if table:
                 parts.append("\n" + table)
@@ -363,6 +364,7 @@ def _section(r: dict, gpu: bool) -> list[str]:
         for title, table, text in (
                 ("vlens compiled, against plain vLLM at its defaults (a*)", rt.compiled_table(m),
                  COMPILED_TABLE_TEXT),
+                ("SAE features (sae), and the SAELens way", rt.sae_table(m), SAE_TEXT),
                 ("The logit lens against its arithmetic floor", rt.floor_table(m), FLOOR_TEXT),
                 ("Per step, at 32 requests and at the wide batch (k)", rt.step_table(m),
                  STEP_TEXT.format(wide=r["meta"]["settings"].get("wide", 256),
@@ -422,7 +424,7 @@ def _missed(r: dict) -> list[str]:
     return missed
 
 
-def render(cpu: dict | None, gpu: dict | None) -> str:
+def render(cpu: dict | None, gpu: dict | None, sae: dict | None = None) -> str:
     out = [INTRO]
     if cpu:
         out += [GOALS_TEXT, *_goal_summary(cpu), ""]
@@ -452,6 +454,7 @@ def render(cpu: dict | None, gpu: dict | None) -> str:
         out += [STEP_DESIGN, ""]
         out += [COMPILED_MODE, ""]
         out += ["## CPU figures", ""] + _section(cpu, gpu=False)
+        out += sae_section(sae, cpu)
         out += _extras(cpu)
     else:
         out += ["## CPU figures", "", "Pending: no `benchmarks/results.json` yet.", ""]
@@ -520,11 +523,40 @@ def _serve_section(s: dict | None) -> list[str]:
                   ""]
 
 
+def sae_section(sae: dict | None, cpu: dict | None) -> list[str]:
+    """The SAE conditions from their own short run (``results-sae.json``),
+    when the main CPU run has none of them."""
+    if not sae or (cpu and any(k.startswith("sae") for m in cpu["models"]
+                               for k in m["conditions"])):
+        return []
+    out = ["### SAE features (sae): a separate short run", "",
+           ("The main run above predates the SAE conditions; these figures come from a run "
+            "of those conditions alone (with their references (a) and (a*), paired per "
+            "repetition as everywhere here):"), "", *_meta(sae)]
+    for m in sae["models"]:
+        out += ["", f"{m['name']}: {_model_line(m)}. Engines: {_engines_line(m)}. "
+                f"**{m['reps_done']} repetitions** done.", "", SAE_TEXT, "", rt.sae_table(m)]
+        model, _ = macs_per_token(m["config"])
+        enc = m["config"]["hidden_size"] * 4096
+        comp = (m["conditions"].get("sae_comp") or {}).get("worker") or {}
+        out += ["", (f"The encoder alone is {enc / 1e6:.1f} M multiply-adds per token against "
+                     f"the model's {model / 1e6:.1f} M ({_pct(enc / model)}): where time follows "
+                     f"arithmetic, (sae*) cannot go below about {1 + enc / model:.2f} × (a*), "
+                     "close to its goal of 1.10 before any cost of vlens's own. The workers' "
+                     f"counters put the hooks (the encode and top-k) at "
+                     f"{_pct(comp.get('share_hooks', 0))} of (sae*)'s time, the step's layout at "
+                     f"{_pct(comp.get('share_layout', 0))} and the client at "
+                     f"{_pct(comp.get('share_client', 0))}.")]
+    return out + [""]
+
+
 def write(doc: Path, cpu_json: Path, gpu_json: Path) -> None:
     cpu = json.loads(cpu_json.read_text()) if cpu_json.exists() else None
     gpu = json.loads(gpu_json.read_text()) if gpu_json.exists() else None
+    sae_json = cpu_json.with_name("results-sae.json")
+    sae = json.loads(sae_json.read_text()) if sae_json.exists() else None
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(render(cpu, gpu))
+    doc.write_text(render(cpu, gpu, sae))
 
 
 def load(path: Path) -> Any:

@@ -99,6 +99,25 @@ def compiled_table(m: dict) -> str:
                    "to (a), eager", "the eager vlens run to (a*)", "goal"], rows)
 
 
+def sae_table(m: dict) -> str:
+    """(sae): each token's top 32 features of a 4096-wide SAE read in the
+    worker, eager and compiled, and the SAELens way (Hugging Face + encode)."""
+    c = m["conditions"]
+
+    def row(key, e):
+        hf = c.get("sae_hf") or {}
+        vs_hf = {"sae": "ratio_to_sae", "sae_comp": "ratio_to_sae_comp"}.get(key)
+        return [f"({tag(key)})", e["label"], fmt_rate(e["tok_s"]),
+                fmt_ratio(e.get("ratio_to_a")), fmt_ratio(e.get("ratio_to_a_star")),
+                fmt_ratio(hf.get(vs_hf)) if vs_hf else "1", goal_cell(e)]
+
+    rows = _condition_rows(m, ("sae", "sae_comp", "sae_hf"), 7, row)
+    if not rows:
+        return ""
+    return _table(["", "condition", "tok/s, median (min–max)", "time ratio to (a)",
+                   "to (a*)", "(sae_hf)'s time over this", "goal"], rows)
+
+
 def floor_table(m: dict) -> str:
     c = m["conditions"]
     fl = c.get("h_floor")
@@ -199,7 +218,7 @@ def _step_row(mode: str, steps: str, sites: int, x: dict) -> list[str]:
 def compiled_goal_rows(r: dict) -> list[str]:
     """Rows of the goal summary for the compiled-mode targets, one cell per model."""
     out = []
-    for key in ("c_comp", "f_comp", "g_comp", "h_comp"):
+    for key in ("c_comp", "f_comp", "g_comp", "h_comp", "sae_comp"):
         ref, goal = GOALS[key]
         cells = []
         for m in r["models"]:
@@ -210,6 +229,8 @@ def compiled_goal_rows(r: dict) -> list[str]:
                 continue
             mark = "met" if e["goal"]["met"] else "**missed**"
             cells.append(f"{ratio['median']:.2f}: {mark}")
+        if key == "sae_comp" and set(cells) == {"–"}:
+            continue  # a run without the SAE conditions (their own run: report.sae_section)
         shown = {"a_star": "a*", "floor_star": "floor*"}[ref]
         out.append(f"| ({tag(key)}) ≤ {goal:.2f} × ({shown}) | " + " | ".join(cells) + " |")
     cells = []

@@ -87,6 +87,23 @@ normalises each row and takes its top-k; those are in the lens run, not in
 the floor."""
 
 
+SAE_TEXT = """Each token's 32 largest features of a 4096-wide SAE on `resid_post` of the
+steering layer, every token of every request, prompt and generated:
+`s.trace(prompts, saes=[sae], features_top_k=32, sites=[])`. The SAE is a
+random standard SAE made on the spot in SAELens's format
+(`benchmarks/hf_sae.py`; the values do not change the arithmetic). (sae)
+runs on the eager engine, (sae*) on the compiled one, against plain vLLM at
+its defaults (a*). (sae_hf) is the same encoding done the SAELens way: a
+Hugging Face forward (`generate`, as (j)) with a hook on that layer that
+encodes every row with the SAE and keeps its top 32. SAELens itself is not
+installed in this environment (it pins its own torch), so the hook runs
+SAELens's standard `encode` written out in torch,
+`relu((x - b_dec) @ W_enc + b_enc)`: the same arithmetic, without the
+library's bookkeeping. The last column is (sae_hf)'s time divided by the
+row's, paired per repetition: how many times faster vlens gets the same
+features."""
+
+
 STEP_TEXT = """From the workers' counters (`layout_ns`, `hook_ns`, `steps_planned` in
 `s.status()`), for one plan: `resid_pre`, `resid_post`, `attn_out` and
 `mlp_out` read at layers {layers} (4 sites × 2 layers), reduced to norms in

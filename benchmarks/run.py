@@ -19,6 +19,15 @@ the ones it has (never fewer than 2). ``--no-compiled`` leaves out the
 compiled engines (each compiles for ~30 s on CPU), ``--no-cache-off`` the
 second engine, ``--no-long`` the shared-preamble conditions (p).
 
+The SAE conditions (sae, sae*, sae_hf: conditions.py) can run alone, on the
+512 x 8 model, into their own file, which the report shows when the main
+run has none of them::
+
+    .venv/bin/python benchmarks/run.py --model benchmarks/.models/llama-h512-l8 \
+        --only sae,sae_comp,sae_hf --json benchmarks/results-sae.json \
+        --no-nnsight --no-widgets --no-serve --no-patching
+    .venv/bin/python benchmarks/run.py --render-only
+
 ``--device-check`` is the GPU run: a ~0.5B random-weight Qwen2-shaped model
 (made on the spot unless ``--model`` names one), bfloat16, 3 repetitions,
 CUDA graphs for the compiled engines, without nnsight unless it is
@@ -161,8 +170,21 @@ def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
                                 else result["config"].get("dtype") or "float32")
     dtype = getattr(torch, dtype_name)
 
-    hf = nns = None
+    hf = nns = hf_sae = None
     errors: dict[str, str] = {}
+    if any(k.startswith("sae") for k in args.keys):
+        from hf_sae import make_sae
+
+        setup.sae_path = make_sae(MODELS_DIR / f"sae-4096-h{hidden}-l{setup.layer}", hidden,
+                                  setup.layer)
+    if "sae_hf" in args.keys:
+        from hf_sae import HFSae
+
+        try:
+            hf_sae = HFSae(path, ids, setup.sae_path, layer=setup.layer, tokens=args.tokens,
+                           device=device, dtype=dtype)
+        except Exception as exc:
+            errors["sae_hf"] = _short(exc)
     if "j" in args.keys:
         # before the engine: vLLM's Transformers backend (not used here) would
         # patch these classes; loading first is safe either way
@@ -251,7 +273,8 @@ def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
             f"{result['prompt_tokens']['max']} tokens, {args.tokens} new tokens each; "
             f"steering layer {setup.layer}")
         measured = suite.measure_model(sessions, setup, reps=args.reps, slow_reps=args.slow_reps,
-                                       plain=plain, floor=floor, hf=hf, nns=nns, keys=args.keys,
+                                       plain=plain, floor=floor, hf=hf, nns=nns, hf_sae=hf_sae,
+                                       keys=args.keys,
                                        deadline=deadline, log=log)
         errors.update(measured.pop("failed", {}))
         result.update(measured)
@@ -260,8 +283,9 @@ def bench_model(spec: dict, args: argparse.Namespace, deadline: float,
             sess.close()
         if plain is not None:
             plain.close()
-        if hf is not None:
-            hf.close()
+        for h in (hf, hf_sae):
+            if h is not None:
+                h.close()
         if nns is not None:
             nns.close()
     result["errors"] = errors
@@ -351,7 +375,7 @@ def _last_line(text: str) -> str:
 ALL_KEYS = ["a", "a_star", "b", "c", "d", "e", "f", "g", "h", "h_floor", "i_read", "i_edit_off",
             "i_edit_on", "j", "m", "b_comp", "c_comp", "f_comp", "g_comp", "h_comp",
             "a_off", "c_off", "f_off", "p_a", "p_c", "p_f", "p_a_off", "p_c_off", "p_f_off",
-            "k32", "k256", "k32_comp", "k256_comp"]
+            "k32", "k256", "k32_comp", "k256_comp", "sae", "sae_comp", "sae_hf"]
 COMPILED_KEYS = ["a_star"] + [k for k in ALL_KEYS if k.endswith("_comp")]
 
 
@@ -370,6 +394,8 @@ def _references(keys: list[str]) -> list[str]:
         want |= {"k32", "k256"}
     if want & {"k32_comp", "k256_comp"}:
         want |= {"k32_comp", "k256_comp"}
+    if "sae_hf" in want:  # the SAELens way against vlens's read of the same features
+        want.add("sae")
     return [k for k in ALL_KEYS if k in want]
 
 

@@ -40,6 +40,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "f_comp": ("a_star", 1.05),
     "g_comp": ("a_star", 1.10),
     "h_comp": ("floor_star", 1.10),
+    "sae_comp": ("a_star", 1.10),
 }
 # per step at the wide batch, compiled: layout and per-site
 # microseconds, and how much either may grow from 32 requests
@@ -190,6 +191,7 @@ EXTRA_REFS: dict[str, tuple[str, ...]] = {
     "a_off": ("a",), "c_off": ("a_off",), "f_off": ("a_off",),
     "p_c": ("p_a",), "p_f": ("p_a",), "p_a_off": ("p_a",),
     "p_c_off": ("p_a_off", "p_a", "p_c"), "p_f_off": ("p_a_off", "p_a", "p_f"),
+    "sae_hf": ("sae", "sae_comp", "j"),
 }
 
 
@@ -248,7 +250,8 @@ def summarise(samples: dict[str, list[Sample]], cond: Conditions) -> dict:
         if key == "j" and samples.get("c"):
             entry["goal"] = {"relative_to": "c", "min_ratio": 1.0,
                              "met": entry["ratio_to_c"]["median"] > 1.0}
-        for name in ("copied_bytes", "clone_bytes", "steered_rows", "rows", "cached_tokens"):
+        for name in ("copied_bytes", "clone_bytes", "steered_rows", "rows", "cached_tokens",
+                     "encoded_rows"):
             if name in runs[0].extra:
                 entry[name] = runs[0].extra[name]
         if key not in PLAIN:
@@ -367,7 +370,7 @@ def _warm_up(cond: Conditions, key: str, setup: Setup) -> None:
     long = base.startswith("p_")
     ids = (setup.long_ids if long else setup.prompt_ids)[:4]
     texts = (setup.long_prompts if long else setup.prompts)[:4]
-    if key in ("j", "m"):
+    if key in ("j", "m", "sae_hf"):
         getattr(cond, f"run_{key}")(warmup=True)
     elif key == "h_floor":
         cond.run(key)
@@ -389,6 +392,7 @@ def measure_model(
     floor: Any = None,
     hf: Any = None,
     nns: Any = None,
+    hf_sae: Any = None,
     keys: list[str] | None = None,
     deadline: float | None = None,
     log: Callable[[str], None] = print,
@@ -397,7 +401,7 @@ def measure_model(
     slow HF and nnsight conditions and the per-step ones only in the first
     ``slow_reps``). Stops early, after at least two repetitions, when
     ``deadline`` (``time.monotonic()``) would be passed by another one."""
-    cond = Conditions(sessions, setup, plain=plain, floor=floor, hf=hf, nns=nns)
+    cond = Conditions(sessions, setup, plain=plain, floor=floor, hf=hf, nns=nns, hf_sae=hf_sae)
     keys = [k for k in (keys or cond.available()) if k in cond.available()]
     t_warm = time.perf_counter()
     failed: dict[str, str] = {}

@@ -28,10 +28,21 @@ def clamp(model, arch, job):
     start, stop = job["span"]
     i, value = job["feature"], job["value"]
 
+    norm = json.loads((folder / "cfg.json").read_text()).get("normalize_activations", "none")
+
     def write(rows):
         part = rows[start:stop]
         f = reference_encode(part.float(), folder)[:, i : i + 1]
-        part.add_(((value - f) * w_dec[i]).to(part.dtype))
+        # SAELens's decode undoes the input's normalisation: decode(edited)
+        # - decode(clean) is the feature's change times that factor
+        x = part.float()
+        if norm == "constant_norm_rescale":
+            undo = x.norm(dim=-1, keepdim=True) / x.shape[-1] ** 0.5
+        elif norm == "layer_norm":
+            undo = x.std(dim=-1, keepdim=True)
+        else:
+            undo = 1.0
+        part.add_(((value - f) * undo * w_dec[i]).to(part.dtype))
 
     got = []
     handles = [_hook(model, arch, job["site"], job["layer"], write)]

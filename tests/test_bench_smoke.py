@@ -56,7 +56,7 @@ def test_report_says_what_is_pending(bench):
 # every condition of one run without the compiled engines (each compiles for
 # ~30 s; `make bench` measures them)
 SMOKE_KEYS = set(VLENS_KEYS) | {"j", "h_floor", "a_off", "c_off", "f_off", "p_a", "p_c", "p_f",
-                                "p_a_off", "p_c_off", "p_f_off", "k32", "k256"}
+                                "p_a_off", "p_c_off", "p_f_off", "k32", "k256", "sae", "sae_hf"}
 # a steer-only trace on a warm prefix cache still fails in vlens (issue 10,
 # finding 3); the benchmark reports it as "did not run" instead of stopping
 MAY_FAIL = {"p_c"}
@@ -105,11 +105,15 @@ def test_small_run_produces_every_figure(bench, tiny_llama, tmp_path):
     assert 0 < decode["wide"]["steps"] < steps["wide"]["steps"]
     wide = decode["wide"]
     assert 0 < wide["site_us"] and 0 <= wide["reduce_us"] < wide["site_us"]
+    # features: vlens's top-32 read in the worker and the SAELens way (HF + encode)
+    assert conds["sae"]["worker"]["planned_steps_per_run"] > 0
+    assert conds["sae"]["copied_bytes"] > 0 and conds["sae_hf"]["encoded_rows"] > 0
+    assert conds["sae_hf"]["ratio_to_sae"]["median"] > 0
     assert model["agreement"]["c_vs_j"]["of"] == 4
     text = doc.read_text()
     for row in ("| (a) |", "| (h) |", "| (i) |", "| (j) |", "| (c, off) |", "| (p: f) |",
                 "| eager | every planned step | 8 |", "| eager | decode steps | 8 |",
-                "| (h, floor) |"):
+                "| (h, floor) |", "| (sae) |", "| (sae_hf) |"):
         assert row in text, row
     assert "Inside the worker (k)" in text and "## GPU figures" in text
     assert "## Compiled mode" in text and "prefix cache" in text

@@ -201,10 +201,13 @@ def test_clamp_equals_a_hugging_face_hook_and_leaves_others_alone(llama_session,
                                                                    tmp_path):
     s = llama_session
     folders = [save_saelens(tmp_path / "std", "standard", "blocks.1.hook_resid_post", seed=5),
-               save_saelens(tmp_path / "topk", "topk", "blocks.0.hook_mlp_out", seed=6, k=12)]
+               save_saelens(tmp_path / "topk", "topk", "blocks.0.hook_mlp_out", seed=6, k=12),
+               save_saelens(tmp_path / "ln", "standard", "blocks.2.hook_resid_post", seed=7,
+                            normalize_activations="layer_norm")]
     saes = [vlens.SAE.load(f) for f in folders]
     clamps = [vlens.Clamp(saes[0], feature=7, value=4.0, span=(2, 9)),
-              vlens.Clamp(saes[1], feature=3, value=2.0, span="all")]
+              vlens.Clamp(saes[1], feature=3, value=2.0, span="all"),
+              vlens.Clamp(saes[2], feature=5, value=3.0, span="generated")]
     prompts = [_prompt(90, 1), _prompt(12, 2)]  # the long one is chunked (64-token steps)
     kw = dict(layers=None, sites=["resid_post"], max_new_tokens=5)
     plain = s.trace(prompts, **kw)
@@ -256,3 +259,39 @@ def test_the_bundled_toyworld_sae_loads_and_fits_the_bundled_model():
         "resid_post", RECIPE["layer"], hidden, "topk")
     measured = json_.loads((path / "measured.json").read_text())
     assert measured["features"]["mood=happy"]["held_out_precision"] >= 0.9
+
+
+@pytest.mark.engine
+def test_the_bundled_mood_feature_flips_sad_stories_steered_and_clamped(toy_session):
+    """Issue 26, acceptance 3: the happy-mood feature of the bundled SAE turns
+    >= 90% of 100 held-out sad openings happy, steered (its decoder row, relative
+    to each token's norm) and clamped, at the scale and value scripts/train_sae.py
+    chose (the middle of its >= 90% window), with >= 90% of the stories
+    well-formed: judged as scripts/eval_toyworld.py judges
+    (``world.sentiment_of`` of the continuation, ``world.is_well_formed``)."""
+    import json as json_
+
+    from vlens.models import toyworld_sae_path, world
+
+    path = toyworld_sae_path()
+    sae = vlens.SAE.load(path)
+    measured = json_.loads((path / "measured.json").read_text())
+    happy = measured["features"]["mood=happy"]["feature"]
+    steer, clamp = measured["steer"], measured["clamp"]
+    assert steer["feature"] == clamp["feature"] == happy
+    prompts = world.steering_prompts(world.SAD, 100)
+    st = vlens.Steer(sae.decoder(happy), layer=sae.layer, scale=steer["scale"], site=sae.site,
+                     relative=True)
+    cl = vlens.Clamp(sae, feature=happy, value=clamp["value"], span=clamp["span"])
+    n = len(prompts)  # one batch: the prompts steered, then the same prompts clamped
+    run = toy_session.trace(prompts * 2, sites=[], max_new_tokens=56, logprobs=False,
+                            steer=vlens.PerPrompt([st] * n + [None] * n),
+                            clamp=vlens.PerPrompt([None] * n + [cl] * n))
+    rates = {}
+    for name, part in (("steered", run[:n]), ("clamped", run[n:])):
+        rates[name] = (sum(world.sentiment_of(t.text) == world.HAPPY for t in part) / n,
+                       sum(world.is_well_formed(t.text) for t in part) / n)
+    assert all(t.steered_rows > 0 for t in run), "an edit did not reach every request"
+    for name in ("steered", "clamped"):
+        flipped, formed = rates[name]
+        assert flipped >= 0.90 and formed >= 0.90, rates

@@ -250,7 +250,9 @@ def feature_reads(saes: Any, top_k: Any, facts: Any, runner: Any) -> list[Read]:
 class Clamp(Steer):
     """Set feature ``feature`` of ``sae`` to ``value`` at each token of
     ``span``: the row ``x`` becomes ``x + (value - f(x)) * W_dec[feature]``
-    (``f(x)``: the feature's activation of that row, encoded in the worker).
+    (``f(x)``: the feature's activation of that row, encoded in the worker;
+    for an SAE that normalises its input, times the normalisation undone,
+    ``|x| / sqrt(d_in)`` or the row's std, as SAELens's decode does).
     Pass it as ``s.trace(..., clamp=...)`` (one, a list, or ``PerPrompt``),
     or as ``steer=`` to ``compare`` and ``sweep`` (over values)."""
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ARCHITECTURES", "NORMALISATIONS", "FeatureSpec", "encode", "top_features"]
+__all__ = ["ARCHITECTURES", "NORMALISATIONS", "FeatureSpec", "encode", "output_scale",
+           "top_features"]
 
 ARCHITECTURES = ("standard", "jumprelu", "topk")
 #: SAELens's ``normalize_activations`` values vlens applies per token
@@ -63,6 +64,21 @@ def normalise(x: torch.Tensor, spec: FeatureSpec) -> torch.Tensor:
     if spec.norm == "scale":
         return x * spec.scale
     return x
+
+
+def output_scale(x: torch.Tensor, spec: FeatureSpec) -> torch.Tensor:
+    """``[n, 1]``: what SAELens's decode multiplies its output by to undo the
+    input's normalisation (``|x| / sqrt(d_in)`` for ``constant_norm_rescale``,
+    the row's standard deviation for ``layer_norm``, 1 otherwise: ``scale``
+    is SAELens's ``expected_average_only_in``, undone on the input only). A
+    clamp writes ``(v - f(x)) * W_dec[i]`` times this, as SAELens's
+    ``decode(edited) - decode(encode(x))`` does."""
+    x = x.reshape(x.shape[0], -1).float()
+    if spec.norm == "constant_norm_rescale":
+        return x.norm(dim=-1, keepdim=True) / x.shape[-1] ** 0.5
+    if spec.norm == "layer_norm":
+        return (x - x.mean(dim=-1, keepdim=True)).std(dim=-1, keepdim=True)
+    return torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
 
 
 def encode(x: torch.Tensor, weights: dict[str, torch.Tensor], spec: FeatureSpec) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vlens.protocol.features import FeatureSpec, encode, top_features
+from vlens.protocol.features import FeatureSpec, encode, output_scale, top_features
 from vlens.protocol.tensors import decode_tensor
 
 __all__ = ["FeatureStore"]
@@ -78,6 +78,12 @@ class FeatureStore:
             raise ValueError(f"SAE {sid} encodes width {weights['W_enc'].shape[0]}, "
                              f"the site's rows are {x.shape[1]} wide")
         return encode(x.to(weights["W_enc"].device), weights, spec)
+
+    def output_scale(self, rows: torch.Tensor, sid: str) -> torch.Tensor:
+        """``[n, 1]`` float32: how a clamp's write is scaled per row (the SAE's
+        normalisation undone, ``protocol.features.output_scale``)."""
+        spec, weights = self._saes[sid]
+        return output_scale(rows.to(weights["W_enc"].device), spec)
 
     @property
     def nbytes(self) -> int:

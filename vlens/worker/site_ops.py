@@ -86,7 +86,9 @@ def apply_adds(matrix: torch.Tensor, batch: AddBatch, layout: StepLayout, get_va
             rows = value.index_select(0, batch.rows.index_select(0, sel))
             now = features.activations(rows, sid).gather(1, feats[:, None])
             dec = matrix.index_select(0, batch.vectors.index_select(0, sel))
-            delta.index_add_(0, sel, -now * dec)
+            # times the SAE's normalisation undone (1 for an SAE without one)
+            want = batch.scales.index_select(0, sel)[:, None] - now
+            delta.index_copy_(0, sel, ((want * features.output_scale(rows, sid)) * dec).to(delta.dtype))
     before = flat.index_select(0, batch.rows)
     add_rows(target, layout, batch.rows, delta, site=label, check=False)
     return keep_finite(flat, batch.rows, before), batch.rows
