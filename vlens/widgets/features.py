@@ -82,7 +82,9 @@ class FeatureView(Panel):
     a list) with ``saes=[sae]`` (``top_k=k``: each token's k largest only,
     ``features_top_k``; default every feature) and keeps it as ``run``.
     ``labels`` names features (``{1022: "mood=happy"}``); ``prompt`` is the
-    prompt the steering row runs (default the first of ``prompts``).
+    prompt the steering row runs (default the first of ``prompts``); ``k``
+    how many features a token lists (default: a topk SAE's k, else 8);
+    ``max_new_tokens`` how far a steering run generates.
 
     Traits: ``shown`` (which prompt the chips show), ``token`` (the clicked
     token, ``-1`` none), ``feature`` (``-1`` none), ``mode`` (``"steer"``:
@@ -111,7 +113,7 @@ class FeatureView(Panel):
 
     def __init__(self, session: Any, sae: Any, prompts: str | Sequence[str], *,
                  feature: int | None = None, labels: Mapping[int, str] | None = None,
-                 prompt: str | None = None, top_k: int = 0, k: int = 8, n_contexts: int = 8,
+                 prompt: str | None = None, top_k: int = 0, k: int | None = None, n_contexts: int = 8,
                  max_new_tokens: int = 40, unembed: Any = None) -> None:
         from vlens.methods.sae import SAE
 
@@ -121,6 +123,8 @@ class FeatureView(Panel):
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
             raise VlensError("FeatureView needs prompts: a non-empty string or a list of them")
+        # a token's features listed: a topk SAE's k (each token has that many), else 8
+        k = (sae.spec.k if sae.spec.architecture == "topk" else 8) if k is None else int(k)
         self.sae, self.labels, self.k, self.n_contexts = sae, dict(labels or {}), k, n_contexts
         self.controller = Controller(session, max_new_tokens=max_new_tokens)
         self._unembed = unembed
@@ -136,7 +140,7 @@ class FeatureView(Panel):
             self._shown, self.chips, self._token_label, self.feature_buttons,
             widgets.HBox([self._feature_box, self._header]), self._contexts,
             widgets.HBox([self.histogram, self.logit_figure], layout={"flex_flow": "row wrap"}),
-            self._steer_row, widgets.HBox([self._prompt, self._run_button]), self._texts,
+            self._steer_row, widgets.HBox([self._prompt, self._run_button]), self._texts, self._ran,
         ])
         self._connect()
         if feature is not None:
@@ -150,6 +154,7 @@ class FeatureView(Panel):
         self._token_label = widgets.Label("click a token: its top features")
         self.feature_buttons = widgets.ToggleButtons(options=[], value=None,
                                                      style={"button_width": "auto"})
+        self.feature_buttons.add_class("vlens-feature-buttons")
         self._feature_box = widgets.BoundedIntText(value=0, min=0, max=self.sae.d_sae - 1,
                                                    description="feature",
                                                    layout={"width": "180px"})
@@ -173,6 +178,7 @@ class FeatureView(Panel):
         self._run_button = widgets.Button(description="run", icon="play", button_style="primary")
         self._texts = widgets.HTML(layout={"width": "95%"})
         self._texts.add_class("vlens-texts")
+        self._ran = widgets.Label()
 
     def _connect(self) -> None:
         for a, b in ((self._shown, "shown"), (self._mode, "mode"), (self._scale, "scale"),
@@ -274,6 +280,7 @@ class FeatureView(Panel):
                 else f"steering with feature {self.feature} at scale {self.scale:g}…")
         total = 2 * self.controller.max_new_tokens
         self.streamed_states = 0
+        self._ran.value = ""
         cmp = None
         with self._working(what) as report:
             for state in self.controller.stream_compare(prompt, edit):
@@ -285,6 +292,9 @@ class FeatureView(Panel):
                 self.streamed_states += 1
         self.comparison = cmp
         self.live_texts = (cmp.baseline[0].text, cmp.steered[0].text)
+        i = cmp.first_divergence[0]
+        self._ran.value = (f"{what[:-1]}: " + ("no divergence" if i is None
+                                              else f"first divergence at new token {i}"))
         return cmp
 
     # -- reactions -------------------------------------------------------------
