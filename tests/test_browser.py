@@ -12,7 +12,10 @@ A second test opens a small notebook of the attention and patching views:
 it clicks a head's thumbnail, hovers a token chip and clicks a cell of the
 patching grid, then checks the views' state in the kernel (``layer``,
 ``head``, ``token``, ``cell``) and what the page drew from it.
-Screenshots go to ``test-artifacts/``.
+A third opens the feature view of the bundled SAE: it picks a prompt, clicks
+a token, clicks one of its features (the contexts, histogram and promoted
+tokens follow) and steers with it (baseline and steered text stream side by
+side). Screenshots go to ``test-artifacts/``.
 
 Needs ``scripts/setup_browser.sh`` (apt's chromium, pip's playwright);
 skipped, visibly, without them.
@@ -95,6 +98,29 @@ _CHAT_CELLS = [
 ]
 
 
+# The feature view (issue 26) on the bundled model and its SAE, over eight
+# held-out stories; the steering row steers a sad opening.
+_FEATURE_CELLS = [
+    "import itertools, json\n"
+    "import vlens\n"
+    "from vlens.models import world, toyworld_sae_path\n"
+    "s = vlens.Session()\n"
+    "sae = vlens.SAE.load(toyworld_sae_path())\n"
+    "measured = json.loads((toyworld_sae_path() / 'measured.json').read_text())\n"
+    "found = measured['features']\n"
+    "labels = {v['feature']: k for k, v in found.items()}\n"
+    "HAPPY = found['mood=happy']['feature']\n"
+    "stories = [x.text for x in itertools.islice(world.story_stream(5, held_out=True), 8)]",
+    "fv = vlens.FeatureView(s, sae, stories, labels=labels, max_new_tokens=24,\n"
+    "                       prompt=world.steering_prompts(world.SAD, 1)[0])\n"
+    "fv.scale = measured['steer']['scale']  # the scale that flips held-out sad stories\n"
+    "display(fv)\n"
+    "acts = fv.activations(HAPPY)\n"
+    "AT = max(range(len(acts)), key=lambda p: float(acts[p].max()))\n"
+    "print('feature view:', AT, int(acts[AT].argmax()), repr(fv.error))",
+]
+
+
 def _notebook_of(cells: list[str]):
     from nbformat.v4 import new_code_cell, new_notebook
 
@@ -128,6 +154,7 @@ def _prepare(tmp: Path) -> Path:
     nbformat.write(book, work / "01_tour.ipynb")
     nbformat.write(_views_notebook(model), work / "views.ipynb")
     nbformat.write(_notebook_of(_CHAT_CELLS), work / "chat.ipynb")
+    nbformat.write(_notebook_of(_FEATURE_CELLS), work / "features.ipynb")
     settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
@@ -683,3 +710,115 @@ def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
     assert not any(ch in "".join(texts) for ch in "\u0120\u2581\ufffd"), texts
     assert "\u00b7" in ticks and "\u21b5" in ticks and "\u0120" not in ticks, ticks
     assert state.rstrip().endswith("''"), state  # no widget error
+
+
+def test_feature_view_in_a_real_browser(lab):
+    """Pick a story, click the token where the happy-mood feature peaks,
+    click that feature among the token's top features, then steer a sad
+    opening with it: the kernel saw each click, the page drew the feature
+    and streamed both texts."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                    headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 2000})
+        console: list[str] = []
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        try:
+            _open_and_run_all(page, url, token, "features.ipynb")
+            out = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
+                               has_text="feature view:").last
+            out.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            at, position = (int(x) for x in out.inner_text().split()[2:4])
+            cell = page.locator(".jp-CodeCell", has_text="fv = vlens.FeatureView").first
+            chips = cell.locator(".vlens-chip")
+            try:
+                chips.first.wait_for(timeout=60_000)
+            except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
+                console.append("test: feature view chips missing after Run All; made again")
+                _run_cell_and_read(page, "fv = vlens.FeatureView(s, sae, stories, labels=labels, "
+                                         "max_new_tokens=24, prompt=world.steering_prompts("
+                                         "world.SAD, 1)[0]); fv.scale = measured['steer']['scale']; "
+                                         "display(fv); print('VLENS-AGAIN')",
+                                   "VLENS-AGAIN")
+                cell = page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last
+                chips = cell.locator(".vlens-chip")
+                chips.first.wait_for(timeout=60_000)
+            cell.scroll_into_view_if_needed()
+            time.sleep(1)
+            cell.screenshot(path=str(ARTIFACTS / "15-feature-view.png"))
+
+            # -- the story where the feature peaks, then its token
+            cell.locator("select").first.select_option(index=at)
+            # the kernel has the story (and has sent its chips) once this prints
+            shown_in_kernel = _run_cell_and_read(page, "print('VLENS-SHOWN:', fv.shown)",
+                                                 "VLENS-SHOWN:")
+            cell.scroll_into_view_if_needed()
+            chips.nth(position).click()
+            buttons = cell.locator(".vlens-feature-buttons button")
+            happy = buttons.filter(has_text="mood=happy")
+            happy.wait_for(timeout=60_000)
+            n_buttons = buttons.count()
+            happy.click()
+            cell.locator(".vlens-context").first.wait_for(timeout=60_000)
+            cell.locator(".js-plotly-plot .gtitle", has_text="fires on").first.wait_for(
+                timeout=60_000)
+            cell.locator(".js-plotly-plot .gtitle", has_text="unembedding").first.wait_for(
+                timeout=60_000)
+            n_contexts = cell.locator(".vlens-context").count()
+            tinted = cell.locator(".vlens-chip.shaded").count()
+            time.sleep(1)
+            cell.screenshot(path=str(ARTIFACTS / "16-feature-view-feature.png"))
+            picked = _run_cell_and_read(
+                page, "print('VLENS-PICKED:', fv.shown, fv.token, fv.feature == HAPPY, "
+                      "len(fv.contexts()), fv.histogram.layout.title.text.split(':')[0] == f'feature {HAPPY}', "
+                      "repr(fv.error))", "VLENS-PICKED:")
+
+            # -- steer with it: both texts grow side by side
+            cell.scroll_into_view_if_needed()
+            cell.locator(".vlens-texts").first.evaluate(_WATCH_TEXTS)
+            cell.locator(".widget-button", has_text="run").first.click()
+            cell.locator(".widget-label", has_text="divergence").first.wait_for(timeout=120_000)
+            time.sleep(1)
+            shown = page.evaluate("() => { window.__vlensWatch.disconnect(); "
+                                  "return window.__vlensTexts; }")
+            cell.screenshot(path=str(ARTIFACTS / "17-feature-view-steered.png"))
+            steered = _run_cell_and_read(
+                page,
+                "ref = s.compare([fv._prompt.value], steer=fv.steer(), max_new_tokens=24); "
+                "print('VLENS-STEER:', fv.streamed_states, fv.comparison.texts == ref.texts, "
+                "world.sentiment_of(fv.live_texts[1]), repr(fv.error), "
+                "repr(' '.join(fv.live_texts)))",
+                "VLENS-STEER:")
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "features-failure.png"))
+            console.append("plots: " + json.dumps(page.evaluate(
+                "() => Array.from(document.querySelectorAll('.js-plotly-plot'), "
+                "el => [(el.data || []).length, el.layout && el.layout.title && "
+                "el.layout.title.text])")))
+            raise
+        finally:
+            (ARTIFACTS / "features-console.log").write_text("\n".join(console))
+            browser.close()
+
+    # the clicks reached the kernel: the story, the token, the feature
+    assert shown_in_kernel.split()[-1] == str(at), shown_in_kernel  # the story picked
+    fields = picked.split("VLENS-PICKED:", 1)[1].split()
+    assert fields[:3] == [str(at), str(position), "True"], picked  # token and feature clicked
+    assert int(fields[3]) == n_contexts >= 1, (picked, n_contexts)  # its contexts, drawn
+    assert fields[4] == "True", picked  # the histogram is the feature's
+    assert fields[5] == "''", picked  # no widget error
+    assert n_buttons >= 2, n_buttons  # the token's top features, one button each
+    assert tinted >= 1, tinted  # the chips tinted by the feature
+    # the steering run streamed: several states on the page, the last what compare gives
+    states = [(b.removeprefix("baseline"), x.removeprefix("steered")) for b, x in shown]
+    assert len(set(states)) >= 4, shown
+    fields = steered.split("VLENS-STEER:", 1)[1].split(maxsplit=4)
+    assert int(fields[0]) >= 3 and fields[1] == "True", steered
+    assert fields[2] == "happy", steered  # the sad opening steered happy
+    assert fields[3] == "''", steered
+    assert " ".join(states[-1]) in steered, (states[-1], steered)

@@ -432,3 +432,75 @@ def test_next_token_bars_side_by_side_on_the_union_of_tokens():
     assert list(fig.data[2].y) == [0.5, 0.4, None]
     with pytest.raises(ValueError, match="2 tokens for 1"):
         plots.next_token_bars({"clean": (["a", "b"], [1.0])})
+
+
+# -- features -----------------------------------------------------------------
+
+
+def test_top_features_keeps_the_k_largest_that_fire():
+    row = torch.tensor([0.0, 3.0, -1.0, 7.0, 0.5, 0.0])
+    frame = plots.top_features(row, k=3)
+    assert frame["feature"].tolist() == [3, 1, 4]
+    assert frame["activation"].tolist() == [7.0, 3.0, 0.5]
+    # fewer than k fire: only those; nothing fires: an empty frame
+    assert plots.top_features(row, k=5)["feature"].tolist() == [3, 1, 4]
+    assert plots.top_features(torch.zeros(4), k=2).empty
+    with pytest.raises(ValueError, match=r"\[d_sae\]"):
+        plots.top_features(torch.zeros(2, 3))
+
+
+def test_feature_contexts_windows_around_each_prompts_strongest_token():
+    tokens = [list("abcdefghij"), list("klmno"), list("pqr")]
+    values = [torch.tensor([0, 0, 1, 0, 0, 0, 0, 4.0, 2, 0]),
+              torch.tensor([0, 6.0, 0, 0, 0]),
+              torch.zeros(3)]  # never fires: no context
+    frame = plots.feature_contexts(values, tokens, n=5, before=2, after=1)
+    assert frame["prompt"].tolist() == [1, 0]  # strongest first
+    assert frame["position"].tolist() == [1, 7] and frame["activation"].tolist() == [6.0, 4.0]
+    assert frame["start"].tolist() == [0, 5]  # clipped at the prompt's start
+    assert frame["tokens"].tolist() == [list("klm"), list("fghi")]
+    assert frame["values"].tolist()[1] == [0.0, 0.0, 4.0, 2.0]
+    assert plots.feature_contexts(values, tokens, n=1)["prompt"].tolist() == [1]
+    with pytest.raises(ValueError, match="prompt 1"):
+        plots.feature_contexts([values[0], torch.zeros(3)], tokens[:2])
+
+
+def test_feature_logits_through_the_unembedding():
+    g = torch.Generator().manual_seed(3)
+    unembed, d, gain = (torch.randn(12, 6, generator=g), torch.randn(6, generator=g),
+                        torch.rand(6, generator=g) + 0.5)
+    frame = plots.feature_logits(d, unembed, k=3, norm_weight=gain,
+                                 token_strings=lambda ids: [f"t{i}" for i in ids])
+    logits = unembed @ (d * gain)
+    order = logits.argsort(descending=True).tolist()
+    up, down = frame[frame.kind == "promoted"], frame[frame.kind == "suppressed"]
+    assert up["token_id"].tolist() == order[:3]
+    assert down["token_id"].tolist() == order[::-1][:3]  # the most suppressed first
+    assert torch.allclose(torch.tensor(up["logit"].tolist()), logits[order[:3]])
+    assert frame["token"].tolist() == [f"t{i}" for i in frame["token_id"]]
+    plain = plots.feature_logits(d, unembed, k=2)
+    assert plain[plain.kind == "promoted"]["token_id"].tolist() == \
+        (unembed @ d).argsort(descending=True).tolist()[:2]
+    with pytest.raises(ValueError, match="vocab"):
+        plots.feature_logits(d, unembed[:, :5])
+
+
+def test_feature_histogram_counts_where_the_feature_fires():
+    values = torch.tensor([0.0, 0.0, 2.0, 3.5, 0.0, 1.0])
+    fig = plots.feature_histogram(values, feature=7, mark=3.5)
+    assert sorted(fig.data[0].x) == [1.0, 2.0, 3.5]
+    assert "feature 7" in fig.layout.title.text and "3 of 6 tokens" in fig.layout.title.text
+    assert [s.x0 for s in _shape(fig, "token")] == [3.5]
+    assert not _shape(plots.feature_histogram(values, mark=0.0), "token")  # a token it skips
+
+
+def test_promoted_tokens_bars_side_by_side():
+    frame = pd.DataFrame({"kind": ["promoted"] * 2 + ["suppressed"] * 2,
+                          "token_id": [4, 9, 1, 2], "logit": [2.0, 1.0, -3.0, -0.5],
+                          "token": ["<s>", " cat", "dog", "dog"]})
+    fig = plots.promoted_tokens(frame)
+    up, down = fig.data
+    assert list(up.x) == [2.0, 1.0] and list(down.x) == [-3.0, -0.5]
+    assert list(up.y) == ["&lt;s&gt;", "\u00b7cat"]  # literal and whitespace visible
+    assert list(down.y) == ["dog #1", "dog #2"]  # plotly would merge two "dog"s
+    assert list(down.customdata) == [1, 2]

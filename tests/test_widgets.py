@@ -12,7 +12,7 @@ tests/test_notebooks.py.
 from __future__ import annotations
 
 import html
-
+import json
 import math
 import subprocess
 import sys
@@ -730,3 +730,112 @@ def test_explore_has_an_attention_tab_fed_by_its_one_trace(toy_session, calls):
     assert ex.attention_view.layer == 2
     assert ex.attention_view.heatmap.layout.title.text == "layer 2, head 0"
     assert ex.error == "" and ex.attention_view.error == ""
+
+
+# -- feature view -------------------------------------------------------------
+
+
+def test_contexts_html_tints_each_token_and_escapes_it():
+    import pandas as pd
+
+    from vlens.widgets.features import contexts_html
+
+    frame = pd.DataFrame([{"prompt": 2, "position": 5, "activation": 4.0, "start": 4,
+                           "tokens": ["<s>", " cat"], "values": [1.0, 4.0]}])
+    page = contexts_html(frame, 4.0)
+    assert "&lt;s&gt;" in page and "<s>" not in page and "\u00b7cat" in page
+    assert "rgba(255,127,14,0.250)" in page and "rgba(255,127,14,1.000)" in page
+    assert page.count("outline") == 1 and "token 5: 4" in page  # the strongest, outlined
+    assert "fires on none" in contexts_html(frame.iloc[:0], 0.0, "feature 3")
+
+
+def _stories(n: int) -> list[str]:
+    import itertools
+
+    from vlens.models import world
+
+    return [st.text for st in itertools.islice(world.story_stream(5, held_out=True), n)]
+
+
+@engine
+def test_feature_view_token_feature_steer_and_clamp(toy_session, tmp_path):
+    from vlens.models import toyworld_sae_path, world
+    from vlens.widgets import FeatureView
+
+    s, sae = toy_session, vlens.SAE.load(toyworld_sae_path())
+    measured = json.loads((toyworld_sae_path() / "measured.json").read_text())
+    happy, clamp = measured["features"]["mood=happy"]["feature"], measured["clamp"]["value"]
+    stories, sad = _stories(6), world.steering_prompts(world.SAD, 1)[0]
+    fv = vlens.FeatureView(s, sae, stories, prompt=sad, max_new_tokens=12,
+                           labels={happy: "mood=happy"})
+    assert isinstance(fv, FeatureView) and fv.error == "" and fv.feature == -1
+    # the same features, read another way: the site's rows, encoded on the client
+    rows = s.trace(stories, sites=[sae.site], layers=[sae.layer], max_new_tokens=1)
+    enc = [sae.encode(t.activations(sae.site)[0]) for t in rows]
+    assert fv.chips.tokens == rows[0].tokens
+
+    fv.chips.select(8)  # as a click on chip 8 would
+    assert fv.token == 8 and fv.feature_buttons.value is None
+    want = enc[0][8].topk(fv.k)
+    got = fv.token_features()
+    assert got["feature"].tolist() == want.indices.tolist()
+    assert torch.allclose(torch.tensor(got["activation"].tolist()), want.values, atol=1e-3)
+    assert [v for _, v in fv.feature_buttons.options] == want.indices.tolist()
+
+    top = int(want.indices[0])
+    fv.feature_buttons.value = top  # a click on the token's strongest feature
+    assert fv.feature == top and fv.error == ""
+    column = [e[:, top] for e in enc]
+    best = max(range(len(column)), key=lambda p: float(column[p].max()))
+    ctx = fv.contexts()
+    assert ctx["prompt"].iloc[0] == best and ctx["position"].iloc[0] == int(column[best].argmax())
+    assert abs(ctx["activation"].iloc[0] - float(column[best].max())) < 1e-3
+    n_on = sum(int((c > 0).sum()) for c in column)
+    assert f"fires on {n_on} of" in fv.histogram.layout.title.text
+    assert len(fv.histogram.data[0].x) == n_on and _shape(fv.histogram, "token").x0 > 0
+    assert f"token {int(ctx['position'].iloc[0])}:" in fv._contexts.value
+    assert max(fv.chips.shade) <= 1 and fv.chips.shade[8] > 0  # chips tinted by the feature
+    lens = LogitLens.from_pretrained(s.model)
+    logits = lens.unembed @ (sae.decoder(top) * lens.norm_weight)
+    frame = fv.logits()
+    assert frame[frame.kind == "promoted"]["token_id"].tolist() == logits.topk(10).indices.tolist()
+    assert frame[frame.kind == "suppressed"]["token_id"].tolist() == \
+        (-logits).topk(10).indices.tolist()
+    assert list(fv.logit_figure.data[0].y)[0] == s.token_strings([int(logits.argmax())])[0]
+
+    # steer with the happy feature, streamed: what compare gives for the same Steer
+    fv.feature = happy
+    assert fv.feature_buttons.value is None and "mood=happy" in fv._header.value
+    fv._run_button.click()
+    assert fv.error == "" and fv.streamed_states >= 3
+    ref = s.compare(sad, steer=vlens.Steer(sae.decoder(happy), sae.layer, 0.75, sae.site,
+                                           relative=True), max_new_tokens=12)
+    assert fv.comparison.texts == ref.texts and fv.live_texts == tuple(ref.texts[0])
+    assert fv.live_texts[0] != fv.live_texts[1]
+    assert "steered" in fv._texts.value
+
+    fv.mode = "clamp"  # the feature set to a value: a vlens.Clamp
+    assert fv._value.layout.display == "" and fv._scale.layout.display == "none"
+    # this SAE rescales its input (constant_norm_rescale): its write is scaled
+    # by each row's norm over sqrt(d), so the start is 0.6 sqrt(d) / |W_dec[i]|
+    assert sae.spec.norm == "constant_norm_rescale" and fv.mean_norm > 0
+    assert fv.value == round(0.6 * sae.d_in ** 0.5 / float(sae.decoder(happy).norm()), 1)
+    fv.value = clamp
+    fv.run_comparison()
+    ref = s.compare(sad, steer=vlens.Clamp(sae, feature=happy, value=clamp), max_new_tokens=12)
+    assert fv.comparison.texts == ref.texts and "clamped" in fv._texts.value
+
+    page = fv.snapshot(tmp_path / "features.html").read_text()
+    assert _plots_in(page) == 2  # the histogram and the promoted tokens
+    assert "mood=happy" in page and "vlens-context" in page and "clamped" in page
+
+    # bad input: a clear VlensError, and a click that cannot run says why
+    with pytest.raises(vlens.VlensError, match=r"feature must be in \[0, 1024\)"):
+        fv.feature = 1024
+    fv.feature = -1
+    fv._run_button.click()
+    assert "pick a feature first" in fv.error
+    with pytest.raises(vlens.VlensError, match="needs a vlens.SAE"):
+        vlens.FeatureView(s, "path/to/sae", stories)
+    with pytest.raises(vlens.VlensError, match="needs prompts"):
+        vlens.FeatureView(s, sae, [])

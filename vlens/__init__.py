@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vlens.edits import Ablate, PerPrompt, Steer
     from vlens.methods.sae import SAE, Clamp
     from vlens.results import Comparison, Sweep
-    from vlens.widgets import explore
+    from vlens.widgets import FeatureView, explore
     from vlens.remote.client import connect
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Comparison",
     "EditContext",
     "EngineError",
+    "FeatureView",
     "Patching",
     "PerPrompt",
     "Run",
@@ -68,6 +69,7 @@ _LAZY = {
     "Comparison": "vlens.results",
     "Sweep": "vlens.results",
     "explore": "vlens.widgets",
+    "FeatureView": "vlens.widgets",
     "connect": "vlens.remote.client",
     "supported_architectures": "vlens.protocol.architectures",
 }

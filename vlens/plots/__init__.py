@@ -27,6 +27,13 @@ from vlens.plots._attention import (
     pool_pattern,
 )
 from vlens.plots._common import plain_text, token_labels
+from vlens.plots._features import (
+    feature_contexts,
+    feature_histogram,
+    feature_logits,
+    promoted_tokens,
+    top_features,
+)
 from vlens.plots._lens import lens_token_values, logit_lens_grid, logit_lens_track
 from vlens.plots._reductions import (
     QUANTITIES,
@@ -49,6 +56,9 @@ __all__ = [
     "baseline_vs_steered",
     "colour_values",
     "dose_response",
+    "feature_contexts",
+    "feature_histogram",
+    "feature_logits",
     "first_divergence",
     "layer_profile",
     "lens_token_values",
@@ -59,7 +69,9 @@ __all__ = [
     "pca_2d",
     "plain_text",
     "pool_pattern",
+    "promoted_tokens",
     "token_labels",
     "token_set_metric",
     "token_strip",
+    "top_features",
 ]

@@ -14,7 +14,9 @@ token span, site); the
 :class:`SteeringPanel` asks the controller to steer (or, in its ablation
 mode, to knock out heads). :class:`PatchingView` streams
 ``session.stream_patch`` and shows the grid filling in. :func:`explore`
-composes them around one selection and one controller. Figures come from
+composes them around one selection and one controller. :class:`FeatureView`
+shows one SAE's features over a set of prompts and steers or clamps with
+one. Figures come from
 the builders of :mod:`vlens.plots`. Every view and panel saves what it
 shows to one HTML file that needs no kernel (``view.snapshot(path)``,
 :func:`save_snapshot`).
@@ -26,6 +28,7 @@ from vlens.widgets.activation import ActivationView
 from vlens.widgets.attention import AttentionView
 from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.explorer import Explorer, explore
+from vlens.widgets.features import FeatureView
 from vlens.widgets.logit_lens import LogitLensView
 from vlens.widgets.patching import PatchingView
 from vlens.widgets.pickers import LayerPicker, SitePicker
@@ -40,6 +43,7 @@ __all__ = [
     "CloneReadsToggle",
     "Controller",
     "Explorer",
+    "FeatureView",
     "LayerPicker",
     "LogitLensView",
     "PatchingView",

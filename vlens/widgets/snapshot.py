@@ -81,7 +81,11 @@ def _chips(picker: TokenSpanPicker) -> str:
             cls.append("generated")
         if start <= i < stop:
             cls.append("selected")
-        chips.append(f"<span class='{' '.join(cls)}' title='token {i}'>{html.escape(tok)}</span>")
+        # a tint as the live chips draw it (token_span.js)
+        tint = (f" style='background:rgba(214,39,40,{max(0.0, min(1.0, picker.shade[i])):.3f})'"
+                if len(picker.shade) == len(picker.tokens) and "selected" not in cls else "")
+        chips.append(f"<span class='{' '.join(cls)}' title='token {i}'{tint}>"
+                     f"{html.escape(tok)}</span>")
     return f"<div class='vl-chips'>{''.join(chips)}</div>" if chips else ""
 
 
