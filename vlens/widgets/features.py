@@ -123,21 +123,7 @@ class FeatureView(Panel):
     streamed_states = traitlets.Int(0)
     live_texts = traitlets.Tuple(("", ""))
 
-    def clamp_start(sae, feature: int, mean_norm: float) -> float:
-    """The clamp value whose write, ``(v - f) * W_dec[i]`` times what the
-    SAE's normalisation undoes, is CLAMP_START x the site's mean row norm:
-    a normalising SAE scales the write by each row's norm over sqrt(d)
-    (``constant_norm_rescale``; ``layer_norm`` by its std, about the same),
-    a fixed-scale one divides it by its scale."""
-    spec, unit = sae.spec, float(sae.decoder(feature).norm())
-    if spec.norm in ("constant_norm_rescale", "layer_norm"):
-        target = CLAMP_START * sae.d_in ** 0.5
-    else:
-        target = CLAMP_START * mean_norm * (spec.scale if spec.norm == "scale" else 1.0)
-    return round(target / unit, 1)
-
-
-def __init__(self, session: Any, sae: Any, prompts: str | Sequence[str], *,
+    def __init__(self, session: Any, sae: Any, prompts: str | Sequence[str], *,
                  feature: int | None = None, labels: Mapping[int, str] | None = None,
                  prompt: str | None = None, top_k: int = 0, k: int | None = None, n_contexts: int = 8,
                  max_new_tokens: int = 40, unembed: Any = None) -> None:
