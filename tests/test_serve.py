@@ -104,10 +104,15 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """vlens serve in its default mode: compiled (test_openai.py's runs eager)."""
-    srv = _Server(tmp_path_factory.mktemp("serve"))
+    """vlens serve in this run's engine mode (eager, or compiled with
+    VLENS_TEST_ENGINE=compiled), as the local reference Session runs;
+    test_openai.py's server runs the default, compiled."""
+    from conftest import mode_options
+
+    compiled = mode_options().get("enforce_eager") is False
+    srv = _Server(tmp_path_factory.mktemp("serve"), () if compiled else ("--enforce-eager",))
     srv.start()
-    assert "compiled (" in srv.log.read_text(), srv.log.read_text()[-2000:]
+    assert ("compiled (" if compiled else "eager (") in srv.log.read_text()
     yield srv
     srv.stop()
 

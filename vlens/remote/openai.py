@@ -32,6 +32,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request  # module level: FastAPI reads the routes' annotations here
+
 from vlens.checks.body import BodyEdits, BodyError, parse_body
 from vlens.errors import VlensError
 from vlens.remote.guard import Refused
@@ -240,7 +242,6 @@ class OpenAIRoutes:
             engine, self.models, online_renderer=renderer, request_logger=None)
 
     def install(self, app: Any) -> None:
-        from fastapi import Request
         from fastapi.responses import JSONResponse
 
         server = self.server
