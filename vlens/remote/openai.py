@@ -26,6 +26,7 @@ The participant's token is the API key; a call takes one of its slots
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import uuid
@@ -79,6 +80,7 @@ class SteeredEngine:
         self._server = server
         self._llm = server.llm
         self._chat_template = chat_template
+        self._cleanups: set[Any] = set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
@@ -126,10 +128,19 @@ class SteeredEngine:
             async for out in self._llm.generate(prompt, sp, rid, **kw):
                 yield out
         finally:
+            # the clean-up's engine calls run beside the answer, not before
+            # its last event: a task, kept until done
             with anyio.CancelScope(shield=True):
-                await self._llm.abort([rid])
-                await self._llm.collective_rpc("vlens_drop", args=([tag],))
-                await server._release(client, vectors)
+                task = asyncio.ensure_future(self._forget(client, rid, tag, vectors))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
+
+    async def _forget(self, client: Any, rid: str, tag: str, vectors: dict[str, Any]) -> None:
+        try:
+            await self._llm.abort([rid])
+            await self._llm.collective_rpc("vlens_drop", args=([tag],))
+        finally:
+            await self._server._release(client, vectors)
 
     def _plan(self, pending: _Pending, ids: list[int], max_tokens: int):
         """The request's plan over its token ids, and the vectors it names
@@ -330,14 +341,24 @@ class OpenAIRoutes:
             self._free(held)
             return JSONResponse(result.model_dump())
 
+        from starlette.background import BackgroundTask
+
+        started = []
+
         async def events():
+            started.append(True)
             try:
                 async for chunk in result:
                     yield chunk
             finally:
                 self._free(held)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def never_started() -> None:  # the client left before the first event
+            if not started:
+                self._free(held)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 background=BackgroundTask(never_started))
 
     def _free(self, client: Any) -> None:
         if client is not None:
