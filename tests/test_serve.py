@@ -44,7 +44,8 @@ def _free_port() -> int:
 class _Server:
     """A ``vlens serve`` subprocess and the tokens of its clients."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, extra: tuple[str, ...] = ()) -> None:
+        self.extra = list(extra)
         self.tokens = {f"c{i}": f"token-{i}-" + os.urandom(12).hex() for i in range(12)}
         self.token_file = folder / "tokens"
         self.token_file.write_text("".join(f"{n} {t}\n" for n, t in self.tokens.items()))
@@ -60,7 +61,7 @@ class _Server:
             [sys.executable, "-m", "vlens.cli", "serve", "--port", str(self.port),
              "--token-file", str(self.token_file), "--kv-cache-memory-bytes", KV,
              "--max-body-mb", "1", "--max-concurrent", "2", "--max-read-mb", "64",
-             "--body-timeout", "3", "--stall-timeout", "3"],
+             "--body-timeout", "3", "--stall-timeout", "3", *self.extra],
             env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -103,8 +104,15 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = _Server(tmp_path_factory.mktemp("serve"))
+    """vlens serve in this run's engine mode (eager, or compiled with
+    VLENS_TEST_ENGINE=compiled), as the local reference Session runs;
+    test_openai.py's server runs the default, compiled."""
+    from conftest import mode_options
+
+    compiled = mode_options().get("enforce_eager") is False
+    srv = _Server(tmp_path_factory.mktemp("serve"), () if compiled else ("--enforce-eager",))
     srv.start()
+    assert ("compiled (" if compiled else "eager (") in srv.log.read_text()
     yield srv
     srv.stop()
 

@@ -115,3 +115,37 @@ def test_a_read_with_the_wrong_rows_fails_alone_when_the_step_log_is_cut():
     n, reads, _ = log.of("r2")
     assert n == 3 and torch.equal(reads[("resid_post", "value", 0)], torch.arange(4.0, 10).reshape(3, 2))
     assert log.of("r3") == (0, {}, 0)
+
+
+def test_vector_files_load_one_finite_1d_tensor_and_never_pickle(tmp_path):
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from vlens.remote.names import load_vector, parse_named
+
+    v = torch.linspace(-1, 1, 12)
+    save_file({"v": v}, str(tmp_path / "one.safetensors"))
+    torch.save(v, tmp_path / "v.pt")
+    np.save(tmp_path / "v.npy", v.numpy())
+    for name in ("one.safetensors", "v.pt", "v.npy"):
+        assert torch.equal(load_vector(tmp_path / name), v)
+    save_file({"a": v, "b": v.clone()}, str(tmp_path / "two.safetensors"))
+    with pytest.raises(VlensError, match="holds 2 tensors"):
+        load_vector(tmp_path / "two.safetensors")
+    np.save(tmp_path / "obj.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(VlensError, match="could not be read"):  # allow_pickle=False
+        load_vector(tmp_path / "obj.npy")
+    torch.save({"code": print}, tmp_path / "obj.pt")
+    with pytest.raises(VlensError, match="could not be read"):  # weights_only=True
+        load_vector(tmp_path / "obj.pt")
+    np.save(tmp_path / "m.npy", np.ones((2, 3), dtype=np.float32))
+    with pytest.raises(VlensError, match="1-D"):
+        load_vector(tmp_path / "m.npy")
+    np.save(tmp_path / "nan.npy", np.array([1.0, np.nan], dtype=np.float32))
+    with pytest.raises(VlensError, match="NaN"):
+        load_vector(tmp_path / "nan.npy")
+    assert parse_named(["a=x", "b.c=y=z"], "--vector") == {"a": "x", "b.c": "y=z"}
+    for bad in (["a"], ["=x"], ["a b=x"], ["a=x", "a=y"]):
+        with pytest.raises(VlensError, match="--vector"):
+            parse_named(bad, "--vector")

@@ -215,9 +215,6 @@ class Runner:
         sae = getattr(st, "sae", None)
         if sae is None:
             return {}
-        if self.remote:
-            raise VlensError("Clamps over vlens.connect are not supported yet: clamp in a "
-                             "local Session")
         if sae.id not in self.saes:
             self.saes[sae.id] = sae.payload()
         return {"sae": sae.id, "feature": st.feature}

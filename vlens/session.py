@@ -29,11 +29,12 @@ from vlens.results import Comparison, Run, Sweep, generated_kl
 from vlens.calls import Call, TraceParams
 from vlens.edits import Ablate, Steer
 from vlens.prompts import Prompt, edits_each, normalise, resolve_roles
+from vlens.methods.server_names import ServerNamed
 
 __all__ = ["Session", "live_engines"]
 
 
-class Session:
+class Session(ServerNamed):
     """A live vLLM engine with vlens's hooks, from a notebook.
 
     ``Session()`` loads the bundled toy-world model; ``Session(path, **kw)``

@@ -80,7 +80,7 @@ class Engine:
 
         extra: dict[str, Any] = {}
         if self.compiled:
-            extra = _compiled_settings(self.llm_kwargs.pop("compilation_config", None))
+            extra = compiled_settings(self.llm_kwargs.pop("compilation_config", None))
         try:
             self.llm = LLM(
                 model=self.model,
@@ -295,7 +295,7 @@ class Engine:
         return self.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
-def _compiled_settings(compilation: Any) -> dict[str, Any]:
+def compiled_settings(compilation: Any) -> dict[str, Any]:
     """vLLM arguments for compiled mode: vlens's worker class (its hooks go
     in before the model is traced) and, on a GPU, piecewise CUDA graphs cut
     at vlens's operators so those run every step (see worker/ops.py)."""

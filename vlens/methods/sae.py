@@ -226,9 +226,6 @@ def feature_reads(saes: Any, top_k: Any, facts: Any, runner: Any) -> list[Read]:
     runner learns the SAEs' payloads (shipped to the workers once)."""
     if saes is None or (isinstance(saes, (list, tuple)) and not saes):
         return []
-    if runner.remote:
-        raise VlensError("SAEs over vlens.connect are not supported yet: trace with them "
-                         "in a local Session")
     if isinstance(saes, SAE):
         saes = [saes]
     if not isinstance(saes, (list, tuple)) or not all(isinstance(x, SAE) for x in saes):

@@ -57,6 +57,9 @@ class RemoteEngine:
         self.limits: dict[str, int] = about["limits"]
         self.server = about["server"]
         self.model = f"{self.url}/{about['model_name']}"
+        self.saes: dict[str, dict[str, Any]] = about.get("saes", {})  # the server's, by name
+        self.vectors: dict[str, int] = about.get("vectors", {})
+        self._sae_cache: dict[str, Any] = {}
         self.tokenizer = self._load_tokenizer()
 
     # -- HTTP --------------------------------------------------------------------
@@ -130,6 +133,57 @@ class RemoteEngine:
         finally:
             for vid in vectors:
                 self._held.pop(vid, None)
+
+    def hold_saes(self, payloads: Mapping[str, Any]) -> None:
+        """The server holds its own SAEs; a plan may name only those."""
+        served = {s["id"]: name for name, s in self.saes.items()}
+        for sid in payloads:
+            if sid not in served:
+                raise VlensError(
+                    "this SAE is not one the server loaded, and SAEs do not cross the wire: "
+                    f"use the server's, s.sae(name) (it has {sorted(self.saes) or 'none'}; "
+                    "vlens serve --sae NAME=PATH loads more)")
+
+    def sae(self, name: str) -> Any:
+        """The server's SAE ``name``, rebuilt here from its weights (fetched once)."""
+        from vlens.methods.sae import SAE
+        from vlens.protocol.features import FeatureSpec
+        from vlens.protocol.tensors import decode_tensor
+        from vlens.remote.wire import unpack_one
+
+        if name in self._sae_cache:
+            return self._sae_cache[name]
+        if name not in self.saes:
+            raise VlensError(f"the server has no SAE named {name!r}; it has "
+                             f"{sorted(self.saes) or 'none'} (vlens serve --sae NAME=PATH)")
+        resp = self._send("GET", f"/v1/saes/{name}")
+        self._raise_for(resp)
+        got = unpack_one(resp.content)
+        sae = SAE({k: decode_tensor(w) for k, w in got["weights"].items()},
+                  FeatureSpec.from_wire(got["spec"]), got["site"], int(got["layer"]), name=name)
+        if sae.id != self.saes[name]["id"]:
+            raise VlensError(f"the server's SAE {name!r} arrived changed: connect again")
+        self._sae_cache[name] = sae
+        return sae
+
+    def register_vector(self, name: str, vector: Any) -> int:
+        """Keep ``vector`` on the server as ``name``, for this token's calls only."""
+        import torch
+
+        from vlens.edits import vector_id
+        from vlens.remote.wire import FRAME_TYPE, pack
+
+        if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or (
+                not vector.is_floating_point()):
+            raise VlensError("register_vector takes a 1-D floating-point torch.Tensor [width]")
+        v = vector.detach().to("cpu", torch.float32).contiguous()
+        if not bool(torch.isfinite(v).all()):
+            raise VlensError("the vector holds NaN or inf")
+        resp = self._send("POST", "/v1/vectors", headers={"Content-Type": FRAME_TYPE},
+                          content=pack({"name": name,
+                                        "vector": {"id": vector_id(v), **encode_tensor(v)}}))
+        self._raise_for(resp)
+        return int(resp.json()["your_vectors"])
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
         if method == "vlens_collect":

@@ -126,10 +126,13 @@ def check_vector(vid: Any, payload: Any, widths: set[int]) -> tuple[dict[str, An
 
 
 def check_plan(raw: Any, ids: list[int], facts: ModelFacts,
-               vectors: dict[str, tuple[int, float]], client: str, max_tokens: int) -> Plan:
+               vectors: dict[str, tuple[int, float]], client: str, max_tokens: int,
+               saes: Any = None) -> Plan:
     """Parse and check a client's plan with the Session's own checks
     (:func:`vlens.checks.check_plan`); return it with the tag and vector ids
-    prefixed by ``client``. ``vectors``: ``{id: (width, largest |value|)}``."""
+    prefixed by ``client``. ``vectors``: ``{id: (width, largest |value|)}``;
+    ``saes``: checks the SAEs a plan names against the server's (None: a
+    plan may name none)."""
     try:
         plan = parse_plan(raw)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -147,6 +150,10 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts,
     _int(plan.index, "plan index", 0, 1 << 20)
     try:
         check_plan_rules(plan, facts, vectors, max_tokens)
+        if saes is not None:
+            saes(plan)
+        elif any(r.sae for r in plan.reads + plan.adds):
+            raise VlensError("this server loads no SAEs (vlens serve --sae NAME=PATH)")
     except VlensError as exc:
         raise _bad(str(exc)) from None
     owner = client.split("/", 1)[0]  # vectors: the client's; the tag: this call's
@@ -170,7 +177,7 @@ assert set(_KINDS) == set(PARAM_FIELDS)
 
 
 def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
-                 vectors: dict[str, tuple[int, float]], client: str
+                 vectors: dict[str, tuple[int, float]], client: str, saes: Any = None
                  ) -> tuple[Any, Plan | None]:
     """A whitelisted params dict -> (vLLM SamplingParams, checked plan)."""
     from vllm import SamplingParams
@@ -223,7 +230,7 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
     if extra is not None:
         if not isinstance(extra, dict) or set(extra) != {PLAN_KEY}:
             raise _bad(f"extra_args may hold only {{{PLAN_KEY!r}: plan}}")
-        plan = check_plan(extra[PLAN_KEY], ids, facts, vectors, client, max_tokens)
+        plan = check_plan(extra[PLAN_KEY], ids, facts, vectors, client, max_tokens, saes)
         args["extra_args"] = {PLAN_KEY: plan.to_wire()}
     try:
         sp = SamplingParams(**args)
@@ -239,7 +246,7 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
 
 
 def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str,
-               call: str = "") -> Checked:
+               call: str = "", saes: Any = None) -> Checked:
     """A decoded /v1/generate body -> a :class:`Checked` call, or Refused.
     Tags are prefixed by ``client/call`` (``call``: unique per call, so two
     calls with the same tag, even under one shared token, never meet);
@@ -272,7 +279,7 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str,
         for t in ids:
             _int(t, f"request {i} token id", 0, facts.vocab_size - 1)
         sp, plan = check_params(req["params"], ids, facts, limits, sizes_of,
-                                f"{client}/{call}" if call else client)
+                                f"{client}/{call}" if call else client, saes)
         ids_all.append(ids)
         params.append(sp)
         tags.append(plan.tag if plan else None)

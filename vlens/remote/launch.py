@@ -45,7 +45,37 @@ def _parser():
     g.add_argument("--stall-timeout", type=float, default=30.0,
                    help="seconds a client may stop reading a call's answer before the call "
                         "is ended")
+    g.add_argument("--vector", action="append", metavar="NAME=FILE", default=[],
+                   help="a steering vector everyone may name (safetensors holding one "
+                        "tensor, .pt or .npy); repeat for more")
+    g.add_argument("--sae", action="append", metavar="NAME=PATH", default=[],
+                   help="an SAE (as vlens.SAE.load reads it) everyone may name; repeat for more")
+    g.add_argument("--chat-template", default=None,
+                   help="the chat template of the OpenAI chat route (a file or a Jinja "
+                        "string; default: the tokenizer's)")
     return AsyncEngineArgs.add_cli_args(p)
+
+
+def _compiled(args: Any, argv: list[str]) -> bool:
+    """Compiled unless --enforce-eager: vlens's worker class (its hooks go in
+    before the model is traced) and, on a GPU, its operators cut out of the
+    CUDA graphs (engine.compiled_settings)."""
+    from vlens.engine.engine import compiled_settings
+    from vlens.errors import VlensError
+
+    if args.enforce_eager:
+        return False
+    out = compiled_settings(None)
+    args.worker_cls = out["worker_cls"]
+    if "compilation_config" in out:
+        if any(a.startswith(("--compilation-config", "-O")) for a in argv):
+            raise VlensError("a compilation config of your own cannot be combined with "
+                             "vlens's compiled mode (it sets splitting_ops and the CUDA graph "
+                             "mode): leave it out, or pass --enforce-eager")
+        from vllm.config import CompilationConfig
+
+        args.compilation_config = CompilationConfig(**out["compilation_config"])
+    return True
 
 
 async def _serve(args: Any, argv: list[str]) -> None:
@@ -53,7 +83,7 @@ async def _serve(args: Any, argv: list[str]) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vlens.engine.env import apply_env_defaults
+    from vlens.engine.env import apply_env_defaults, has_gpu
     from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, resolve_model
     from vlens.errors import VlensError
 
@@ -69,14 +99,13 @@ async def _serve(args: Any, argv: list[str]) -> None:
     if not any(a.startswith("--dtype") for a in argv) and checkpoint.default_dtype is not None:
         args.dtype = checkpoint.default_dtype
     args.worker_extension_cls = EXTENSION
-    args.enforce_eager = True  # hooks must run every step (compiled mode is not served)
+    compiled = _compiled(args, argv)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     apply_env_defaults({"kv_cache_memory_bytes": engine_args.kv_cache_memory_bytes})
     llm = AsyncLLM.from_engine_args(engine_args)
     try:
         setup = (await llm.collective_rpc("vlens_setup"))[0]
-        # compiled mode is not served
-        info = engine_info(setup, llm.model_config, llm.vllm_config, compiled=False,
+        info = engine_info(setup, llm.model_config, llm.vllm_config, compiled=compiled,
                            checkpoint=checkpoint)
         from vlens.models.recipes import is_toyworld
 
@@ -86,11 +115,30 @@ async def _serve(args: Any, argv: list[str]) -> None:
             prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
             requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20),
             body_seconds=args.body_timeout, stall_seconds=args.stall_timeout)
-        server = Server(llm, info, tokens, limits, args.model, args.max_calls, args.token_file)
-        config = uvicorn.Config(make_app(server), host=args.host, port=args.port,
+        from vlens.checks import ModelFacts
+        from vlens.remote.names import ServerNames, parse_named
+        from vlens.remote.openai import OpenAIRoutes
+
+        names = ServerNames.load(parse_named(args.vector, "--vector"),
+                                 parse_named(args.sae, "--sae"), ModelFacts.from_info(info),
+                                 limits.vectors)
+        if names.saes:  # in the workers for good: plans name them by id
+            await llm.collective_rpc("vlens_put_saes", args=(
+                {s.id: s.payload() for s in names.saes.values()},))
+        server = Server(llm, info, tokens, limits, args.model, args.max_calls, args.token_file,
+                        names)
+        app = make_app(server)
+        named = args.served_model_name
+        served = (named[0] if isinstance(named, list) and named else named) or args.model
+        OpenAIRoutes(server, served, args.chat_template).install(app)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level="warning", timeout_graceful_shutdown=5)
+        mode = ("compiled (CUDA graphs)" if compiled and has_gpu() else "compiled (torch.compile)"
+                if compiled else "eager (--enforce-eager)")
         print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
-              f"for {len(tokens)} client(s)", flush=True)
+              f"for {len(tokens)} client(s), {mode}; OpenAI routes at /v1 as model {served!r}"
+              + (f"; vectors {sorted(names.vectors)}" if names.vectors else "")
+              + (f"; SAEs {sorted(names.saes)}" if names.saes else ""), flush=True)
         if not is_loopback(args.host):
             print(f"vlens serve: warning: {args.host} is reachable from other machines and "
                   "this server speaks plain HTTP: tokens and results cross the network "

