@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     except VlensError as exc:
         print(f"vlens serve: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or SIGINT) after the engine shut down: a normal stop
+        print("vlens serve: stopped", file=sys.stderr)
     return 0
 
 
