@@ -121,6 +121,16 @@ _FEATURE_CELLS = [
 ]
 
 
+def _open_page(p, height: int, console: list[str]):
+    """Chromium (Debian's) and a page 1400 px wide, its console and page
+    errors appended to ``console``."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+    return browser, page
+
+
 def _notebook_of(cells: list[str]):
     from nbformat.v4 import new_code_cell, new_notebook
 
@@ -282,12 +292,8 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
     url, token = lab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
-                                    headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
         console: list[str] = []
-        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        browser, page = _open_page(p, 1000, console)
         try:
             page.goto(f"{url}/lab/tree/01_tour.ipynb?token={token}")
             page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
@@ -497,13 +503,9 @@ def test_attention_and_patching_views_in_a_real_browser(lab):
     url, token = lab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
-                                    headless=True)
         # tall enough that a whole view fits on screen for its screenshot
-        page = browser.new_page(viewport={"width": 1400, "height": 2000})
         console: list[str] = []
-        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        browser, page = _open_page(p, 2000, console)
         try:
             _open_and_run_all(page, url, token, "views.ipynb")
             # (stdout only: a traceback shows the cell's source, marker included)
@@ -666,11 +668,8 @@ def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
 
     url, token = lab
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
-                                    headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1600})
         console: list[str] = []
-        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        browser, page = _open_page(p, 1600, console)
         try:
             _open_and_run_all(page, url, token, "chat.ipynb")
             page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
@@ -722,12 +721,8 @@ def test_feature_view_in_a_real_browser(lab):
 
     url, token = lab
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
-                                    headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 2000})
         console: list[str] = []
-        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        browser, page = _open_page(p, 2000, console)
         try:
             _open_and_run_all(page, url, token, "features.ipynb")
             out = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
