@@ -12,7 +12,9 @@ and a list of jobs:
   site's mean over every token of the ``mean_over`` prompts, from unhooked
   forwards) into dims ``[lo, hi)`` of rows ``[start, stop)``; returns every
   layer's ``resid_post`` ``[L, T, hidden]`` and the log-softmax of the last
-  row's logits;
+  row's logits. ``"value": "direction"`` with ``"direction": [floats]``
+  and ``"layers": [...]``: instead, a hook at each of those layers takes
+  the direction's component out of rows ``[start, stop)``, ``x - (x . r^) r^``;
 * ``{"kind": "patch", "clean": [...], "corrupt": [...], "site", "layers",
   "positions", "answer": [a, b], "head_dim": int | null, "heads": bool}``:
   the patching metric cell by cell, one forward per cell, the clean row
@@ -81,7 +83,23 @@ def _site_rows(model, arch, ids, site, layer):
     return box[0], out.logits[0, -1].float().log_softmax(-1)
 
 
+def project(model, arch, job):
+    r = torch.tensor(job["direction"], dtype=torch.float32)
+    r = r / r.norm()
+    start, stop = job["span"]
+
+    def write(rows):
+        part = rows[start:stop]
+        part.sub_((part @ r)[:, None] * r)
+
+    hooks = [_hook(model, arch, job["site"], layer, write) for layer in job["layers"]]
+    resid, lp = _resid_post(model, arch, job["ids"], hooks)
+    return {"resid_post": resid, "logprobs": lp}
+
+
 def ablate(model, arch, job):
+    if job["value"] == "direction":
+        return project(model, arch, job)
     site, layer = job["site"], job["layer"]
     start, stop = job["span"]
     lo, hi = job["dims"] or (0, None)

@@ -5,7 +5,8 @@ and a token span. The Session checks it against the model, ships the vector
 to the workers once (named by :func:`vector_id`, a hash of its bytes), and
 puts a small add entry in each request's plan; the workers apply every
 request's adds at a site in one batched ``index_add_``. ``Ablate`` replaces
-a site's rows (or some heads of ``z``) with zeros or a mean: ``Set``
+a site's rows (or some heads of ``z``) with zeros or a mean, or projects a
+direction out of them (``direction=``, at one layer or many): ``Set``
 entries of the plan (``vlens.methods.ablation``). ``PerPrompt`` gives each
 prompt of a call its own edits, and :func:`per_prompt` reads every spelling
 of ``steer=`` / ``ablate=`` as one list per prompt. A request with edits
@@ -45,8 +46,9 @@ SPANS = ("all", "prompt", "generated")
 #: role spans: the content tokens of every message of that role (a
 #: conversation prompt only; resolved to positions by vlens.prompts)
 ROLE_SPANS = ("system", "user", "assistant", "developer", "tool")
-#: what an Ablate puts in the rows
-KINDS = ("zero", "mean")
+#: what an Ablate puts in the rows ("direction": the rows less their
+#: component along ``direction``)
+KINDS = ("zero", "mean", "direction")
 
 
 def parse_span(span: Any, what: str) -> str | tuple[int, int]:
@@ -156,7 +158,7 @@ class Steer:
 @dataclass(frozen=True)
 class Ablate:
     """Replace ``site`` at ``layer`` with zeros (``kind="zero"``) or a mean
-    (``kind="mean"``) over ``span``.
+    (``kind="mean"``) over ``span``, or project a direction out of it.
 
     * ``heads``: for ``site="z"`` only, the head indices to knock out (the
       other heads' dims are left alone); None: the whole row;
@@ -164,23 +166,32 @@ class Ablate:
       stop)`` token positions, as for :class:`~vlens.Steer`;
     * ``mean``: with ``kind="mean"``, the replacement ``[width]`` (``z``:
       ``[heads * head_dim]`` or ``[heads, head_dim]``); None: the site's
-      mean over every prompt token of the call (one extra read pass).
+      mean over every prompt token of the call (one extra read pass);
+    * ``direction``: a vector ``r`` ``[width]``: each row ``x`` of the span
+      becomes ``x - (x . r^) r^`` (``r^ = r / |r|``; ``kind`` becomes
+      ``"direction"``). With it ``layer`` may also be ``"all"`` or a list of
+      layers: the direction is projected out at each of them, in one plan
+      (Arditi et al. 2024's directional ablation).
     """
 
     site: str
-    layer: int
+    layer: int | str | tuple[int, ...]
     kind: str = "zero"
     heads: Sequence[int] | None = None
     span: str | tuple[int, int] = "all"
     mean: torch.Tensor | None = None
+    direction: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str):
             raise VlensError(f"Ablate site must be a site name (str), got {self.site!r}")
-        if not isinstance(self.layer, int) or isinstance(self.layer, bool):
-            raise VlensError(f"Ablate layer must be an int, got {self.layer!r}")
         if self.kind not in KINDS:
             raise VlensError(f"Ablate kind must be one of {KINDS}, got {self.kind!r}")
+        if self.direction is not None:
+            _check_direction(self)
+        elif self.kind == "direction":
+            raise VlensError("Ablate kind='direction' needs direction= (the vector to project out)")
+        _check_layer(self)
         if self.heads is not None:
             heads = self.heads
             if (isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range))
@@ -214,6 +225,66 @@ class Ablate:
 
     def with_mean(self, mean: torch.Tensor) -> Ablate:
         return Ablate(self.site, self.layer, "mean", self.heads, self.span, mean)
+
+    def layers(self, n_layers: int) -> tuple[int, ...]:
+        """The layers this Ablate writes, in a model of ``n_layers``."""
+        if self.layer == "all":
+            return tuple(range(n_layers))
+        return self.layer if isinstance(self.layer, tuple) else (self.layer,)  # type: ignore[return-value]
+
+
+def _check_layer(ab: Ablate) -> None:
+    """An Ablate's layer: an int; with a direction also "all" or a list of
+    distinct layers (kept as a tuple)."""
+    layer, many = ab.layer, ab.direction is not None
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        return
+    if isinstance(layer, str):
+        if layer == "all" and many:
+            return
+        raise VlensError(
+            f"Ablate layer {layer!r:.40} is unknown: give a layer number" + (
+                ", 'all' (every layer) or a list of layers" if many
+                else " (only a directional Ablate, direction=, takes 'all' or a list)"))
+    if isinstance(layer, (list, tuple, range)) and many:
+        if (not layer or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                 for x in layer)):
+            raise VlensError(f"Ablate layer list must hold layer numbers (ints >= 0), got "
+                             f"{list(layer)!r:.80}")
+        if len(set(layer)) != len(layer):
+            raise VlensError(f"Ablate layer list {list(layer)} names a layer twice")
+        object.__setattr__(ab, "layer", tuple(int(x) for x in layer))
+        return
+    want = "an int, 'all' or a list of ints" if many else "an int"
+    raise VlensError(f"Ablate layer must be {want}, got {layer!r:.40}"
+                     + ("" if many else " (a list of layers needs direction=)"))
+
+
+def _check_direction(ab: Ablate) -> None:
+    """A directional Ablate's vector, kept as a float32 unit vector."""
+    r = ab.direction
+    extra = [name for name, bad in (("kind=" + repr(ab.kind), ab.kind not in ("zero", "direction")),
+                                    ("mean=", ab.mean is not None),
+                                    ("heads=", ab.heads is not None)) if bad]
+    if extra:
+        raise VlensError(
+            f"Ablate direction= cannot go with {', '.join(extra)}: it projects one direction "
+            "out of whole rows. Give zero/mean or head ablations their own Ablate")
+    if (not isinstance(r, torch.Tensor) or r.dim() != 1 or not r.is_floating_point()
+            or r.device.type == "meta"):
+        raise VlensError(
+            "Ablate direction must be a floating-point torch.Tensor of shape [width] (the "
+            f"site's row width; hidden size for the residual sites), got "
+            f"{getattr(r, 'shape', type(r).__name__)}")
+    r = r.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(r).all()):
+        raise VlensError("Ablate direction holds NaN or inf: compute it again from finite data")
+    norm = float(r.norm())
+    if not norm > 0.0:
+        raise VlensError("Ablate direction is all zeros: it names no direction; pass a non-zero "
+                         "vector (s.direction(...) gives one)")
+    object.__setattr__(ab, "kind", "direction")
+    object.__setattr__(ab, "direction", (r / norm).to(torch.float32).contiguous())
 
 
 

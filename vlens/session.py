@@ -241,7 +241,7 @@ class Session(ServerNamed):
             checks.check_steers(edits_each(params.clamp, plist, Steer), lens, max_new_tokens,
                                 facts))
         ablates = edits_each(params.ablate, plist, Ablate, resolve=False)
-        ablation.check_ablates(ablates, facts, lens, max_new_tokens)
+        ablates = ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(params.edit, params.edit_at, facts,
                                   can_ship=self._runner.can_ship_functions,
                                   remote=self._runner.remote)

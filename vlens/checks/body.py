@@ -10,7 +10,8 @@ form of a :class:`~vlens.Steer`, :class:`~vlens.Ablate` or
                 {"sae": NAME, "feature": 12, "scale": 8.0}],
      "ablate": [{"site": "z", "layer": 1, "heads": [0, 2], "kind": "zero",
                  "span": "prompt"},
-                {"site": "mlp_out", "layer": 2, "kind": "mean", "mean": NAME}],
+                {"site": "mlp_out", "layer": 2, "kind": "mean", "mean": NAME},
+                {"site": "resid_post", "layer": "all", "direction": NAME}],
      "clamp":  [{"sae": NAME, "feature": 12, "value": 6.0, "span": "assistant"}]}
 
 :func:`parse_body` makes the edits, with the objects' own checks and the
@@ -38,7 +39,7 @@ NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 BODY_KEYS = ("steer", "ablate", "clamp")
 _STEER = {"vector", "sae", "feature", "layer", "scale", "site", "span", "relative"}
-_ABLATE = {"site", "layer", "kind", "heads", "span", "mean"}
+_ABLATE = {"site", "layer", "kind", "heads", "span", "mean", "direction"}
 _CLAMP = {"sae", "feature", "value", "span"}
 
 
@@ -207,8 +208,24 @@ def _ablate(entry: Any, where: str, facts: ModelFacts, vector: Callable) -> Any:
     from vlens.checks.facts import check_set_values
 
     entry = _keys(entry, _ABLATE, where, ("site", "layer"))
-    layer = _int(entry, "layer", where)
     site = entry["site"]
+    if "direction" in entry:  # a directional ablation: at one layer, a list or "all"
+        r = _name(entry, "direction", where, vector, "vector")
+        layer = entry["layer"]
+        layers = range(facts.n_layers) if layer == "all" else (
+            layer if isinstance(layer, list) else [layer])
+        if not layers or not all(is_int(x) for x in layers):
+            raise BodyError(f"{where}.layer", f"must be a layer number, a list of them or 'all', "
+                                              f"got {layer!r:.40}")
+        for x in layers:
+            _site(site, x, where, facts, "Ablate")
+        if r.shape[0] != facts.width(site):
+            raise BodyError(f"{where}.direction", f"{entry['direction']!r} has {r.shape[0]} "
+                                                  f"values; {site} takes {facts.width(site)}")
+        span = _span(entry, where)
+        return _made(where, lambda: Ablate(site, layer, entry.get("kind", "zero"),
+                                           entry.get("heads"), span, entry.get("mean"), r))
+    layer = _int(entry, "layer", where)
     _site(site, layer, where, facts, "Ablate")
     kind = entry.get("kind", "zero")
     if kind not in ("zero", "mean"):

@@ -23,6 +23,11 @@ from vlens.protocol.plan import Plan, Read
 PLAN_MAX = {"reads": 64, "adds": 64, "sets": 256}
 
 
+#: a projecting set's direction must have a value at least this large (a
+#: unit vector of any width this kit meets has, and the worker's r / |r|
+#: stays finite in float32)
+DIRECTION_MIN = 1e-3
+
 #: the reductions a read may ask for, and where: the logit lens and the full
 #: log-probabilities unembed the residual stream after the last norm
 REDUCES = ("full", "norm", "logit_lens", "logprobs")
@@ -133,9 +138,16 @@ def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, f
                 and (w.hi == -1 or w.lo < w.hi <= width)):
             raise VlensError(f"{what}: dims [{w.lo!r:.10}, {w.hi!r:.10}) are not inside the "
                              f"row's {width} (0 <= lo < hi <= {width}, or hi -1)")
+        if w.project is not False and (w.project is not True or not w.vec or w.lo != 0
+                                       or w.hi != -1):
+            raise VlensError(f"{what}: a projecting set (directional ablation) names its "
+                             "direction (vec) and writes whole rows (lo 0, hi -1)")
         if w.vec:
             _, peak = _vector_of(what, w.vec, w.site, vectors, facts)
             check_set_values(what, peak, facts)
+            if w.project and not peak >= DIRECTION_MIN:
+                raise VlensError(f"{what}: direction {w.vec!r:.60} is zero (largest value "
+                                 f"{peak:.3g}): send a unit vector, r / |r|")
     for e in plan.edits:
         if not is_int(e.layer) or not 0 <= e.layer < facts.n_layers or e.site not in facts.sites:
             raise VlensError(f"edit at ({e.site!r:.40}, {e.layer!r:.10}): no such site/layer")

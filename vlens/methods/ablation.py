@@ -9,6 +9,10 @@ against the model and turns it into ``Set`` entries of the request's plan
 and the request's prefix-cache salt includes them, so ablated KV is never
 served to anyone else.
 
+A directional Ablate (``direction=r``) becomes one projecting Set per layer
+it names (``layer="all"``: every layer), all naming the one unit vector
+``r^``: each row of the span loses its component along ``r^``.
+
 ``kind="mean"`` with ``mean=None`` replaces the rows with the site's mean
 over every prompt token of the call's own prompts (all prompts pooled, BOS
 included), read from the unedited model in one extra engine call first.
@@ -18,6 +22,7 @@ Nothing here touches the engine; :func:`fill_means` asks the Session.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,7 +32,22 @@ from vlens.edits import Ablate, vector_id
 from vlens.errors import VlensError
 from vlens.protocol.plan import Set
 
-__all__ = ["check_ablates", "fill_means", "plan_parts", "to_sets"]
+__all__ = ["check_ablates", "fill_means", "per_layer", "plan_parts", "to_sets"]
+
+
+def per_layer(ab: Ablate, facts: Any) -> list[Ablate]:
+    """An Ablate as one Ablate per layer it writes (a directional one may
+    name ``"all"`` or a list); its layers checked against the model."""
+    if isinstance(ab.layer, int):
+        return [ab]
+    n = facts.n_layers
+    layers = ab.layers(n)
+    bad = [x for x in layers if not 0 <= x < n]
+    if bad:
+        raise VlensError(
+            f"Ablate layer list {list(layers)}: layer {bad[0]} does not exist; this model has "
+            f"{n} layers, numbered 0 to {n - 1} (layer='all' names every one)")
+    return [replace(ab, layer=x) for x in layers]
 
 
 def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -> None:
@@ -50,6 +70,11 @@ def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -
         raise VlensError(
             f"Ablate mean has {ab.mean.numel()} elements; site {ab.site!r} rows have {width}"
         )
+    if ab.direction is not None and ab.direction.numel() != width:
+        raise VlensError(
+            f"Ablate direction has {ab.direction.numel()} values; site {ab.site!r} rows have "
+            f"{width}: take the direction at the site it is ablated from"
+        )
     if ab.mean is not None:
         check_set_values(f"Ablate mean (layer {ab.layer}, {ab.site})",
                          float(ab.mean.abs().max()), facts)
@@ -57,11 +82,15 @@ def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -
 
 
 def check_ablates(per_prompt: list[list[Ablate]], facts: Any, prompt_lens: Sequence[int],
-                  max_new_tokens: int) -> None:
+                  max_new_tokens: int) -> list[list[Ablate]]:
     """Every prompt's Ablates; two on one prompt may not write the same dims
-    of one (site, layer) (the second would undo the first's difference)."""
+    of one (site, layer) (the second would undo the first's difference).
+    Returns them with one layer each (:func:`per_layer`)."""
+    out = []
     for i, (ablates, n) in enumerate(zip(per_prompt, prompt_lens)):
         seen: dict[tuple[str, int], set] = {}
+        ablates = [x for ab in ablates for x in per_layer(ab, facts)]
+        out.append(ablates)
         for ab in ablates:
             check_ablate(ab, facts, n, max_new_tokens)
             heads = set(ab.heads) if ab.heads is not None else {"all"}
@@ -73,6 +102,7 @@ def check_ablates(per_prompt: list[list[Ablate]], facts: Any, prompt_lens: Seque
                     "Ablate's heads=)"
                 )
             taken |= heads
+    return out
 
 
 def fill_means(session: Any, prompts: list[str], per_prompt: list[list[Ablate]]
@@ -100,12 +130,19 @@ def fill_means(session: Any, prompts: list[str], per_prompt: list[list[Ablate]]
 
 def to_sets(ablates: Sequence[Ablate], prompt_len: int, head_dim: int
             ) -> tuple[list[Set], dict[str, torch.Tensor]]:
-    """A prompt's Ablates as plan entries and the vectors they name: one
-    Set per Ablate, or per run of adjacent heads for ``z`` heads."""
+    """A prompt's checked Ablates (one layer each) as plan entries and the
+    vectors they name: one Set per Ablate, or per run of adjacent heads for
+    ``z`` heads; a directional Ablate's Set projects."""
     sets: list[Set] = []
     vectors: dict[str, torch.Tensor] = {}
     for ab in ablates:
         vid = ""
+        if ab.direction is not None:
+            vid = vector_id(ab.direction)
+            vectors[vid] = ab.direction
+            sets.append(Set(ab.site, ab.layer, vid, 0, -1, *ab.positions(prompt_len),
+                            project=True))
+            continue
         if ab.kind == "mean":
             vid = vector_id(ab.mean)
             vectors[vid] = ab.mean

@@ -12,7 +12,9 @@ id (a hash of their bytes).
      "adds":   [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
                  "start": 0, "stop": -1, "relative": false}],
      "sets":   [{"site": "z", "layer": 1, "vec": "", "lo": 16, "hi": 32,
-                 "start": 0, "stop": -1}],
+                 "start": 0, "stop": -1},
+                {"site": "resid_post", "layer": 3, "vec": "<id>", "lo": 0, "hi": -1,
+                 "start": 0, "stop": -1, "project": true}],
      "edits":  [{"site": "resid_post", "layer": 2, "fn": "<id>"}]}
 
 ``tag`` names the client-side request: vLLM's internal request ids carry a
@@ -99,7 +101,11 @@ class Set:
     """Replace dims ``[lo, hi)`` of ``site`` at ``layer`` (``hi == -1``: to
     the row's end) with the same dims of ``vector[vec]`` (``vec == ""``:
     zeros), at positions ``[start, stop)``: an ablation, or one cell of a
-    patching grid (the clean run's row written into the corrupt run)."""
+    patching grid (the clean run's row written into the corrupt run).
+
+    ``project``: instead, take the component along ``vector[vec]`` out of
+    each whole row, ``x - (x . v^) v^`` with ``v^ = v / |v|`` (a
+    directional ablation; ``lo`` 0 and ``hi`` -1)."""
 
     site: str
     layer: int
@@ -108,6 +114,7 @@ class Set:
     hi: int = -1  # -1: to the end of the row
     start: int = 0
     stop: int = -1  # -1: to the end of the sequence
+    project: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,7 @@ class Plan:
             ],
             "sets": [
                 {"site": w.site, "layer": w.layer, "vec": w.vec, "lo": w.lo, "hi": w.hi,
-                 "start": w.start, "stop": w.stop}
+                 "start": w.start, "stop": w.stop, **({"project": True} if w.project else {})}
                 for w in self.sets
             ],
             "edits": [{"site": e.site, "layer": e.layer, "fn": e.fn} for e in self.edits],
@@ -207,7 +214,8 @@ def parse_plan(raw: Any) -> Plan:
         )),
         sets=_shared(tuple(
             Set(str(w["site"]), int(w["layer"]), str(w.get("vec", "")), int(w.get("lo", 0)),
-                int(w.get("hi", -1)), int(w.get("start", 0)), int(w.get("stop", -1)))
+                int(w.get("hi", -1)), int(w.get("start", 0)), int(w.get("stop", -1)),
+                bool(w.get("project", False)))
             for w in raw.get("sets") or ()
         )),
         edits=tuple(

@@ -170,7 +170,7 @@ class SteeredEngine:
                 except VlensError as exc:
                     raise _BadBody(400, f"{field}.span: {exc}", f"{field}.span") from None
         try:
-            check_ablates([ablates], facts, [n], max_tokens)
+            ablates = check_ablates([ablates], facts, [n], max_tokens)[0]
         except VlensError as exc:
             raise _BadBody(400, f"vlens.ablate: {exc}", "vlens.ablate") from None
         tensors: dict[str, Any] = {}

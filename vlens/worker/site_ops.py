@@ -103,7 +103,9 @@ def apply_sets(matrix_of: Callable[[int], torch.Tensor], batch: SetBatch, layout
     ``index_add_`` -- the canonical value may be a sum (a native
     ``resid_post`` is ``hidden + residual``), so writing the difference into
     the target is what makes the value equal the replacement. Rows of other
-    requests are never touched. ``matrix_of(width)``: the worker's vectors of
+    requests are never touched. Projecting rows (``batch.project``) lose
+    their component along the vector instead, ``x - (x . v^) v^``, in the
+    same gather and ``index_add_``. ``matrix_of(width)``: the worker's vectors of
     the site's width. Rows made non-finite are restored, as for adds; returns
     ``(ok per written row, the rows written)``. Never reads a tensor back to
     the host."""
@@ -119,6 +121,12 @@ def apply_sets(matrix_of: Callable[[int], torch.Tensor], batch: SetBatch, layout
     dims = torch.arange(width, device=current.device)
     mask = (dims >= batch.lo[:, None]) & (dims < batch.hi[:, None])
     delta = torch.where(mask, replace - current, 0.0)
+    if batch.project is not None:  # directional ablations: x - (x . v^) v^
+        unit = replace.float()
+        # unit already (the Session sends v^); normalised again for a hand-made plan
+        unit = unit / unit.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        along = (current * unit).sum(-1, keepdim=True) * unit
+        delta = torch.where(batch.project[:, None], -along, delta)
     target = get_target()
     t_flat = _token_rows(target, layout, label)
     before = t_flat.index_select(0, batch.rows)

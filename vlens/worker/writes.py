@@ -53,7 +53,9 @@ class SetBatch:
     """Every set (ablation, patched cell) at one (site, layer) in one step.
 
     Dims ``[lo[i], hi[i])`` of row ``rows[i]`` become those of
-    ``matrix[vectors[i]]`` (zeros where ``vectors[i] < 0``)."""
+    ``matrix[vectors[i]]`` (zeros where ``vectors[i] < 0``); where
+    ``project[i]``, row ``rows[i]`` loses its component along that vector
+    instead (a directional ablation)."""
 
     rows: torch.Tensor  # [m] int64 row numbers in the step
     vectors: torch.Tensor  # [m] int64 rows of the worker's vector matrix, -1: zeros
@@ -61,6 +63,7 @@ class SetBatch:
     hi: torch.Tensor  # [m] int64 dim after the last replaced
     any_vector: bool  # False: every set writes zeros (no matrix needed)
     req_ids: tuple[str, ...]
+    project: torch.Tensor | None = None  # [m] bool, None when no set projects
 
 
 def clip_adds(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[str, int],
@@ -86,7 +89,7 @@ def clip_adds(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[st
 def clip_sets(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[str, int],
                set_parts: dict, problems: dict) -> None:
     """Like :func:`clip_adds` for the plan's sets: appends ``(first rows,
-    last rows + 1, vector row or -1, lo, hi, request ids)``."""
+    last rows + 1, vector row or -1, lo, hi, request ids, project)``."""
     for st, rows_lo, rows_hi, keys in _clipped(plan.sets, idx, where):
         vec = vector_rows.get(st.vec, None) if st.vec else -1
         if vec is None:
@@ -96,7 +99,8 @@ def clip_sets(plan: Plan, idx: np.ndarray, where: tuple, vector_rows: Mapping[st
                     "this worker"
                 )
             continue
-        set_parts[(st.site, st.layer)].append((rows_lo, rows_hi, vec, st.lo, st.hi, keys))
+        set_parts[(st.site, st.layer)].append((rows_lo, rows_hi, vec, st.lo, st.hi, keys,
+                                               st.project))
 
 
 def _clipped(entries: Sequence[Add | Set], idx: np.ndarray, where: tuple):
@@ -182,6 +186,7 @@ def set_batch(parts: list, layout: StepLayout, device: torch.device | str) -> Se
     vec = np.array([p[2] for p in parts], dtype=np.int64)
     hi = np.array([p[4] for p in parts], dtype=np.int64)
     hi = np.where(hi < 0, np.iinfo(np.int64).max, hi)
+    proj = np.array([p[6] for p in parts], dtype=bool)
     return SetBatch(
         torch.from_numpy(rows).to(device),
         torch.from_numpy(np.repeat(vec, per_part)).to(device),
@@ -190,4 +195,5 @@ def set_batch(parts: list, layout: StepLayout, device: torch.device | str) -> Se
         torch.from_numpy(np.repeat(hi, per_part)).to(device),
         bool((vec >= 0).any()),
         tuple(r for p in parts for r in p[5]),
+        torch.from_numpy(np.repeat(proj, per_part)).to(device) if proj.any() else None,
     )
