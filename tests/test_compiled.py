@@ -36,8 +36,10 @@ def _everything(s):
     d = torch.randn(s.hidden_size, generator=torch.Generator().manual_seed(0))
     steers = [vlens.Steer(d, layer=1, scale=2.0),
               vlens.Steer(d, layer=0, scale=0.5, site="mlp_out", relative=True, span="generated")]
+    # and a directional ablation at every layer (a projecting set)
     return s.trace(PROMPTS, layers=[0, 1, 2], sites=SITES, max_new_tokens=6, logit_lens=3,
-                   steer=steers, edit=_halve, edit_at=[("attn_out", 2), ("resid_pre", 0)])
+                   steer=steers, edit=_halve, edit_at=[("attn_out", 2), ("resid_pre", 0)],
+                   ablate=vlens.Ablate("resid_mid", "all", direction=d.flip(0)))
 
 
 def test_compiled_mode_gives_what_eager_gives(compiled_session, llama_session):
@@ -111,9 +113,12 @@ def test_the_write_path_never_reads_back_to_the_host(mode, request, monkeypatch)
               vlens.Steer(d, layer=2, scale=0.3, relative=True, span=(1, 5)),
               vlens.Steer(d, layer=1, scale=0.5, site="mlp_out", span="generated")]
     steers = vlens.PerPrompt([steers] * len(PROMPTS))  # all three on every prompt
-    before = s.trace(PROMPTS, sites=[], logprobs=False, max_new_tokens=4, steer=steers)
+    ablate = vlens.Ablate("attn_out", [0, 2], direction=d, span=(0, 6))
+    before = s.trace(PROMPTS, sites=[], logprobs=False, max_new_tokens=4, steer=steers,
+                     ablate=ablate)
     guard = _NoHostSync(monkeypatch)
-    run = s.trace(PROMPTS, sites=[], logprobs=False, max_new_tokens=4, steer=steers)
+    run = s.trace(PROMPTS, sites=[], logprobs=False, max_new_tokens=4, steer=steers,
+                  ablate=ablate)
     monkeypatch.undo()
     assert guard.calls == []
     assert [t.output_token_ids for t in run] == [t.output_token_ids for t in before]
