@@ -72,3 +72,42 @@ def test_a_missing_vector_is_a_problem_of_its_request():
     assert "vector gone never reached" in step.problems["r0"][0]
     assert "r1" not in step.problems and step.sets[("mlp_out", 0)].req_ids == ("r1",)
     assert not step.sets[("mlp_out", 0)].any_vector
+
+
+def test_projecting_sets_take_the_direction_out_beside_plain_sets():
+    """A directional ablation (a projecting set) and a zero set on different
+    requests of one step: each projected row loses exactly its component
+    along the (unit) vector, the zero set's dims are zero, other rows stay
+    bit-identical, and the value is a sum (hidden + residual)."""
+    torch.manual_seed(1)
+    width = 6
+    store = VectorStore(width)
+    r = torch.randn(width)
+    store.put("r", r / r.norm())
+    plans = [Plan(tag="a", sets=(Set("resid_post", 0, "r", 0, -1, 1, 4, project=True),)),
+             Plan(tag="b"),
+             Plan(tag="c", sets=(Set("resid_post", 0, "", 0, 2, 0, -1),)),
+             Plan(tag="d", sets=(Set("resid_post", 0, "r", 0, -1, 0, -1, project=True),))]
+    lengths = [5, 2, 3, 1]
+    qsl, ids = _step(lengths)
+    step = plan_step(ids, plans, qsl, [0, 0, 0, 9], vector_rows=store.rows)
+    batch = step.sets[("resid_post", 0)]
+    assert batch.project is not None and int(batch.project.sum()) == 4
+    T = qsl[-1]
+    hidden, residual = torch.randn(T, width) * 50, torch.randn(T, width)
+    before = hidden + residual
+    apply_sets(store.matrix_of, batch, step.layout, lambda: hidden + residual,
+               lambda: residual, "resid_post[0]")
+    after = hidden + residual
+    u = r / r.norm()
+    projected = [1, 2, 3, 10]  # a's positions 1..3, d's one row
+    for row in range(T):
+        if row in projected:
+            want = before[row] - (before[row] @ u) * u
+            assert torch.allclose(after[row], want, atol=1e-4)
+            assert abs(float(after[row] @ u)) < 1e-4 < abs(float(before[row] @ u))
+        elif 7 <= row < 10:  # c: dims 0-1 zeroed
+            assert float(after[row, :2].abs().max()) < 1e-5
+            assert torch.equal(after[row, 2:], before[row, 2:])
+        else:
+            assert torch.equal(after[row], before[row]), row
