@@ -220,10 +220,13 @@ def test_eight_clients_equal_a_local_session_and_share_steps(server, toy_session
                                    atol=1e-5, rtol=0)
 
 
-def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_session):
-    """The methods that travel as data (head reads, Ablate, patch) work remotely."""
+def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_session, direction):
+    """The methods that travel as data (head reads, Ablate, directional
+    Ablate, patch) work remotely."""
     prompts = _prompts(3)
-    ablate = vlens.PerPrompt([vlens.Ablate("z", 1, heads=[0]), vlens.Ablate("mlp_out", 2, kind="mean")])
+    ablate = vlens.PerPrompt([[vlens.Ablate("z", 1, heads=[0]),
+                               vlens.Ablate("resid_post", "all", direction=direction)],
+                              vlens.Ablate("mlp_out", 2, kind="mean")])
     story = "one day, a {} bear lived in a blue cabin near the meadow. the sky was"
     clean, corrupt = story.format("happy"), story.format("lonely")
     with server.connect("c7") as s:
