@@ -152,6 +152,13 @@ class ServerNames:
                 "spec": sae.spec.to_wire(),
                 "weights": {k: encode_tensor(w) for k, w in sae.weights.items()}}
 
+    def _loaded(self, sae_id: str, what: str) -> Any:
+        sae = self.sae_ids.get(sae_id)
+        if sae is None:
+            raise VlensError(f"{what} names SAE {sae_id!r:.40}, which this server has not "
+                             "loaded: use s.sae(name) for the server's SAEs")
+        return sae
+
     def check_plan_saes(self, plan: Any) -> None:
         """Every SAE a plan names is one this server loaded, read or written
         where it was trained, with a feature it has and its own decoder row."""
@@ -161,10 +168,7 @@ class ServerNames:
         for r in plan.reads:
             if not r.sae:
                 continue
-            sae = self.sae_ids.get(r.sae)
-            if sae is None:
-                raise VlensError(f"read names SAE {r.sae!r:.40}, which this server has not "
-                                 "loaded: use s.sae(name) for the server's SAEs")
+            sae = self._loaded(r.sae, "read")
             if r.site != sae.site or tuple(r.layers) != (sae.layer,):
                 raise VlensError(f"a feature read of SAE {sae.name!r} reads {sae.site} at layer "
                                  f"{sae.layer}, not {r.site!r:.20} at {list(r.layers)!r:.40}")
@@ -174,10 +178,7 @@ class ServerNames:
         for a in plan.adds:
             if not a.sae:
                 continue
-            sae = self.sae_ids.get(a.sae)
-            if sae is None:
-                raise VlensError(f"clamp names SAE {a.sae!r:.40}, which this server has not "
-                                 "loaded: use s.sae(name) for the server's SAEs")
+            sae = self._loaded(a.sae, "clamp")
             if a.site != sae.site or a.layer != sae.layer or not 0 <= a.feature < sae.d_sae:
                 raise VlensError(f"a clamp of SAE {sae.name!r} writes {sae.site} at layer "
                                  f"{sae.layer}, a feature from 0 to {sae.d_sae - 1}")
