@@ -108,6 +108,16 @@ def _name(entry: dict, key: str, where: str, known: Callable[[str], Any], kind: 
     return got
 
 
+def _vector(entry: dict, key: str, where: str, known: Callable[[str], Any], site: str,
+            facts: ModelFacts) -> Any:
+    """A named vector that must be as wide as ``site``'s rows."""
+    vec = _name(entry, key, where, known, "vector")
+    if vec.shape[0] != facts.width(site):
+        raise BodyError(f"{where}.{key}", f"{entry[key]!r} has {vec.shape[0]} values; "
+                                          f"{site} takes {facts.width(site)}")
+    return vec
+
+
 def _span(entry: dict, where: str) -> Any:
     from vlens.edits import parse_span
 
@@ -156,10 +166,7 @@ def _steer(entry: Any, where: str, facts: ModelFacts, vector: Callable, sae: Cal
         if not isinstance(relative, bool):
             raise BodyError(f"{where}.relative", f"must be true or false, got {relative!r:.20}")
         _site(site, layer, where, facts, "Steer")
-        vec = _name(entry, "vector", where, vector, "vector")
-        if vec.shape[0] != facts.width(site):
-            raise BodyError(f"{where}.vector", f"{entry['vector']!r} has {vec.shape[0]} values; "
-                                               f"{site} takes {facts.width(site)}")
+        vec = _vector(entry, "vector", where, vector, site, facts)
         st = _made(where, lambda: Steer(vec, layer, scale, site, span, relative))
     try:
         check_write_size(where, float(st.vector.abs().max()), st.scale, st.relative, facts)
@@ -210,7 +217,6 @@ def _ablate(entry: Any, where: str, facts: ModelFacts, vector: Callable) -> Any:
     entry = _keys(entry, _ABLATE, where, ("site", "layer"))
     site = entry["site"]
     if "direction" in entry:  # a directional ablation: at one layer, a list or "all"
-        r = _name(entry, "direction", where, vector, "vector")
         layer = entry["layer"]
         layers = range(facts.n_layers) if layer == "all" else (
             layer if isinstance(layer, list) else [layer])
@@ -219,9 +225,7 @@ def _ablate(entry: Any, where: str, facts: ModelFacts, vector: Callable) -> Any:
                                               f"got {layer!r:.40}")
         for x in layers:
             _site(site, x, where, facts, "Ablate")
-        if r.shape[0] != facts.width(site):
-            raise BodyError(f"{where}.direction", f"{entry['direction']!r} has {r.shape[0]} "
-                                                  f"values; {site} takes {facts.width(site)}")
+        r = _vector(entry, "direction", where, vector, site, facts)
         span = _span(entry, where)
         return _made(where, lambda: Ablate(site, layer, entry.get("kind", "zero"),
                                            entry.get("heads"), span, entry.get("mean"), r))
@@ -235,10 +239,7 @@ def _ablate(entry: Any, where: str, facts: ModelFacts, vector: Callable) -> Any:
         if "mean" not in entry:
             raise BodyError(f"{where}.mean", "kind 'mean' needs the name of the mean vector "
                                              "(the server does not run the extra pass)")
-        mean = _name(entry, "mean", where, vector, "vector")
-        if mean.shape[0] != facts.width(site):
-            raise BodyError(f"{where}.mean", f"{entry['mean']!r} has {mean.shape[0]} values; "
-                                             f"{site} takes {facts.width(site)}")
+        mean = _vector(entry, "mean", where, vector, site, facts)
         try:
             check_set_values(where, float(mean.abs().max()), facts)
         except VlensError as exc:
