@@ -1,9 +1,9 @@
 """vLLM's recompute paths on the real engine: preemption, the prefix cache,
 edits that alias engine memory, and the engine arguments a user passes.
 
-The chaos engine is started with a KV cache far too small for its batch
-(vLLM preempts and later recomputes requests), chunked prefill of 32 tokens
-and prefix caching on. Every request of a loaded batch must come out as if
+The chaos engine (conftest's ``loaded_session``) has a KV cache far too
+small for its batch (vLLM preempts and later recomputes requests), chunked
+prefill of 32 tokens and prefix caching on. Every request of a loaded batch must come out as if
 it had run alone.
 """
 
@@ -34,14 +34,13 @@ def _prompt(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-@pytest.fixture(scope="module")
-def chaos_session(tiny_llama, engine_options):
-    s = vlens.Session(
-        tiny_llama, reuse=False, max_model_len=512, max_num_batched_tokens=32,
-        enable_prefix_caching=True, num_gpu_blocks_override=6, **engine_options,
-    )
-    yield s
-    s.close()
+@pytest.fixture
+def chaos_session(loaded_session):
+    """conftest's ``loaded_session`` (prefill chunks of 32 tokens, prefix
+    caching on, a KV cache of six blocks): the ablation and SAE batch tests
+    share its engine, so the run starts it once."""
+    assert loaded_session.status()["records"] == 0
+    return loaded_session
 
 
 def _shrink(rows, ctx):
@@ -117,9 +116,12 @@ def test_steer_only_requests_under_preemption_and_the_prefix_cache(chaos_session
     run = s.trace(prompts, **kw)
     again = s.trace(prompts, **kw)  # a warm prefix cache
     assert any(t.cached_tokens > 0 for t in list(run) + list(again))
-    for i, prompt in enumerate(prompts):
-        cold = s.trace([prompt], **kw)
-        for t in [x for r in (run, again) for x in r if x.index == i]:
+    for i, prompt in enumerate(long_prompts):
+        cold = s.trace([prompt], **kw)  # once: both copies of the prompt must match it
+        copies = (i, i + len(long_prompts))
+        got = [x for r in (run, again) for x in r if x.index in copies]
+        assert len(got) == 8  # two copies, two samples each, in both calls
+        for t in got:
             assert t.output_token_ids == cold[0].output_token_ids
             assert t.steered_rows == _total_rows(t) == _total_rows(cold[0])
 
