@@ -18,6 +18,9 @@ for _var, _sub in (
     ("VLLM_CACHE_ROOT", "vllm-cache"),
     ("VLLM_RPC_BASE_PATH", "rpc"),
     ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+    # Hugging Face reference values (tests/test_parity.py), shared with the
+    # child runs of tests/test_scale_out.py
+    ("VLENS_HF_REFERENCE_DIR", "hf-reference"),
 ):
     os.environ.setdefault(_var, str(_RUN_DIR / _sub))
     Path(os.environ[_var]).mkdir(parents=True, exist_ok=True)

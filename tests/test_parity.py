@@ -3,9 +3,12 @@ for the same weights and prompt (float32)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,14 +50,25 @@ torch.save(
 
 def _hf_values(path, prompt_ids, tmp_path):
     """Hugging Face's values, computed in a fresh process: an in-process
-    Transformers-backend engine patches HF's model classes (see conftest)."""
-    out_file = tmp_path / "hf.pt"
-    subprocess.run(
-        [sys.executable, "-c", _HF_SCRIPT, str(path), json.dumps(prompt_ids), str(out_file)],
-        check=True,
-        capture_output=True,
-    )
-    return torch.load(out_file)
+    Transformers-backend engine patches HF's model classes (see conftest).
+
+    Kept per run under the bytes of the weights, config and prompt
+    (VLENS_HF_REFERENCE_DIR, which conftest sets and test_scale_out.py's
+    child runs inherit): the native and Transformers-backend engines of the
+    same weights, and every engine mode, are compared with one HF run."""
+    key = hashlib.sha256(json.dumps(prompt_ids).encode())
+    for name in ("config.json", "model.safetensors"):
+        key.update((Path(path) / name).read_bytes())
+    cached = Path(os.environ["VLENS_HF_REFERENCE_DIR"]) / f"{key.hexdigest()}.pt"
+    if not cached.exists():
+        out_file = tmp_path / "hf.pt"
+        subprocess.run(
+            [sys.executable, "-c", _HF_SCRIPT, str(path), json.dumps(prompt_ids), str(out_file)],
+            check=True,
+            capture_output=True,
+        )
+        os.replace(out_file, cached)
+    return torch.load(cached)
 
 
 @pytest.mark.parametrize(
