@@ -72,7 +72,7 @@ class _Server:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(1)
+            time.sleep(0.2)
         raise RuntimeError(f"vlens serve did not start: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
