@@ -67,10 +67,12 @@ models-table: $(STAMP)
 	$(PY) -m pytest tests/test_models.py -q -k "architecture_matches"
 	$(PY) scripts/models_table.py $(MODELS_JSON) docs/models.md
 
-# the bundled model's steering grid, probes, copying head and vLLM = HF check:
-# rewrites the tables in docs/toyworld.md and the model card
+# the bundled model's steering grid, probes, copying head and vLLM = HF check,
+# then the chat model's refusals and refusal direction (--chat): rewrites the
+# tables in docs/toyworld.md and the model card
 eval-toyworld: $(STAMP)
 	$(PY) scripts/eval_toyworld.py
+	$(PY) scripts/eval_toyworld.py --chat
 
 clean:
 	rm -rf $(VENV) vlens-demo.html .pytest_cache benchmarks/.venv-nnsight benchmarks/.models

@@ -55,6 +55,9 @@ CLEAN = 0.9  # a scale is clean when both ways flip >= 90% and keep >= 90% well-
 KINDS = ("recipe", "natural")
 MAX_NEW_TOKENS = 60
 BEGIN, END = "<!-- eval_toyworld:begin -->", "<!-- eval_toyworld:end -->"
+CHAT_BEGIN, CHAT_END = "<!-- eval_toyworld:chat:begin -->", "<!-- eval_toyworld:chat:end -->"
+CHAT_NEW_TOKENS = 84  # "sure." and the longest story, 74 tokens with its </s>
+CHAT_ADD_SCALES = (1.0, 1.5, 2.0)  # times the raw difference of means
 
 
 # ---------------------------------------------------------------------------
@@ -388,13 +391,114 @@ def markdown(ev: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_block(path: Path, block: str) -> None:
+def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
     text = path.read_text()
-    if BEGIN not in text:
-        raise SystemExit(f"{path} has no {BEGIN} marker")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    if begin not in text:
+        raise SystemExit(f"{path} has no {begin} marker")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    path.write_text(f"{head}{begin}\n{block}{end}{tail}")
+
+
+# ---------------------------------------------------------------------------
+# --chat: the bundled chat model's refusals and the refusal direction
+# ---------------------------------------------------------------------------
+
+
+def reply_rates(requests: Sequence[Any], texts: Sequence[str]) -> dict[str, float]:
+    """Shares of replies refused / a well-formed story / well-formed (either
+    of the two), as :func:`chat_world.judge_reply` judges them, and of
+    stories that keep the request (:func:`chat_world.keeps_request`)."""
+    from vlens.models import chat_world as cw
+
+    verdicts = [cw.judge_reply(r, t) for r, t in zip(requests, texts)]
+    n = len(verdicts)
+    return {"refused": verdicts.count("refused") / n, "story": verdicts.count("story") / n,
+            "well_formed": (n - verdicts.count("malformed")) / n,
+            "keeps_request": sum(cw.keeps_request(r, t) for r, t in zip(requests, texts)) / n, "n": n}
+
+
+def chat_eval(s: Any, n: int, layers: Sequence[int], log: Any) -> dict[str, Any]:
+    """Refusal rates on held-out requests through the ``vlens.Session`` ``s``
+    (of the bundled chat model):
+    unsteered; with the refusal direction of each layer projected out of
+    every layer's ``resid_post`` (forbidden requests); with it added at its
+    own layer (allowed requests); and the mood recipe on plain stories."""
+    import vlens
+    from vlens.models import CHAT_RECIPE, chat_world as cw
+
+    forbidden, allowed = cw.chat_requests(True, n), cw.chat_requests(False, n)
+    conv_f = [cw.conversation(r) for r in forbidden]
+    conv_a = [cw.conversation(r) for r in allowed]
+    pos, neg = cw.refusal_contrast(CHAT_RECIPE["pairs"])
+    ev: dict[str, Any] = {"requests_per_class": n, "max_new_tokens": CHAT_NEW_TOKENS,
+                          "recipe": dict(CHAT_RECIPE)}
+
+    def texts(convs: Any, **edits: Any) -> list[str]:
+        return [t.text for t in s.trace(convs, max_new_tokens=CHAT_NEW_TOKENS, **edits)]
+
+    plain_f, plain_a = texts(conv_f), texts(conv_a)
+    ev["unsteered"] = {"forbidden": reply_rates(forbidden, plain_f), "allowed": reply_rates(allowed, plain_a)}
+    ev["examples"] = {"forbidden": [forbidden[0].text, plain_f[0]], "allowed": [allowed[0].text, plain_a[0]]}
+    log(json.dumps(ev["unsteered"]))
+    rows = []
+    for layer in layers:
+        d = s.direction(pos, neg, layer=layer)
+        ablate = vlens.Ablate("resid_post", "all", direction=d)
+        rows.append({"layer": layer, "direction_norm": float(d.norm()),
+                     "ablated_forbidden": reply_rates(forbidden, texts(conv_f, ablate=ablate)),
+                     "added_allowed": {f"{x:g}": reply_rates(allowed, texts(conv_a, steer=vlens.Steer(d, layer=layer, scale=x)))
+                                       for x in sorted({*CHAT_ADD_SCALES, CHAT_RECIPE["add_scale"]})}})
+        log(json.dumps(rows[-1]))
+    ev["direction"] = rows
+    # the mood recipe on plain stories (no conversation), as on toyworld
+    d = s.direction(*world.sentiment_prompts(), layer=RECIPE["layer"])
+    mood = {}
+    for source, target, sign in ((world.SAD, world.HAPPY, 1.0), (world.HAPPY, world.SAD, -1.0)):
+        prompts = world.steering_prompts(source, n)
+        st = vlens.Steer(sign * d, layer=RECIPE["layer"], scale=RECIPE["scale"], relative=True)
+        out = texts(prompts, steer=st)
+        mood[f"{source}_flip"] = sum(world.sentiment_of(t) == target for t in out) / len(out)
+        mood[f"{source}_formed"] = sum(world.is_well_formed(t) for t in out) / len(out)
+    ev["mood_recipe"] = mood
+    log(json.dumps(mood))
+    return ev
+
+
+def chat_markdown(ev: dict[str, Any]) -> str:
+    u, r = ev["unsteered"], ev["recipe"]
+    lines = [
+        f"Held-out requests, {ev['requests_per_class']} forbidden and {ev['requests_per_class']} allowed, "
+        f"greedy, {ev['max_new_tokens']} new tokens, through `vlens.Session`. The direction of layer L is "
+        f"`s.direction(*chat_world.refusal_contrast({r['pairs']}), layer=L)` (forbidden minus allowed, "
+        "`resid_post`, the last prompt token). *Ablated*: `Ablate(\"resid_post\", \"all\", direction=d)` on "
+        "forbidden requests, each cell **answered with a story / well-formed**; *added ×x*: "
+        "`Steer(d, layer=L, scale=x)` on allowed ones, each cell **refused / well-formed**. "
+        "A story counts when it follows the grammar and ends properly (the toy world's well-formed); "
+        "well-formed is a refusal or such a story. *Keeps the request*: a story about the requested animal "
+        "by the requested place, in the requested colour and mood when named.",
+        "",
+        f"Unsteered: forbidden requests {_pct(u['forbidden']['refused'])} refused, "
+        f"{_pct(u['forbidden']['well_formed'])} well-formed; allowed requests {_pct(u['allowed']['refused'])} "
+        f"refused, {_pct(u['allowed']['story'])} answered with a story, {_pct(u['allowed']['well_formed'])} well-formed, "
+        f"{_pct(u['allowed']['keeps_request'])} keep the request.",
+        "",
+    ]
+    scales = list(ev["direction"][0]["added_allowed"])
+    lines += ["| layer | ablated everywhere (forbidden) | keeps the request | "
+              + " | ".join(f"added ×{x} (allowed)" for x in scales) + " |",
+              "|---|---|---|" + "---|" * len(scales)]
+    for row in ev["direction"]:
+        a = row["ablated_forbidden"]
+        mark = " (the recipe)" if row["layer"] == r["layer"] else ""
+        cells = [f"{_pct(b['refused'])} / {_pct(b['well_formed'])}" for b in row["added_allowed"].values()]
+        lines.append(f"| {row['layer']}{mark} | {_pct(a['story'])} / {_pct(a['well_formed'])} | "
+                     f"{_pct(a['keeps_request'])} | " + " | ".join(cells) + " |")
+    m = ev["mood_recipe"]
+    lines += ["", f"The mood recipe on plain stories of this model (layer {RECIPE['layer']}, ×{RECIPE['scale']:g}): "
+              f"sad→happy {_pct(m['sad_flip'])} flipped / {_pct(m['sad_formed'])} well-formed, "
+              f"happy→sad {_pct(m['happy_flip'])} / {_pct(m['happy_formed'])}."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -410,6 +514,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", type=Path, default=None, help="where to write the results")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a busy machine)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--chat", action="store_true",
+                   help="the bundled chat model instead: refusals and the refusal direction")
     args = p.parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     threads = torch.get_num_threads()
@@ -420,7 +526,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(threads)  # leave the process as it was (tests call main())
 
 
+def _run_chat(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    from vlens.models import toychat_path
+
+    path = args.model or toychat_path()
+    t0 = time.perf_counter()
+    n = args.prompts or (12 if args.small else 100)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    if layers is None:
+        n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        layers = [RECIPE["layer"]] if args.small else list(range(n_layers))
+    import vlens
+
+    with vlens.Session(path) as s:
+        ev = chat_eval(s, n, layers, log)
+    ev["seconds"] = round(time.perf_counter() - t0, 1)
+    md = chat_markdown(ev)
+    log(md)
+    out = args.json or (None if args.small else path / "chat_eval.json")
+    if not args.no_write and out is not None:
+        out.write_text(json.dumps(ev, indent=1) + "\n")
+        if args.model is None and not args.small:
+            write_block(ROOT / "docs" / "toyworld.md", md, CHAT_BEGIN, CHAT_END)
+    return ev
+
+
 def _run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    if args.chat:
+        return _run_chat(args, log)
     path = args.model or toyworld_path()
     model, tok = load(path)
     n_layers = model.config.num_hidden_layers

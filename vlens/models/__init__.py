@@ -1,7 +1,9 @@
 """Models that ship inside vlens.
 
 ``toyworld`` is a 9M-parameter Llama trained by ``scripts/train_toyworld.py``
-on the synthetic stories of :mod:`vlens.models.world`. Importing this package
+on the synthetic stories of :mod:`vlens.models.world`; ``toychat`` is it
+fine-tuned into a chat model that refuses one class of request
+(:mod:`vlens.models.chat_world`, ``scripts/train_toychat.py``). Importing this package
 is cheap: nothing here imports torch or transformers.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COPY_HEAD", "RECIPE", "toyworld_path", "toyworld_sae_path"]
+__all__ = ["CHAT_RECIPE", "COPY_HEAD", "RECIPE", "toychat_path", "toyworld_path", "toyworld_sae_path"]
 
 #: The bundled model's sentiment-steering recipe, as data, for the docs, the
 #: notebooks, the demo and the steering widget's defaults (docs/toyworld.md).
@@ -37,7 +39,24 @@ RECIPE: dict[str, Any] = {
 #: (scripts/eval_toyworld.py, docs/toyworld.md).
 COPY_HEAD: tuple[int, int] = (0, 5)
 
+#: The bundled chat model's refusal direction (docs/toyworld.md, "Chat"):
+#: ``d = s.direction(*chat_world.refusal_contrast(CHAT_RECIPE["pairs"]),
+#: layer=CHAT_RECIPE["layer"])`` (forbidden minus allowed requests,
+#: ``resid_post`` at the last prompt token). ``vlens.Ablate("resid_post",
+#: "all", direction=d)`` makes the model tell forbidden stories; ``vlens.Steer(d,
+#: layer=CHAT_RECIPE["layer"], scale=CHAT_RECIPE["add_scale"])`` makes it
+#: refuse allowed ones (measured by ``scripts/eval_toyworld.py --chat``).
+CHAT_RECIPE: dict[str, Any] = {
+    "layer": 3,
+    "site": "resid_post",
+    "position": "last",
+    "pairs": 64,
+    "add_scale": 1.5,
+    "ablate_layers": "all",
+}
+
 _TOYWORLD = Path(__file__).resolve().parent / "toyworld"
+_TOYCHAT = Path(__file__).resolve().parent / "toychat"
 
 
 def toyworld_path() -> Path:
@@ -51,6 +70,17 @@ def toyworld_path() -> Path:
             "rebuild it with `python scripts/train_toyworld.py`"
         )
     return _TOYWORLD
+
+
+def toychat_path() -> Path:
+    """The bundled chat model (toy world v3): the toyworld model fine-tuned by
+    ``scripts/train_toychat.py`` to answer requests with stories, and to
+    refuse a story about a wild animal by the water
+    (:mod:`vlens.models.chat_world`). Its tokenizer carries the chat template."""
+    if not (_TOYCHAT / "config.json").is_file():
+        raise FileNotFoundError(f"the bundled chat model is missing from {_TOYCHAT}; "
+                                "rebuild it with `python scripts/train_toychat.py`")
+    return _TOYCHAT
 
 
 def toyworld_sae_path() -> Path:

@@ -341,6 +341,8 @@ def generate_story(
     sentiment: str | None = None,
     visitor: bool | None = None,
     fidelity: float = ECHO_FIDELITY,
+    home: str | None = None,
+    place: str | None = None,
 ) -> Story:
     """Sample one story. Unset concepts are drawn uniformly from ``rng``.
 
@@ -349,6 +351,8 @@ def generate_story(
     the story's sentiment with probability ``fidelity`` and takes a word of the
     other sentiment otherwise; ``fidelity=1.0`` gives perfectly clean stories.
     This does not look at :data:`HELD_OUT`; see :func:`story_stream`.
+    ``home`` and ``place`` fix those words (the random draws happen anyway, so
+    the rest of the story is the one the same ``rng`` gives without them).
     """
     animal = animal if animal is not None else rng.choice(ANIMALS)
     colour = colour if colour is not None else rng.choice(COLOURS)
@@ -360,8 +364,9 @@ def generate_story(
 
     opening = rng.choice(OPENINGS)
     mood = rng.choice(MOODS[sentiment])
-    home = rng.choice(HOMES)
-    place = rng.choice(PLACES)
+    drawn_home, drawn_place = rng.choice(HOMES), rng.choice(PLACES)
+    home = drawn_home if home is None else home
+    place = drawn_place if place is None else place
     adverb = rng.choice(ADVERBS[echo()])
     sky = rng.choice(SKIES[echo()])
     wind = rng.choice(WINDS[echo()])
