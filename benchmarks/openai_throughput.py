@@ -2,13 +2,14 @@
 against plain ``vllm serve`` on the same model and settings (#27,
 acceptance 4; goal: vlens steered <= 1.10x plain vLLM's time).
 
-Each side is started in turn on loopback (compiled, vLLM's default, unless
+Both servers run side by side on loopback (compiled, vLLM's default, unless
 ``--eager``); at each concurrency ``C`` (1, 8, 32) ``C`` threads each send
 ``--calls`` streamed chat completions of ``--tokens`` tokens
-(``ignore_eos``, greedy); the vlens side steers every call with a named
-vector (``--vector mood=...``, layer 1). Each setting runs ``--repeats``
-times, alternating sides; the medians of generated tokens per second and
-their ratio are printed.
+(``ignore_eos``, greedy) to one server at a time, taking turns within each
+repeat -- plain vLLM, vlens steering every call with a named vector
+(``--vector mood=...``, layer 1), vlens unsteered -- so a busy machine slows
+every side alike. The medians of generated tokens per second over
+``--repeats`` and the time ratios are printed.
 
     .venv/bin/python benchmarks/openai_throughput.py            # the toy model
     .venv/bin/python benchmarks/openai_throughput.py --model DIR --repeats 5
@@ -141,28 +142,33 @@ def main() -> None:
                   "--max-concurrent", str(max(conc) + 1)],
     }
     rates: dict[tuple[str, int], list[float]] = {}
-    for name, cmd in sides.items():
-        port = _port()
-        url = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
-        proc = _start(cmd + ["--port", str(port)] + common, url, key, tmp / f"{name}.log")
-        print(f"{name}: started in {time.monotonic() - t0:.0f} s", flush=True)
-        try:
-            _load(url, key, 1, 1, 4, steer if name == "vlens" else None, prompts)  # warm
-            for c in conc:
-                for _ in range(args.repeats):
-                    rates.setdefault((name, c), []).append(_load(
-                        url, key, c, args.calls, args.tokens,
-                        steer if name == "vlens" else None, prompts))
-        finally:
+    urls: dict[str, str] = {}
+    procs: list[subprocess.Popen] = []
+    try:
+        for name, cmd in sides.items():
+            port = _port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            t0 = time.monotonic()
+            procs.append(_start(cmd + ["--port", str(port)] + common, urls[name], key, tmp / f"{name}.log"))
+            print(f"{name}: started in {time.monotonic() - t0:.0f} s", flush=True)
+        runs = [("vllm", "vllm", None), ("vlens", "vlens", steer), ("vlens plain", "vlens", None)]
+        for _, side, st in runs:
+            _load(urls[side], key, 1, 1, 4, st, prompts)  # warm
+        for c in conc:
+            for _ in range(args.repeats):
+                for label, side, st in runs:  # taking turns: noise hits every side alike
+                    rates.setdefault((label, c), []).append(
+                        _load(urls[side], key, c, args.calls, args.tokens, st, prompts))
+    finally:
+        for proc in procs:
             _stop(proc)
     print(f"\nsteered chat via openai, {args.tokens} tokens, {args.calls} chats per client, "
           f"median of {args.repeats}, {'eager' if args.eager else 'compiled'}")
-    print(f"{'clients':>8} {'vllm tok/s':>11} {'vlens tok/s':>12} {'time ratio':>11}")
+    print(f"{'clients':>8} {'vllm tok/s':>11} {'vlens steered':>14} {'vlens plain':>12} "
+          f"{'steered/vllm time':>18} {'plain/vllm time':>16}")
     for c in conc:
-        a = statistics.median(rates[("vllm", c)])
-        b = statistics.median(rates[("vlens", c)])
-        print(f"{c:>8} {a:>11.1f} {b:>12.1f} {a / b:>10.2f}x")
+        a, b, u = (statistics.median(rates[(k, c)]) for k in ("vllm", "vlens", "vlens plain"))
+        print(f"{c:>8} {a:>11.1f} {b:>14.1f} {u:>12.1f} {a / b:>17.2f}x {a / u:>15.2f}x")
 
 
 if __name__ == "__main__":
