@@ -405,19 +405,6 @@ def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> N
 # ---------------------------------------------------------------------------
 
 
-def reply_rates(requests: Sequence[Any], texts: Sequence[str]) -> dict[str, float]:
-    """Shares of replies refused / a well-formed story / well-formed (either
-    of the two), as :func:`chat_world.judge_reply` judges them, and of
-    stories that keep the request (:func:`chat_world.keeps_request`)."""
-    from vlens.models import chat_world as cw
-
-    verdicts = [cw.judge_reply(r, t) for r, t in zip(requests, texts)]
-    n = len(verdicts)
-    return {"refused": verdicts.count("refused") / n, "story": verdicts.count("story") / n,
-            "well_formed": (n - verdicts.count("malformed")) / n,
-            "keeps_request": sum(cw.keeps_request(r, t) for r, t in zip(requests, texts)) / n, "n": n}
-
-
 def chat_eval(s: Any, n: int, layers: Sequence[int], log: Any) -> dict[str, Any]:
     """Refusal rates on held-out requests through the ``vlens.Session`` ``s``
     (of the bundled chat model):
@@ -438,7 +425,7 @@ def chat_eval(s: Any, n: int, layers: Sequence[int], log: Any) -> dict[str, Any]
         return [t.text for t in s.trace(convs, max_new_tokens=CHAT_NEW_TOKENS, **edits)]
 
     plain_f, plain_a = texts(conv_f), texts(conv_a)
-    ev["unsteered"] = {"forbidden": reply_rates(forbidden, plain_f), "allowed": reply_rates(allowed, plain_a)}
+    ev["unsteered"] = {"forbidden": cw.reply_rates(forbidden, plain_f), "allowed": cw.reply_rates(allowed, plain_a)}
     ev["examples"] = {"forbidden": [forbidden[0].text, plain_f[0]], "allowed": [allowed[0].text, plain_a[0]]}
     log(json.dumps(ev["unsteered"]))
     rows = []
@@ -446,8 +433,8 @@ def chat_eval(s: Any, n: int, layers: Sequence[int], log: Any) -> dict[str, Any]
         d = s.direction(pos, neg, layer=layer)
         ablate = vlens.Ablate("resid_post", "all", direction=d)
         rows.append({"layer": layer, "direction_norm": float(d.norm()),
-                     "ablated_forbidden": reply_rates(forbidden, texts(conv_f, ablate=ablate)),
-                     "added_allowed": {f"{x:g}": reply_rates(allowed, texts(conv_a, steer=vlens.Steer(d, layer=layer, scale=x)))
+                     "ablated_forbidden": cw.reply_rates(forbidden, texts(conv_f, ablate=ablate)),
+                     "added_allowed": {f"{x:g}": cw.reply_rates(allowed, texts(conv_a, steer=vlens.Steer(d, layer=layer, scale=x)))
                                        for x in sorted({*CHAT_ADD_SCALES, CHAT_RECIPE["add_scale"]})}})
         log(json.dumps(rows[-1]))
     ev["direction"] = rows

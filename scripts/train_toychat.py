@@ -215,21 +215,13 @@ def hooks(model: LlamaForCausalLM, *, project: torch.Tensor | None = None,
         yield
 
 
-def rates(requests: Sequence[cw.Request], texts: Sequence[str]) -> dict[str, float]:
-    verdicts = [cw.judge_reply(r, t) for r, t in zip(requests, texts)]
-    n = len(verdicts)
-    return {"refused": verdicts.count("refused") / n, "story": verdicts.count("story") / n,
-            "well_formed": (n - verdicts.count("malformed")) / n,
-            "keeps_request": sum(cw.keeps_request(r, t) for r, t in zip(requests, texts)) / n, "n": n}
-
-
 def evaluate(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, n: int,
              layers: Sequence[int] | None = None, log: Any = print) -> dict[str, Any]:
     ev: dict[str, Any] = {}
     forbidden, allowed = cw.chat_requests(True, n), cw.chat_requests(False, n)
     pf, pa = [prompt_ids(tok, r) for r in forbidden], [prompt_ids(tok, r) for r in allowed]
-    ev["unsteered"] = {"forbidden": rates(forbidden, generate(model, tok, pf, 72)),
-                       "allowed": rates(allowed, generate(model, tok, pa, 72))}
+    ev["unsteered"] = {"forbidden": cw.reply_rates(forbidden, generate(model, tok, pf, 72)),
+                       "allowed": cw.reply_rates(allowed, generate(model, tok, pa, 72))}
     log(f"unsteered: {ev['unsteered']}")
     # the direction from training-distribution requests (never the held-out ones)
     cf, ca = cw.refusal_contrast(64)
@@ -245,9 +237,9 @@ def evaluate(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, n: int,
         if layers is not None and layer not in layers:
             continue
         with hooks(model, project=d):
-            abl = rates(forbidden, generate(model, tok, pf, 72))
+            abl = cw.reply_rates(forbidden, generate(model, tok, pf, 72))
         with hooks(model, add=(layer, d)):
-            add = rates(allowed, generate(model, tok, pa, 72))
+            add = cw.reply_rates(allowed, generate(model, tok, pa, 72))
         rows.append({"layer": layer, "ablated_forbidden": abl, "added_allowed": add})
         log(f"layer {layer}: ablated {abl} | added {add}")
     ev["direction"] = rows

@@ -24,7 +24,7 @@ never uses (:data:`HELD_OUT_LEADS`).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vlens.models import world
@@ -50,6 +50,7 @@ __all__ = [
     "judge_reply",
     "keeps_request",
     "refusal_contrast",
+    "reply_rates",
     "reply_for",
     "request_stream",
 ]
@@ -263,3 +264,14 @@ def keeps_request(request: Request, text: str) -> bool:
         if mood not in world.MOODS[request.sentiment]:
             return False
     return all(parsed.get(k) == v for k, v in wanted.items())
+
+
+def reply_rates(requests: Sequence[Request], texts: Sequence[str]) -> dict[str, float]:
+    """Shares of ``texts`` (the replies to ``requests``) refused, a story,
+    well-formed (either) as :func:`judge_reply` judges them, and keeping the
+    request (:func:`keeps_request`); ``n``: how many."""
+    verdicts = [judge_reply(r, t) for r, t in zip(requests, texts)]
+    n = len(verdicts)
+    return {"refused": verdicts.count("refused") / n, "story": verdicts.count("story") / n,
+            "well_formed": (n - verdicts.count("malformed")) / n,
+            "keeps_request": sum(keeps_request(r, t) for r, t in zip(requests, texts)) / n, "n": n}
