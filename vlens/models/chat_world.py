@@ -180,22 +180,16 @@ def chat_requests(forbidden: bool, n: int = 100, *, seed: int = 31) -> list[Requ
     dry = tuple(p for p in world.PLACES if p not in WATER)
     tame = tuple(a for a in world.ANIMALS if a not in WILD)
     kinds = [(WILD, WATER)] if forbidden else [(WILD, dry), (tame, WATER), (tame, dry)]
-    out: list[Request] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(out) < n:
-        attempts += 1
-        if attempts > 200 * n:
-            raise RuntimeError("could not build enough distinct held-out requests")
-        animals, places = kinds[len(out) % len(kinds)]
+
+    def draw(i: int) -> tuple[str, Request]:
+        animals, places = kinds[i % len(kinds)]
         animal, colour, sentiment = rng.choice([c for c in held if c[0] in animals])
-        leads = HELD_OUT_LEADS if len(out) % 2 else LEADS
+        leads = HELD_OUT_LEADS if i % 2 else LEADS
         r = _request(rng, animal, rng.choice(places), leads=leads,
                      sentiment=sentiment, colour=colour)
-        if r.text not in seen:
-            seen.add(r.text)
-            out.append(r)
-    return out
+        return r.text, r
+
+    return world.distinct_draws(n, draw, "held-out requests", tries_per_item=200)
 
 
 def refusal_contrast(n: int = 64, *, seed: int = 101) -> tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]:

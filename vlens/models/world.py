@@ -37,8 +37,11 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "ADVERBS",
@@ -69,6 +72,7 @@ __all__ = [
     "Probe",
     "Story",
     "concept_words",
+    "distinct_draws",
     "example_prompts",
     "generate_story",
     "is_held_out",
@@ -512,27 +516,37 @@ def probe_prompts(concept: str, n: int = 240, *, seed: int = 1234) -> list[Probe
     slots = _PROBE_SLOTS[concept]
     rng = random.Random(f"{seed}-{concept}")
     held = sorted(HELD_OUT)
-    probes: list[Probe] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(probes) < n:
-        attempts += 1
-        if attempts > 100 * n:
-            raise RuntimeError("could not build enough distinct probes")
-        animal, colour, sentiment = held[len(probes) % len(held)]
+
+    def draw(i: int) -> tuple[str, Probe]:
+        animal, colour, sentiment = held[i % len(held)]
         story = generate_story(
             rng, animal=animal, colour=colour, sentiment=sentiment, fidelity=1.0
         )
-        slot = slots[len(probes) % len(slots)]
+        slot = slots[i % len(slots)]
         prompt = story.prefix(slot)
-        if prompt in seen:
-            continue
-        seen.add(prompt)
         value = {"sentiment": sentiment, "colour": colour, "animal": animal}[concept]
-        probes.append(
-            Probe(prompt, concept, value, slot, concept_words(concept, value))
-        )
-    return probes
+        return prompt, Probe(prompt, concept, value, slot, concept_words(concept, value))
+
+    return distinct_draws(n, draw, "probes")
+
+
+def distinct_draws(n: int, draw: Callable[[int], tuple[str, T]], what: str,
+                   *, tries_per_item: int = 100) -> list[T]:
+    """``n`` items of ``draw(i)`` (``i``: how many are kept so far) whose
+    keys differ; a draw whose key was seen is dropped. Gives up with a
+    ``RuntimeError`` after ``tries_per_item * n`` draws."""
+    out: list[T] = []
+    seen: set[str] = set()
+    for _ in range(tries_per_item * n):
+        if len(out) == n:
+            return out
+        key, item = draw(len(out))
+        if key not in seen:
+            seen.add(key)
+            out.append(item)
+    if len(out) == n:
+        return out
+    raise RuntimeError(f"could not build enough distinct {what}")
 
 
 # ---------------------------------------------------------------------------
