@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import random
 import sys
@@ -173,20 +172,16 @@ def last_states(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast,
     width = max(len(p) for p in prompts)
     ids = torch.tensor([p + [pad] * (width - len(p)) for p in prompts])
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
-    hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-    last = mask.sum(1) - 1
-    # hidden_states[i + 1] is layer i's output, except the last, which is
-    # after the final norm: take that one from a hook-free recomputation
-    out = [h[torch.arange(len(last)), last] for h in hs[1:]]
-    cap: list[torch.Tensor] = []
-    handle = model.model.layers[-1].register_forward_hook(
-        lambda m, a, o: cap.append(o[0] if isinstance(o, tuple) else o))
+    seen: list[torch.Tensor] = []
+    handles = [layer.register_forward_hook(lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
+               for layer in model.model.layers]  # in layer order: the forward runs them so
     try:
         model(input_ids=ids, attention_mask=mask)
     finally:
-        handle.remove()
-    out[-1] = cap[0][torch.arange(len(last)), last]
-    return out
+        for h in handles:
+            h.remove()
+    last = mask.sum(1) - 1
+    return [h[torch.arange(len(last)), last] for h in seen]
 
 
 @contextmanager
@@ -282,19 +277,7 @@ def _train(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     model = LlamaForCausalLM.from_pretrained(toyworld_path(), dtype=torch.float32)
     model.config._attn_implementation = "eager"
     grow_vocab(model, len(tok), SEED)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
-    warmup = max(1, args.steps // 20)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, args.steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = tw.optimizer(model, args.lr, 0.01, max(1, args.steps // 20), args.steps)
     data = batches(SEED, args.batch, tok, args.share, args.content_weight)
     model.train()
     losses: list[float] = []
@@ -307,12 +290,7 @@ def _train(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                                ignore_index=-100, reduction="none")
         loss = (ce * w.reshape(-1)).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(tw.update(model, opt, sched, loss))
         if step % 10 == 0 or step == args.steps:
             log(f"step {step}: loss {sum(losses[-10:]) / len(losses[-10:]):.4f} "
                   f"({time.perf_counter() - t0:.0f} s)")

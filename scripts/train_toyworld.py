@@ -470,6 +470,41 @@ def steering_eval(
 # ---------------------------------------------------------------------------
 
 
+def optimizer(model: LlamaForCausalLM, lr: float, weight_decay: float, warmup: int,
+              steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no decay on norms and biases) and its schedule: linear warm-up
+    over ``warmup`` steps, then cosine down to a tenth at ``steps``."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.98),
+    )
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
+def update(model: LlamaForCausalLM, opt: torch.optim.Optimizer,
+           sched: torch.optim.lr_scheduler.LambdaLR, loss: torch.Tensor) -> float:
+    """One training step from ``loss`` (gradients clipped to norm 1); the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
 def train(
     s: Settings, seed: int, threads: int, log: Any = print
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
@@ -483,24 +518,7 @@ def train(
     model = LlamaForCausalLM(config)
     model.generation_config = generation_config(tok)
     params = sum(p.numel() for p in model.parameters())
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": s.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=s.lr,
-        betas=(0.9, 0.98),
-    )
-
-    def lr_at(step: int) -> float:
-        if step < s.warmup:
-            return (step + 1) / s.warmup
-        t = (step - s.warmup) / max(1, s.steps - s.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = optimizer(model, s.lr, s.weight_decay, s.warmup, s.steps)
     data = batches(seed, s.batch, vocab)
     losses: list[float] = []
     curve: list[dict[str, Any]] = []
@@ -510,12 +528,7 @@ def train(
         ids, labels = next(data)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16_autocast):
             loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(update(model, opt, sched, loss))
         dense = step <= s.eval_dense_until
         if step % (s.eval_every if dense else 250) == 0 or step == s.steps:
             model.eval()
