@@ -519,10 +519,12 @@ def _run_chat(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     path = args.model or toychat_path()
     t0 = time.perf_counter()
     n = args.prompts or (12 if args.small else 100)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    if layers is None:
-        n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-        layers = [RECIPE["layer"]] if args.small else list(range(n_layers))
+    if args.layers:
+        layers = [int(x) for x in args.layers.split(",")]
+    elif args.small:
+        layers = [RECIPE["layer"]]
+    else:
+        layers = list(range(json.loads((path / "config.json").read_text())["num_hidden_layers"]))
     import vlens
 
     with vlens.Session(path) as s:
@@ -530,12 +532,22 @@ def _run_chat(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     ev["seconds"] = round(time.perf_counter() - t0, 1)
     md = chat_markdown(ev)
     log(md)
-    out = args.json or (None if args.small else path / "chat_eval.json")
-    if not args.no_write and out is not None:
-        out.write_text(json.dumps(ev, indent=1) + "\n")
-        if args.model is None and not args.small:
-            write_block(ROOT / "docs" / "toyworld.md", md, CHAT_BEGIN, CHAT_END)
+    _write(args, ev, md, path / "chat_eval.json", [ROOT / "docs" / "toyworld.md"], CHAT_BEGIN, CHAT_END)
     return ev
+
+
+def _write(args: argparse.Namespace, ev: dict[str, Any], md: str, shipped: Path, docs: Sequence[Path],
+           begin: str = BEGIN, end: str = END) -> None:
+    """Results to ``--json``, or for a full run to ``shipped`` and, on the
+    bundled model, the tables into ``docs``. A small run never overwrites
+    the shipped results; it writes only to ``--json``."""
+    out = args.json or (None if args.small else shipped)
+    if args.no_write or out is None:
+        return
+    out.write_text(json.dumps(ev, indent=1) + "\n")
+    if args.model is None and not args.small:
+        for doc in docs:
+            write_block(doc, md, begin, end)
 
 
 def _run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -579,13 +591,7 @@ def _run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     ev["seconds"] = round(time.perf_counter() - t0, 1)
     md = markdown(ev)
     log(md)
-    # A small run never overwrites the shipped results; it writes only to --json.
-    out = args.json or (None if args.small else path / "steering_eval.json")
-    if not args.no_write and out is not None:
-        out.write_text(json.dumps(ev, indent=1) + "\n")
-        if args.model is None and not args.small:
-            for doc in (ROOT / "docs" / "toyworld.md", path / "README.md"):
-                write_block(doc, md)
+    _write(args, ev, md, path / "steering_eval.json", [ROOT / "docs" / "toyworld.md", path / "README.md"])
     return ev
 
 
