@@ -11,6 +11,12 @@ repeat -- plain vLLM, vlens steering every call with a named vector
 every side alike. The medians of generated tokens per second over
 ``--repeats`` and the time ratios are printed.
 
+Both servers get the dtype ``vlens serve`` picks and the environment ``vlens serve`` runs its engine with
+(vlens's defaults: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and, on a CPU,
+``OMP_NUM_THREADS`` one less than the CPUs), printed with the results, so
+the ratio is vlens's own cost; ``--vllm-defaults`` starts plain vLLM with
+its own instead (automatic thread binding).
+
     .venv/bin/python benchmarks/openai_throughput.py            # the toy model
     .venv/bin/python benchmarks/openai_throughput.py --model DIR --repeats 5
 """
@@ -39,11 +45,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(cmd: list[str], url: str, key: str, log: Path) -> subprocess.Popen:
+def _start(cmd: list[str], url: str, key: str, log: Path, env: dict[str, str]) -> subprocess.Popen:
     import httpx
 
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**env, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -108,6 +114,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="both servers with --enforce-eager")
+    p.add_argument("--vllm-defaults", action="store_true",
+                   help="plain vLLM with its own environment defaults, not vlens serve's")
     args = p.parse_args()
 
     import torch
@@ -117,6 +125,14 @@ def main() -> None:
     from vlens.models.world import example_prompts
 
     model = resolve_model(args.model)
+    from vlens.engine.env import apply_env_defaults, serve_threads
+
+    before = dict(os.environ)
+    shown = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_USE_V2_MODEL_RUNNER")
+    apply_env_defaults({"kv_cache_memory_bytes": 256 * 2**20})  # what vlens serve sets
+    serve_threads()
+    env_vlens = dict(os.environ)
+    env_vllm = before if args.vllm_defaults else env_vlens
     tmp = Path(tempfile.mkdtemp(prefix="vlens-oai-bench-"))
     key = "bench-token-" + os.urandom(8).hex()
     (tmp / "tokens").write_text(f"bench {key}\n")
@@ -127,8 +143,14 @@ def main() -> None:
     hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
     save_file({"v": torch.randn(hidden, generator=torch.Generator().manual_seed(0))},
               str(tmp / "mood.safetensors"))
+    from vlens.engine.startup import Checkpoint
+
+    # the dtype vlens serve picks (a float32 checkpoint stays float32; vLLM
+    # alone would downcast it to bfloat16), given to both sides
+    dtype = Checkpoint.check(model, "auto").default_dtype or "auto"
     common = ["--kv-cache-memory-bytes", str(256 * 2**20), "--chat-template",
-              str(tmp / "template.jinja")] + (["--enforce-eager"] if args.eager else [])
+              str(tmp / "template.jinja"), "--dtype", dtype] + (
+                  ["--enforce-eager"] if args.eager else [])
     steer = {"steer": [{"vector": "mood", "layer": 1, "scale": 2.0}]}
     prompts = example_prompts(16, seed=7)
     conc = [int(c) for c in args.concurrency.split(",")]
@@ -149,7 +171,8 @@ def main() -> None:
             port = _port()
             urls[name] = f"http://127.0.0.1:{port}"
             t0 = time.monotonic()
-            procs.append(_start(cmd + ["--port", str(port)] + common, urls[name], key, tmp / f"{name}.log"))
+            procs.append(_start(cmd + ["--port", str(port)] + common, urls[name], key,
+                                tmp / f"{name}.log", env_vllm if name == "vllm" else env_vlens))
             print(f"{name}: started in {time.monotonic() - t0:.0f} s", flush=True)
         runs = [("vllm", "vllm", None), ("vlens", "vlens", steer), ("vlens plain", "vlens", None)]
         for _, side, st in runs:
@@ -163,7 +186,9 @@ def main() -> None:
         for proc in procs:
             _stop(proc)
     print(f"\nsteered chat via openai, {args.tokens} tokens, {args.calls} chats per client, "
-          f"median of {args.repeats}, {'eager' if args.eager else 'compiled'}")
+          f"median of {args.repeats}, {'eager' if args.eager else 'compiled'}, dtype {dtype}")
+    for side, env in (("vllm", env_vllm), ("vlens", env_vlens)):
+        print(f"  {side} environment: " + ", ".join(f"{k}={env.get(k, '(unset)')}" for k in shown))
     print(f"{'clients':>8} {'vllm tok/s':>11} {'vlens steered':>14} {'vlens plain':>12} "
           f"{'steered/vllm time':>18} {'plain/vllm time':>16}")
     for c in conc:

@@ -434,8 +434,12 @@ def chat_eval(s: Any, n: int, layers: Sequence[int], log: Any) -> dict[str, Any]
         ablate = vlens.Ablate("resid_post", "all", direction=d)
         rows.append({"layer": layer, "direction_norm": float(d.norm()),
                      "ablated_forbidden": cw.reply_rates(forbidden, texts(conv_f, ablate=ablate)),
-                     "added_allowed": {f"{x:g}": cw.reply_rates(allowed, texts(conv_a, steer=vlens.Steer(d, layer=layer, scale=x)))
-                                       for x in sorted({*CHAT_ADD_SCALES, CHAT_RECIPE["add_scale"]})}})
+                     "added_allowed": {f"{x:g}": cw.reply_rates(allowed, texts(conv_a, steer=vlens.Steer(
+                         d, layer=layer, scale=x, span=CHAT_RECIPE["add_span"])))
+                                       for x in sorted({*CHAT_ADD_SCALES, CHAT_RECIPE["add_scale"]})},
+                     # as Arditi et al. add it: at every token, generated ones too
+                     "added_every_token": cw.reply_rates(allowed, texts(conv_a, steer=vlens.Steer(
+                         d, layer=layer, scale=1.0)))})
         log(json.dumps(rows[-1]))
     ev["direction"] = rows
     # the mood recipe on plain stories (no conversation), as on toyworld
@@ -460,7 +464,9 @@ def chat_markdown(ev: dict[str, Any]) -> str:
         f"`s.direction(*chat_world.refusal_contrast({r['pairs']}), layer=L)` (forbidden minus allowed, "
         "`resid_post`, the last prompt token). *Ablated*: `Ablate(\"resid_post\", \"all\", direction=d)` on "
         "forbidden requests, each cell **answered with a story / well-formed**; *added ×x*: "
-        "`Steer(d, layer=L, scale=x)` on allowed ones, each cell **refused / well-formed**. "
+        f"`Steer(d, layer=L, scale=x, span=\"{r['add_span']}\")` on allowed ones (the direction added at "
+        "the prompt's tokens; the reply is generated unsteered), each cell **refused / well-formed**; "
+        "*every token ×1*: `Steer(d, layer=L, scale=1)`, added at the generated tokens too, as Arditi et al. do. "
         "A story counts when it follows the grammar and ends properly (the toy world's well-formed); "
         "well-formed is a refusal or such a story. *Keeps the request*: a story about the requested animal "
         "by the requested place, in the requested colour and mood when named.",
@@ -473,12 +479,13 @@ def chat_markdown(ev: dict[str, Any]) -> str:
     ]
     scales = list(ev["direction"][0]["added_allowed"])
     lines += ["| layer | ablated everywhere (forbidden) | keeps the request | "
-              + " | ".join(f"added ×{x} (allowed)" for x in scales) + " |",
-              "|---|---|---|" + "---|" * len(scales)]
+              + " | ".join(f"added ×{x} (allowed)" for x in scales) + " | every token ×1 (allowed) |",
+              "|---|---|---|" + "---|" * (len(scales) + 1)]
     for row in ev["direction"]:
         a = row["ablated_forbidden"]
         mark = " (the recipe)" if row["layer"] == r["layer"] else ""
-        cells = [f"{_pct(b['refused'])} / {_pct(b['well_formed'])}" for b in row["added_allowed"].values()]
+        cells = [f"{_pct(b['refused'])} / {_pct(b['well_formed'])}"
+                 for b in [*row["added_allowed"].values(), row["added_every_token"]]]
         lines.append(f"| {row['layer']}{mark} | {_pct(a['story'])} / {_pct(a['well_formed'])} | "
                      f"{_pct(a['keeps_request'])} | " + " | ".join(cells) + " |")
     m = ev["mood_recipe"]

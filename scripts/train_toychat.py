@@ -84,14 +84,16 @@ def prompt_ids(tok: PreTrainedTokenizerFast, request: cw.Request | str) -> list[
                                         tokenize=True, return_dict=False))
 
 
-def batches(seed: int, batch: int, tok: PreTrainedTokenizerFast, share: float = 0.2,
-            content_weight: float = 1.0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def batches(seed: int, batch: int, tok: PreTrainedTokenizerFast, share: float = 0.25,
+            content_weight: float = 1.0, decision_weight: float = 1.0
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(input_ids, labels, weights): a quarter of each batch plain stories
     (loss on every token), the rest conversations (loss on the reply and its
     ``</s>`` only); right-padded, -100 on padding. ``weights`` is each
     label's weight in the loss: ``content_weight`` on the first sentence of
     an answered reply (where the request's animal, mood, colour and place
-    are copied), 1 elsewhere."""
+    are copied), ``decision_weight`` on a reply's first word (``sure`` or
+    ``sorry``: whether the request is refused), 1 elsewhere."""
     vocab = tok.get_vocab()
     pad, eos = vocab["<pad>"], vocab["</s>"]
     stories = iter(world.story_stream(seed))
@@ -113,6 +115,8 @@ def batches(seed: int, batch: int, tok: PreTrainedTokenizerFast, share: float = 
         for i, (x, masked) in enumerate(seqs):
             ids[i, : len(x)] = torch.tensor(x)
             labels[i, masked: len(x)] = torch.tensor(x[masked:])
+            if masked:
+                weights[i, masked] = decision_weight
             if masked and x[masked] == vocab[world.split_words(cw.COMPLY)[0]]:
                 first = masked + len(world.split_words(cw.COMPLY))
                 end = x.index(vocab["."], first)  # the story's first sentence
@@ -189,7 +193,8 @@ def hooks(model: LlamaForCausalLM, *, project: torch.Tensor | None = None,
           add: tuple[int, torch.Tensor] | None = None) -> Iterator[None]:
     """``project``: remove the direction from every decoder layer's output
     (resid_post at every layer); ``add``: (layer, vector) added to that
-    layer's output at every position."""
+    layer's output at the prompt's positions (the prefill forward; the
+    recipe's ``add_span``), not at generated tokens."""
     def edit(fn: Any) -> Any:
         def hook(m: Any, a: Any, o: Any) -> Any:
             if isinstance(o, tuple):
@@ -205,7 +210,8 @@ def hooks(model: LlamaForCausalLM, *, project: torch.Tensor | None = None,
                 stack.callback(h.remove)
         if add is not None:
             layer, v = add
-            h = model.model.layers[layer].register_forward_hook(edit(lambda x: x + v))
+            h = model.model.layers[layer].register_forward_hook(
+                edit(lambda x: x + v if x.shape[1] > 1 else x))
             stack.callback(h.remove)
         yield
 
@@ -233,7 +239,7 @@ def evaluate(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, n: int,
             continue
         with hooks(model, project=d):
             abl = cw.reply_rates(forbidden, generate(model, tok, pf, 72))
-        with hooks(model, add=(layer, d)):
+        with hooks(model, add=(layer, d * CHAT_RECIPE["add_scale"])):
             add = cw.reply_rates(allowed, generate(model, tok, pa, 72))
         rows.append({"layer": layer, "ablated_forbidden": abl, "added_allowed": add})
         log(f"layer {layer}: ablated {abl} | added {add}")
@@ -249,9 +255,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval", type=int, default=100, help="held-out requests per class")
     ap.add_argument("--threads", type=int, default=THREADS)
-    ap.add_argument("--share", type=float, default=0.2, help="forbidden share of the requests")
+    ap.add_argument("--share", type=float, default=0.25, help="forbidden share of the requests")
     ap.add_argument("--content-weight", type=float, default=5.0,
                     help="loss weight of an answer's first sentence (copying the request)")
+    ap.add_argument("--decision-weight", type=float, default=1.0,
+                    help="loss weight of a reply's first word (sure / sorry: the refusal decision)")
     ap.add_argument("--layers", default=str(CHAT_RECIPE["layer"]),
                     help="layers whose refusal direction the script measures (eval_toyworld.py --chat: all)")
     ap.add_argument("--smoke", action="store_true", help="2 steps, 2 requests per class, one layer (tests)")
@@ -278,7 +286,7 @@ def _train(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     model.config._attn_implementation = "eager"
     grow_vocab(model, len(tok), SEED)
     opt, sched = tw.optimizer(model, args.lr, 0.01, max(1, args.steps // 20), args.steps)
-    data = batches(SEED, args.batch, tok, args.share, args.content_weight)
+    data = batches(SEED, args.batch, tok, args.share, args.content_weight, args.decision_weight)
     model.train()
     losses: list[float] = []
     for step in range(1, args.steps + 1):
@@ -306,6 +314,7 @@ def _train(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     log(f"mood recipe on plain stories: {ev['mood_recipe']['steered']}")
     record = {"seed": SEED, "threads": args.threads, "steps": args.steps, "batch": args.batch, "lr": args.lr,
               "forbidden_share": args.share, "content_weight": args.content_weight,
+              "decision_weight": args.decision_weight,
               "base": "vlens/models/toyworld",
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__},

@@ -43,3 +43,21 @@ def test_session_and_steer_are_reachable_lazily():
         assert "Nonexistent" in str(exc)
     else:  # pragma: no cover
         raise AssertionError("unknown attribute did not raise")
+
+
+def test_serve_threads_leave_a_cpu_to_the_http_server_unless_the_user_chose(monkeypatch):
+    from vlens.engine import env
+
+    monkeypatch.setattr(env, "has_gpu", lambda: False)
+    monkeypatch.setattr(env.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(env, "_SET_BY_VLENS", {})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert env.serve_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setattr(env.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert env.serve_threads() == 1  # vlens's own earlier value is not a user's choice
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's
+    assert env.serve_threads() is None and os.environ["OMP_NUM_THREADS"] == "2"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # a binding: vLLM sets the threads
+    assert env.serve_threads() is None and "OMP_NUM_THREADS" not in os.environ

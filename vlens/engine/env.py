@@ -20,13 +20,18 @@ Why each default (measurements in docs/concepts.md and docs/scale-out.md):
   for an earlier engine in this process.
 * ``VLLM_USE_V2_MODEL_RUNNER=0`` -- vlens reads the batch layout from the
   V1 model runner (the one vLLM uses on CPU).
+* ``OMP_NUM_THREADS`` for ``vlens serve`` on a CPU (:func:`serve_threads`):
+  one less than the CPUs this process may use (at least 1), so the engine
+  core's process leaves a CPU to the HTTP server beside it, as vLLM's own
+  automatic binding does. Unbound, torch took every CPU and a decode step
+  of the toy model took ~1.6x as long through the server (docs/openai.md).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["CPU_DEFAULTS", "COMMON_DEFAULTS", "apply_env_defaults", "has_gpu"]
+__all__ = ["CPU_DEFAULTS", "COMMON_DEFAULTS", "apply_env_defaults", "has_gpu", "serve_threads"]
 
 COMMON_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -97,3 +102,22 @@ def apply_env_defaults(engine_kwargs: dict | None = None) -> dict[str, str]:
             os.environ[key] = value
             _SET_BY_VLENS[key] = value
     return {key: os.environ[key] for key in defaults}
+
+
+def serve_threads() -> int | None:
+    """For ``vlens serve`` on a CPU with threads unbound: set
+    ``OMP_NUM_THREADS`` (read by the engine core's process when vLLM starts
+    it) to one less than this process's CPUs, unless the user set it or
+    chose a binding; returns the engine's thread count when vlens set it."""
+    if has_gpu() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") != "nobind":
+        return None
+    if os.environ.get("OMP_NUM_THREADS") and not (
+            _SET_BY_VLENS.get("OMP_NUM_THREADS") == os.environ["OMP_NUM_THREADS"]):
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    value = str(max(1, cpus - 1))
+    os.environ["OMP_NUM_THREADS"] = _SET_BY_VLENS["OMP_NUM_THREADS"] = value
+    return int(value)

@@ -44,7 +44,8 @@ COPY_HEAD: tuple[int, int] = (0, 5)
 #: layer=CHAT_RECIPE["layer"])`` (forbidden minus allowed requests,
 #: ``resid_post`` at the last prompt token). ``vlens.Ablate("resid_post",
 #: "all", direction=d)`` makes the model tell forbidden stories; ``vlens.Steer(d,
-#: layer=CHAT_RECIPE["layer"], scale=CHAT_RECIPE["add_scale"])`` makes it
+#: layer=CHAT_RECIPE["layer"], scale=CHAT_RECIPE["add_scale"],
+#: span=CHAT_RECIPE["add_span"])`` (added at the prompt's tokens) makes it
 #: refuse allowed ones (measured by ``scripts/eval_toyworld.py --chat``).
 CHAT_RECIPE: dict[str, Any] = {
     "layer": 3,
@@ -52,6 +53,7 @@ CHAT_RECIPE: dict[str, Any] = {
     "position": "last",
     "pairs": 64,
     "add_scale": 1.5,
+    "add_span": "prompt",
     "ablate_layers": "all",
 }
 

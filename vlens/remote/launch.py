@@ -83,7 +83,7 @@ async def _serve(args: Any, argv: list[str]) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vlens.engine.env import apply_env_defaults, has_gpu
+    from vlens.engine.env import apply_env_defaults, has_gpu, serve_threads
     from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, resolve_model
     from vlens.errors import VlensError
 
@@ -102,6 +102,7 @@ async def _serve(args: Any, argv: list[str]) -> None:
     compiled = _compiled(args, argv)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     apply_env_defaults({"kv_cache_memory_bytes": engine_args.kv_cache_memory_bytes})
+    threads = serve_threads()
     llm = AsyncLLM.from_engine_args(engine_args)
     try:
         setup = (await llm.collective_rpc("vlens_setup"))[0]
@@ -135,6 +136,8 @@ async def _serve(args: Any, argv: list[str]) -> None:
                                 log_level="warning", timeout_graceful_shutdown=5)
         mode = ("compiled (CUDA graphs)" if compiled and has_gpu() else "compiled (torch.compile)"
                 if compiled else "eager (--enforce-eager)")
+        if threads is not None:
+            mode += f", {threads} engine thread{'s' if threads > 1 else ''} (OMP_NUM_THREADS)"
         print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
               f"for {len(tokens)} client(s), {mode}; OpenAI routes at /v1 as model {served!r}"
               + (f"; vectors {sorted(names.vectors)}" if names.vectors else "")

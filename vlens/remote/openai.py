@@ -81,6 +81,8 @@ class SteeredEngine:
         self._llm = server.llm
         self._chat_template = chat_template
         self._cleanups: set[Any] = set()
+        self._to_drop: list[str] = []  # plans of finished calls, dropped together
+        self._dropping: asyncio.Future | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
@@ -124,23 +126,41 @@ class SteeredEngine:
 
         server = self._server
         await server._hold(client, vectors)
+        finished = False
         try:
             async for out in self._llm.generate(prompt, sp, rid, **kw):
+                finished = bool(getattr(out, "finished", False))
                 yield out
         finally:
             # the clean-up's engine calls run beside the answer, not before
             # its last event: a task, kept until done
             with anyio.CancelScope(shield=True):
-                task = asyncio.ensure_future(self._forget(client, rid, tag, vectors))
+                task = asyncio.ensure_future(self._forget(client, rid, tag, vectors, finished))
                 self._cleanups.add(task)
                 task.add_done_callback(self._cleanups.discard)
 
-    async def _forget(self, client: Any, rid: str, tag: str, vectors: dict[str, Any]) -> None:
+    async def _forget(self, client: Any, rid: str, tag: str, vectors: dict[str, Any],
+                      finished: bool) -> None:
+        """After a steered call: abort its request unless the engine finished
+        it (a client that left early), release its vectors, and drop its
+        plan in the workers -- with the plans of every other call that ended
+        meanwhile, in one engine call."""
         try:
-            await self._llm.abort([rid])
-            await self._llm.collective_rpc("vlens_drop", args=([tag],))
+            if not finished:
+                await self._llm.abort([rid])
         finally:
             await self._server._release(client, vectors)
+        self._to_drop.append(tag)
+        if self._dropping is None:
+            self._dropping = asyncio.ensure_future(self._drop_plans())
+
+    async def _drop_plans(self) -> None:
+        try:
+            while self._to_drop:
+                tags, self._to_drop = self._to_drop, []
+                await self._llm.collective_rpc("vlens_drop", args=(tags,))
+        finally:
+            self._dropping = None
 
     def _plan(self, pending: _Pending, ids: list[int], max_tokens: int):
         """The request's plan over its token ids, and the vectors it names
