@@ -5,14 +5,15 @@ acceptance 4; goal: vlens steered <= 1.10x plain vLLM's time).
 Both servers run side by side on loopback (compiled, vLLM's default, unless
 ``--eager``); at each concurrency ``C`` (1, 8, 32) ``C`` threads each send
 ``--calls`` streamed chat completions of ``--tokens`` tokens
-(``ignore_eos``, greedy) to one server at a time, taking turns within each
+(``ignore_eos``, greedy; at least ``--min-calls`` in all, so a lone
+client's run is long enough to time) to one server at a time, taking turns within each
 repeat -- plain vLLM, vlens steering every call with a named vector
 (``--vector mood=...``, layer 1), vlens unsteered -- so a busy machine slows
 every side alike. The medians of generated tokens per second over
 ``--repeats`` and the time ratios are printed.
 
-Both servers get the dtype ``vlens serve`` picks and the environment ``vlens serve`` runs its engine with
-(vlens's defaults: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and, on a CPU,
+Both servers get the dtype ``vlens serve`` picks and the environment
+``vlens serve`` runs its engine with (vlens's defaults: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and, on a CPU,
 ``OMP_NUM_THREADS`` one less than the CPUs), printed with the results, so
 the ratio is vlens's own cost; ``--vllm-defaults`` starts plain vLLM with
 its own instead (automatic thread binding).
@@ -111,6 +112,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a model folder (default: the toy world's)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--calls", type=int, default=2, help="chats per client per run")
+    p.add_argument("--min-calls", type=int, default=16,
+                   help="chats in all per run, at least (a lone client's run is otherwise too "
+                        "short to time)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="both servers with --enforce-eager")
@@ -181,11 +185,13 @@ def main() -> None:
             for _ in range(args.repeats):
                 for label, side, st in runs:  # taking turns: noise hits every side alike
                     rates.setdefault((label, c), []).append(
-                        _load(urls[side], key, c, args.calls, args.tokens, st, prompts))
+                        _load(urls[side], key, c, max(args.calls, -(-args.min_calls // c)),
+                              args.tokens, st, prompts))
     finally:
         for proc in procs:
             _stop(proc)
-    print(f"\nsteered chat via openai, {args.tokens} tokens, {args.calls} chats per client, "
+    print(f"\nsteered chat via openai, {args.tokens} tokens, {args.calls} chats per client "
+          f"(at least {args.min_calls} in all), "
           f"median of {args.repeats}, {'eager' if args.eager else 'compiled'}, dtype {dtype}")
     for side, env in (("vllm", env_vllm), ("vlens", env_vlens)):
         print(f"  {side} environment: " + ", ".join(f"{k}={env.get(k, '(unset)')}" for k in shown))
