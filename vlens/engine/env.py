@@ -111,8 +111,7 @@ def serve_threads() -> int | None:
     chose a binding; returns the engine's thread count when vlens set it."""
     if has_gpu() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") != "nobind":
         return None
-    if os.environ.get("OMP_NUM_THREADS") and not (
-            _SET_BY_VLENS.get("OMP_NUM_THREADS") == os.environ["OMP_NUM_THREADS"]):
+    if os.environ.get("OMP_NUM_THREADS") and _user_set("OMP_NUM_THREADS"):  # "" counts as unset
         return None
     try:
         cpus = len(os.sched_getaffinity(0))
