@@ -75,3 +75,38 @@ def test_batched_clamps_equal_a_row_by_row_loop():
     # after the clamp, feature 2 of a clamped row is what its encoder reads of the new row
     top = reduce_rows(None, x[1:5], Read("resid_post", (1,), "sae_top", 3, sae="sae-a"), features)
     assert top["ids"].shape == (4, 3) and top["values"].shape == (4, 3)
+
+
+def test_the_worker_encodes_on_the_engines_packed_kernel():
+    """On a CPU the worker packs each encoder for vLLM's oneDNN kernel (what
+    the model's own linear layers run on); it must equal ``torch.addmm``
+    for every batch size a step brings, none included."""
+    import pytest
+    from vllm import _custom_ops as ops
+
+    from vlens.worker.gemm import packed_matmul
+
+    if not getattr(ops, "_supports_onednn", False):
+        pytest.skip("this vLLM build has no oneDNN kernel (a GPU build): "
+                    "the encoder stays on torch.addmm")
+    width, d_sae = 48, 300
+    w = _sae(width, d_sae, 1)
+    matmul = packed_matmul(w["W_enc"])
+    assert matmul is not None, "vLLM's oneDNN kernel is there but the encoder was not packed"
+    assert packed_matmul(w["W_enc"].double()) is None  # float32 only: the rest stay on addmm
+    g = torch.Generator().manual_seed(2)
+    for n in (0, 1, 7, 33):
+        x = torch.randn(n, width, generator=g)
+        torch.testing.assert_close(matmul(x, w["b_enc"]), torch.addmm(w["b_enc"], x, w["W_enc"]),
+                                   atol=1e-4, rtol=1e-5)
+    x = torch.randn(64, width, generator=g)[::2]  # a strided view, as a gather may give
+    payload = {"spec": FeatureSpec("jumprelu").to_wire(), "threshold": encode_tensor(
+        torch.full((d_sae,), 0.3)), **{k: encode_tensor(w[k]) for k in ("W_enc", "b_enc", "b_dec")}}
+    packed, plain = FeatureStore(pack=packed_matmul), FeatureStore()
+    packed.put({"s": payload})
+    plain.put({"s": payload})
+    assert "s" in packed._matmul and packed._matmul["s"] is not None
+    torch.testing.assert_close(packed.activations(x, "s"), plain.activations(x, "s"),
+                               atol=1e-4, rtol=1e-5)
+    packed.drop(["s"])
+    assert "s" not in packed._matmul

@@ -18,6 +18,7 @@ these settings (``FeatureSpec``); torch only, no vLLM import.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -81,15 +82,21 @@ def output_scale(x: torch.Tensor, spec: FeatureSpec) -> torch.Tensor:
     return torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
 
 
-def encode(x: torch.Tensor, weights: dict[str, torch.Tensor], spec: FeatureSpec) -> torch.Tensor:
+def encode(x: torch.Tensor, weights: dict[str, torch.Tensor], spec: FeatureSpec,
+           matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+           ) -> torch.Tensor:
     """Feature activations ``[n, d_sae]`` float32 of ``x`` ``[n, d_in]``.
     ``weights``: ``W_enc`` ``[d_in, d_sae]``, ``b_enc`` ``[d_sae]``,
     ``b_dec`` ``[d_in]``, ``threshold`` ``[d_sae]`` (jumprelu), float32 on
-    ``x``'s device."""
+    ``x``'s device. ``matmul(x, b_enc)``, if given, is ``b_enc + x @ W_enc``
+    on another kernel (the worker's packed one, ``worker/gemm.py``)."""
     x = normalise(x.reshape(x.shape[0], -1).float(), spec)
     if spec.b_dec_in:
         x = x - weights["b_dec"]
-    pre = torch.addmm(weights["b_enc"], x, weights["W_enc"])
+    if matmul is not None:
+        pre = matmul(x, weights["b_enc"])
+    else:
+        pre = torch.addmm(weights["b_enc"], x, weights["W_enc"])
     if spec.architecture == "jumprelu":
         return torch.relu(pre) * (pre > weights["threshold"])
     if spec.architecture == "topk":

@@ -4,12 +4,14 @@ An SAE's encoder arrives once (``vlens_put_saes``: ``{id: payload}``, the
 id a hash of its weights) and stays on the model's device until dropped,
 like steering vectors; a feature read names it by id and encodes the rows
 its read group already gathered (one matmul for every request reading it
-in the step). Pure torch: no vLLM import.
+in the step). Pure torch: no vLLM import (the worker passes
+``worker/gemm.py``'s ``packed_matmul`` in, which packs each encoder for the
+engine's own CPU kernel).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,9 +26,14 @@ _WEIGHTS = ("W_enc", "b_enc", "b_dec", "threshold")
 class FeatureStore:
     """``{id: (FeatureSpec, weights)}`` on one device."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu",
+                 pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.device = device
         self._saes: dict[str, tuple[FeatureSpec, dict[str, torch.Tensor]]] = {}
+        #: ``pack(W_enc)``: an encoder's ``(x, b_enc) -> b_enc + x @ W_enc`` on
+        #: a faster kernel, or None (then ``torch.addmm``)
+        self._pack = pack
+        self._matmul: dict[str, Any] = {}
 
     def __contains__(self, sid: str) -> bool:
         return sid in self._saes
@@ -50,11 +57,14 @@ class FeatureStore:
                                  f"{list(weights['b_enc'].shape)} and b_dec "
                                  f"{list(weights['b_dec'].shape)} do not fit together")
             self._saes[sid] = (spec, weights)
+            if self._pack is not None:
+                self._matmul[sid] = self._pack(w)
         return len(self._saes)
 
     def drop(self, ids: list[str]) -> int:
         for sid in ids:
             self._saes.pop(sid, None)
+            self._matmul.pop(sid, None)
         return len(self._saes)
 
     def reduce(self, rows: torch.Tensor, sid: str, k: int) -> dict[str, torch.Tensor]:
@@ -77,7 +87,7 @@ class FeatureStore:
         if x.shape[1] != weights["W_enc"].shape[0]:
             raise ValueError(f"SAE {sid} encodes width {weights['W_enc'].shape[0]}, "
                              f"the site's rows are {x.shape[1]} wide")
-        return encode(x.to(weights["W_enc"].device), weights, spec)
+        return encode(x.to(weights["W_enc"].device), weights, spec, self._matmul.get(sid))
 
     def output_scale(self, rows: torch.Tensor, sid: str) -> torch.Tensor:
         """``[n, 1]`` float32: how a clamp's write is scaled per row (the SAE's

@@ -34,6 +34,7 @@ from vlens.worker.records import StepLog, to_host
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
 from vlens.worker.features import FeatureStore
+from vlens.worker.gemm import packed_matmul
 
 __all__ = ["WorkerHooks"]
 
@@ -58,7 +59,8 @@ class WorkerHooks:
         self._last_step: StepPlan | None = None  # the last planned step (reused in decode)
         self.log: StepLog | None = None  # the current step's reads, for every request
         self.vectors = VectorStore(self.hidden, next(self.model.parameters()).device)
-        self.features = FeatureStore(self.vectors.device)  # SAEs for feature reads
+        # SAEs for feature reads, each encoder packed for the engine's CPU kernel
+        self.features = FeatureStore(self.vectors.device, pack=packed_matmul)
         #: plans, records, journal, edit functions: per request, between steps
         self.book = RequestBook(self.runner, self.vectors)
         self.heads = HeadSites(self.sites, self.vectors, self.tp, self.reader,
