@@ -540,13 +540,15 @@ def sae_section(sae: dict | None, cpu: dict | None) -> list[str]:
         enc = m["config"]["hidden_size"] * 4096
         comp = (m["conditions"].get("sae_comp") or {}).get("worker") or {}
         out += ["", (f"The encoder alone is {enc / 1e6:.1f} M multiply-adds per token against "
-                     f"the model's {model / 1e6:.1f} M ({_pct(enc / model)}): where time follows "
-                     f"arithmetic, (sae*) cannot go below about {1 + enc / model:.2f} × (a*), "
-                     "close to its goal of 1.10 before any cost of vlens's own. The workers' "
-                     f"counters put the hooks (the encode and top-k) at "
+                     f"the model's {model / 1e6:.1f} M ({_pct(enc / model)}). On a CPU it runs on "
+                     "the kernel the engine's own linear layers use (vLLM's oneDNN product, the "
+                     "encoder packed once when the SAE reaches the worker: "
+                     "vlens/worker/gemm.py), about twice as fast as `torch.addmm` for this "
+                     "shape. The workers' counters put the hooks (the encode and top-k) at "
                      f"{_pct(comp.get('share_hooks', 0))} of (sae*)'s time, the step's layout at "
                      f"{_pct(comp.get('share_layout', 0))} and the client at "
-                     f"{_pct(comp.get('share_client', 0))}.")]
+                     f"{_pct(comp.get('share_client', 0))}; the rest of the gap is what any "
+                     "planned compiled call costs over (a*) (compare (c*) in the main run).")]
     return out + [""]
 
 

@@ -20,8 +20,8 @@ compiled engines (each compiles for ~30 s on CPU), ``--no-cache-off`` the
 second engine, ``--no-long`` the shared-preamble conditions (p).
 
 The SAE conditions (sae, sae*, sae_hf: conditions.py) can run alone, on the
-512 x 8 model, into their own file, which the report shows when the main
-run has none of them::
+512 x 8 model (made on the spot if this checkout has none yet), into their
+own file, which the report shows when the main run has none of them::
 
     .venv/bin/python benchmarks/run.py --model benchmarks/.models/llama-h512-l8 \
         --only sae,sae_comp,sae_hf --json benchmarks/results-sae.json \
@@ -492,6 +492,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         f"budget {args.budget:.0f} s")
     MODELS_DIR.mkdir(exist_ok=True)
     if args.model:
+        for m in args.model:  # a default model named by its path is made here when missing
+            if not Path(m).exists() and Path(m).resolve() == (MODELS_DIR / "llama-h512-l8").resolve():
+                _make("llama-h512-l8", LARGE)
         models = [{"name": Path(m).name, "path": str(Path(m).resolve()), "note": None}
                   for m in args.model]
     elif args.device_check:
