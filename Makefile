@@ -32,9 +32,12 @@ $(BROWSER_STAMP): $(STAMP) scripts/setup_browser.sh
 demo: $(STAMP)
 	$(VENV)/bin/vlens demo --out vlens-demo.html
 
-# every prerequisite is installed here, so a skipped test is a failure
+# every prerequisite is installed here, so a skipped test is a failure.
+# Two processes (pytest-xdist): one alone leaves a core idle most of the run
+# (engine tests on tiny models are Python-bound); each gets its own engines.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(BROWSER_STAMP)
-	VLENS_NO_SKIPS=1 $(PY) -m pytest
+	VLENS_NO_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/01_tour.ipynb

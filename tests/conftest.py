@@ -1,7 +1,7 @@
 """Shared fixtures: local models made on the spot and engines shared per run.
 
 Engines take seconds to start, so each configuration starts once per test
-session and every test that needs it shares it. vLLM's caches, sockets and
+process (``make test`` runs two) and every test there that needs it shares it. vLLM's caches, sockets and
 temp files go to a folder of this run, set before vLLM is imported.
 """
 
@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs the suite in two processes (pytest-xdist, `-n 2`). Each
+# gets its own run folder and engines: vLLM's compile cache is not meant to
+# be written by two processes at once. A worker inherits the controller's
+# variables, so it replaces the ones that name the controller's folder.
+_PARENT_RUN_DIR = os.environ.get("VLENS_TEST_RUN_DIR") if os.environ.get(
+    "PYTEST_XDIST_WORKER") else None
 _RUN_DIR = Path(tempfile.mkdtemp(prefix="vlens-test-"))
+os.environ["VLENS_TEST_RUN_DIR"] = str(_RUN_DIR)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on a machine's cores: one thread each, not two apiece
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 for _var, _sub in (
     ("VLLM_CACHE_ROOT", "vllm-cache"),
     ("VLLM_RPC_BASE_PATH", "rpc"),
@@ -22,6 +32,8 @@ for _var, _sub in (
     # child runs of tests/test_scale_out.py
     ("VLENS_HF_REFERENCE_DIR", "hf-reference"),
 ):
+    if _PARENT_RUN_DIR and os.environ.get(_var, "").startswith(_PARENT_RUN_DIR):
+        del os.environ[_var]
     os.environ.setdefault(_var, str(_RUN_DIR / _sub))
     Path(os.environ[_var]).mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
