@@ -1,8 +1,9 @@
 """Shared fixtures: local models made on the spot and engines shared per run.
 
 Engines take seconds to start, so each configuration starts once per test
-process (``make test`` runs two) and every test there that needs it shares it. vLLM's caches, sockets and
-temp files go to a folder of this run, set before vLLM is imported.
+process (``make test`` runs two) and every test there that needs it shares
+it. vLLM's caches, sockets and temp files go to a folder of this process,
+set before vLLM is imported.
 """
 
 from __future__ import annotations

@@ -106,6 +106,7 @@ def test_the_worker_encodes_on_the_engines_packed_kernel():
     packed.put({"s": payload})
     plain.put({"s": payload})
     assert "s" in packed._matmul and packed._matmul["s"] is not None
+    assert packed.nbytes == plain.nbytes + w["W_enc"].nbytes  # the packed copy counts
     torch.testing.assert_close(packed.activations(x, "s"), plain.activations(x, "s"),
                                atol=1e-4, rtol=1e-5)
     packed.drop(["s"])

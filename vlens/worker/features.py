@@ -97,4 +97,8 @@ class FeatureStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, w in self._saes.values() for t in w.values())
+        """Bytes held, a packed encoder's copy counted as its ``W_enc``'s size."""
+        packed = sum(self._saes[sid][1]["W_enc"].nbytes for sid, mm in self._matmul.items()
+                     if mm is not None)
+        return packed + sum(t.numel() * t.element_size() for _, w in self._saes.values()
+                            for t in w.values())
