@@ -1,9 +1,9 @@
 """Shared fixtures: local models made on the spot and engines shared per run.
 
 Engines take seconds to start, so each configuration starts once per test
-process (``make test`` runs two) and every test there that needs it shares
-it. vLLM's caches, sockets and temp files go to a folder of this process,
-set before vLLM is imported.
+process (``make test TEST_WORKERS=2`` runs two) and every test there that
+needs it shares it. vLLM's caches, sockets and temp files go to a folder of
+this process, set before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-# `make test` runs the suite in two processes (pytest-xdist, `-n 2`). Each
-# gets its own run folder and engines: vLLM's compile cache is not meant to
-# be written by two processes at once. A worker inherits the controller's
+# `make test TEST_WORKERS=2` runs the suite in two processes (pytest-xdist).
+# Each gets its own run folder and engines: vLLM's compile cache is not meant
+# to be written by two processes at once. A worker inherits the controller's
 # variables, so it replaces the ones that name the controller's folder.
 _PARENT_RUN_DIR = os.environ.get("VLENS_TEST_RUN_DIR") if os.environ.get(
     "PYTEST_XDIST_WORKER") else None
