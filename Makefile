@@ -34,7 +34,7 @@ demo: $(STAMP)
 
 # every prerequisite is installed here, so a skipped test is a failure.
 # TEST_WORKERS=2: two pytest-xdist processes, each with its own engines (one
-# process leaves a core idle most of the run: 36 min against ~58 on 2 cores),
+# process leaves a core idle most of the run: 33-36 min against ~58 on 2 cores),
 # but a real-browser test has timed out beside test_install that way, so the
 # default stays one process (0: no workers).
 TEST_WORKERS ?= 0
