@@ -547,8 +547,8 @@ def sae_section(sae: dict | None, cpu: dict | None) -> list[str]:
                      "shape. The workers' counters put the hooks (the encode and top-k) at "
                      f"{_pct(comp.get('share_hooks', 0))} of (sae*)'s time, the step's layout at "
                      f"{_pct(comp.get('share_layout', 0))} and the client at "
-                     f"{_pct(comp.get('share_client', 0))}; the rest of the gap is what any "
-                     "planned compiled call costs over (a*) (compare (c*) in the main run).")]
+                     f"{_pct(comp.get('share_client', 0))}; the rest of the gap lies outside "
+                     "these counters.")]
     return out + [""]
 
 

@@ -18,11 +18,11 @@ import pytest
 # Each gets its own run folder and engines: vLLM's compile cache is not meant
 # to be written by two processes at once. A worker inherits the controller's
 # variables, so it replaces the ones that name the controller's folder.
-_PARENT_RUN_DIR = os.environ.get("VLENS_TEST_RUN_DIR") if os.environ.get(
-    "PYTEST_XDIST_WORKER") else None
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" under pytest -n
+_PARENT_RUN_DIR = os.environ.get("VLENS_TEST_RUN_DIR") if _XDIST_WORKER else None
 _RUN_DIR = Path(tempfile.mkdtemp(prefix="vlens-test-"))
 os.environ["VLENS_TEST_RUN_DIR"] = str(_RUN_DIR)
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if _XDIST_WORKER:
     # two workers on a machine's cores: one thread each, not two apiece
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 for _var, _sub in (

@@ -33,7 +33,7 @@ class FeatureStore:
         #: ``pack(W_enc)``: an encoder's ``(x, b_enc) -> b_enc + x @ W_enc`` on
         #: a faster kernel, or None (then ``torch.addmm``)
         self._pack = pack
-        self._matmul: dict[str, Any] = {}
+        self._matmul: dict[str, Any] = {}  # the SAEs ``pack`` packed, by id
 
     def __contains__(self, sid: str) -> bool:
         return sid in self._saes
@@ -57,8 +57,9 @@ class FeatureStore:
                                  f"{list(weights['b_enc'].shape)} and b_dec "
                                  f"{list(weights['b_dec'].shape)} do not fit together")
             self._saes[sid] = (spec, weights)
-            if self._pack is not None:
-                self._matmul[sid] = self._pack(w)
+            matmul = self._pack(w) if self._pack is not None else None
+            if matmul is not None:
+                self._matmul[sid] = matmul
         return len(self._saes)
 
     def drop(self, ids: list[str]) -> int:
@@ -98,7 +99,6 @@ class FeatureStore:
     @property
     def nbytes(self) -> int:
         """Bytes held, a packed encoder's copy counted as its ``W_enc``'s size."""
-        packed = sum(self._saes[sid][1]["W_enc"].nbytes for sid, mm in self._matmul.items()
-                     if mm is not None)
+        packed = sum(self._saes[sid][1]["W_enc"].nbytes for sid in self._matmul)
         return packed + sum(t.numel() * t.element_size() for _, w in self._saes.values()
                             for t in w.values())
