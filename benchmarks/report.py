@@ -539,16 +539,21 @@ def sae_section(sae: dict | None, cpu: dict | None) -> list[str]:
         model, _ = macs_per_token(m["config"])
         enc = m["config"]["hidden_size"] * 4096
         comp = (m["conditions"].get("sae_comp") or {}).get("worker") or {}
+        ratio = ((m["conditions"].get("sae_comp") or {}).get("ratio_to_a_star") or {})
+        gap = ratio.get("median", 1.0) - 1.0
         out += ["", (f"The encoder alone is {enc / 1e6:.1f} M multiply-adds per token against "
                      f"the model's {model / 1e6:.1f} M ({_pct(enc / model)}). On a CPU it runs on "
                      "the kernel the engine's own linear layers use (vLLM's oneDNN product, the "
                      "encoder packed once when the SAE reaches the worker: "
                      "vlens/worker/gemm.py), about twice as fast as `torch.addmm` for this "
-                     "shape. The workers' counters put the hooks (the encode and top-k) at "
+                     "shape, and a decode step's few rows wait to be encoded 256 at a time "
+                     "(vlens/worker/features.py; the rows left waiting at the end are encoded "
+                     "when the records are collected, in the client's share). The workers' "
+                     "counters put the hooks (gather, encode and top-k) at "
                      f"{_pct(comp.get('share_hooks', 0))} of (sae*)'s time, the step's layout at "
                      f"{_pct(comp.get('share_layout', 0))} and the client at "
-                     f"{_pct(comp.get('share_client', 0))}; the rest of the gap lies outside "
-                     "these counters.")]
+                     f"{_pct(comp.get('share_client', 0))}, against a median gap to (a*) of "
+                     f"{_pct(gap)} in this run.")]
     return out + [""]
 
 

@@ -52,7 +52,10 @@ CHROMIUM_ARGS = [
 ]
 RUN_ALL_TIMEOUT_MS = 300_000  # engine start + every cell, on a busy machine
 
-pytestmark = pytest.mark.engine
+# one xdist group with test_install: under `make test`'s two processes the
+# browser tests run one after another in one process, never beside the
+# install test's pip and compile (a view's figures have stayed empty there)
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("ui")]
 
 
 def _free_port() -> int:
@@ -280,6 +283,13 @@ _LABEL_BOXES = """el => {
 }"""
 
 
+def _wait_plotted(page, figure, timeout: int = 60_000) -> None:
+    """Wait until plotly.js has drawn ``figure`` with at least one trace."""
+    figure.wait_for(timeout=timeout)
+    page.wait_for_function("el => (el.data || []).length > 0",
+                           arg=figure.element_handle(), timeout=timeout)
+
+
 def _figure_data(figure) -> str:
     """The first trace's x and z as plotly.js holds them in the page."""
     return figure.evaluate("el => JSON.stringify([el.data[0].x, el.data[0].z])")
@@ -311,26 +321,34 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
                          has_text=re.compile(r"^Run All Cells$")).click()
 
             # the explorer's chips appear once the engine started and every cell ran
-            chips = page.locator(".vlens-chip:visible")
             page.locator(".jp-OutputArea-output", has_text="layer:").last.wait_for(
                 timeout=RUN_ALL_TIMEOUT_MS)
-            try:
+
+            def drawn(scope):  # the chips, and the heatmap with its data
+                chips = scope.locator(".vlens-chip:visible")
                 chips.first.wait_for(timeout=60_000)
+                # (``has`` is matched inside each output: a locator from the page)
+                explorer = scope.locator(".jp-OutputArea-output",
+                                         has=page.locator(".vlens-chip:visible")).last
+                explorer.scroll_into_view_if_needed()
+                heatmap = explorer.locator(".js-plotly-plot").first
+                _wait_plotted(page, heatmap)
+                return chips, explorer, heatmap
+
+            try:
+                chips, explorer, heatmap = drawn(page)
             except PlaywrightTimeout:
                 # anywidget gives a new model 2 s to load its front end, then
                 # gives up ("[anywidget] Failed to initialize model."): on a
-                # loaded machine the chip strip can miss that. A new explorer
-                # makes new models; said in console.log.
-                console.append("test: chip strip missing after Run All; explorer made again")
+                # loaded machine the chip strip (or a figure) can miss that. A
+                # new explorer makes new models; said in console.log.
+                console.append("test: explorer not drawn after Run All; made again")
                 _run_cell_and_read(
                     page, "ex = vlens.explore(s, prompts[1], positive=happy, negative=sad, "
                           "max_new_tokens=MAX_NEW_TOKENS); display(ex); print('VLENS-AGAIN')",
                     "VLENS-AGAIN")
-                chips.first.wait_for(timeout=60_000)
-            explorer = page.locator(".jp-OutputArea-output", has=chips.first).last
-            explorer.scroll_into_view_if_needed()
-            heatmap = explorer.locator(".js-plotly-plot").first
-            heatmap.wait_for(timeout=60_000)
+                chips, explorer, heatmap = drawn(
+                    page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last)
             time.sleep(1)
             page.screenshot(path=str(ARTIFACTS / "01-explorer.png"), full_page=False)
             explorer.screenshot(path=str(ARTIFACTS / "01-explorer-widget.png"))
@@ -631,17 +649,24 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
                                         headless=True)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             _open_and_run_all(page, url, token, "connected.ipynb")
-            chips = page.locator(".vlens-chip:visible")
+            page.locator(".vlens-chip:visible").first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+
+            def drawn(scope):  # the chips, and the heatmap
+                chips = scope.locator(".vlens-chip:visible")
+                chips.first.wait_for(timeout=60_000)
+                # (``has`` is matched inside each output: a locator from the page)
+                explorer = scope.locator(".jp-OutputArea-output",
+                                         has=page.locator(".vlens-chip:visible")).last
+                explorer.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
+                return chips, explorer
+
             try:
-                chips.first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+                chips, explorer = drawn(page)
             except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
                 _run_cell_and_read(page, f"{explore}; display(ex); print('VLENS-AGAIN')",
                                    "VLENS-AGAIN")
-                chips.first.wait_for(timeout=60_000)
+                chips, explorer = drawn(page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last)
             assert chips.count() >= 4
-            explorer = page.locator(".jp-OutputArea-output", has=chips.first).last
-            heatmap = explorer.locator(".js-plotly-plot").first
-            heatmap.wait_for(timeout=60_000)
             slider = explorer.locator(".widget-slider:visible").first
             readout = slider.locator(".widget-readout")
             before = readout.inner_text()
@@ -670,6 +695,7 @@ def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
     """The chips of a conversation are coloured by role, and its spaces and
     newlines are drawn (· and ↵); the logit lens's token axis draws them the
     same way."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     url, token = lab
@@ -681,10 +707,22 @@ def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
             page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
                          has_text="chat explorer:").last.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
             cell = page.locator(".jp-CodeCell", has_text="ex = explore").first
+
+            def drawn(cell) -> None:  # the chips, and the first figure
+                cell.locator(".vlens-chip").first.wait_for(timeout=60_000)
+                cell.scroll_into_view_if_needed()
+                cell.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
+
+            try:
+                drawn(cell)
+            except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
+                console.append("test: chat explorer not drawn after Run All; made again")
+                _run_cell_and_read(page, "ex = explore(s, CONV, max_new_tokens=4); "
+                                         "display(ex); print('VLENS-AGAIN')",
+                                   "VLENS-AGAIN")
+                cell = page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last
+                drawn(cell)
             chips = cell.locator(".vlens-chip")
-            chips.first.wait_for(timeout=60_000)
-            cell.scroll_into_view_if_needed()
-            cell.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
             time.sleep(1)
             cell.screenshot(path=str(ARTIFACTS / "14-chat-explorer.png"))
             counts = {role: cell.locator(f".vlens-chip.role-{role}").count()

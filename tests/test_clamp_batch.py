@@ -111,3 +111,93 @@ def test_the_worker_encodes_on_the_engines_packed_kernel():
                                atol=1e-4, rtol=1e-5)
     packed.drop(["s"])
     assert "s" not in packed._matmul
+
+
+def _dense(ids: torch.Tensor, values: torch.Tensor, d_sae: int) -> torch.Tensor:
+    return torch.zeros(ids.shape[0], d_sae).scatter_(-1, ids.long(), values)
+
+
+def test_a_cpu_worker_encodes_a_few_rows_later_with_other_steps_rows():
+    """Reads of fewer than DEFER_ROWS rows wait and are encoded in one
+    product: each read's values are its own rows' (as encoding them alone),
+    DEFER_ROWS waiting rows are encoded in the step, dropping the SAE keeps
+    its reads' values, and a failed product is an error naming the cause."""
+    import pytest
+
+    from vlens.protocol.features import top_features
+    from vlens.worker.features import DEFER_ROWS, LazyPart
+    from vlens.worker.records import StepLog
+
+    width, d_sae, k = 16, 40, 4
+    w = _sae(width, d_sae, 3)
+    spec = FeatureSpec("standard")
+    payload = {"spec": spec.to_wire(), **{n: encode_tensor(w[n]) for n in ("W_enc", "b_enc", "b_dec")}}
+    store = FeatureStore()
+    store.put({"s": payload})
+    g = torch.Generator().manual_seed(4)
+    steps = [torch.randn(n, width, generator=g) for n in (3, 1, 5)]
+    parts = [store.reduce(x, "s", k) for x in steps]
+    dense = store.reduce(steps[0], "s", 0)  # a full read waits too, beside the top-k ones
+    for p, x in zip(parts, steps):
+        assert isinstance(p["ids"], LazyPart) and p["ids"].shape == (x.shape[0], k)
+        assert p["values"].dtype == torch.float32 and p["ids"].dtype == torch.int32
+    waiting = store._waiting[("s", k)]
+    assert waiting.rows == 9 and all(p["ids"].read.rows is not None for p in parts)
+    parts[1]["values"].tensor()  # the first asked for encodes all three in one product
+    assert waiting.rows == 0 and all(p["ids"].read.rows is None for p in parts)
+    for p, x in zip(parts, steps):
+        alone = encode(x, w, spec)
+        ids, values = p["ids"].tensor(), p["values"].tensor()
+        assert ids.shape == (x.shape[0], k)
+        torch.testing.assert_close(_dense(ids, values, d_sae),
+                                   _dense(*top_features(alone, k), d_sae), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense["value"].tensor(), encode(steps[0], w, spec),
+                               atol=1e-5, rtol=1e-5)
+
+    # a step's log is cut per request with the deferred parts in place
+    class _Span:
+        def __init__(self, key, start, stop):
+            self.key, self.start, self.stop = key, start, stop
+
+    class _Group:
+        spans = [_Span("a", 0, 2), _Span("b", 2, 5)]
+
+    rows = torch.randn(5, width, generator=g)
+    log = StepLog()
+    for name, t in store.reduce(rows, "s", k).items():
+        log.put(("f", name, 1), t, _Group())
+    m, got, nbytes = log.of("b")
+    ids, values = top_features(encode(rows, w, spec), k)
+    assert m == 3 and nbytes == 3 * k * 8
+    torch.testing.assert_close(_dense(got[("f", "ids", 1)], got[("f", "values", 1)], d_sae),
+                               _dense(ids[2:], values[2:], d_sae), atol=1e-5, rtol=1e-5)
+
+    # DEFER_ROWS waiting: encoded in the step that brings them
+    first = store.reduce(torch.randn(DEFER_ROWS - 2, width, generator=g), "s", k)
+    last = store.reduce(torch.randn(3, width, generator=g), "s", k)
+    assert waiting.rows == 0 and first["ids"].read.parts and last["ids"].read.parts
+    now = store.reduce(torch.randn(DEFER_ROWS, width, generator=g), "s", k)
+    assert isinstance(now["ids"], torch.Tensor)  # enough rows to encode at once
+    with pytest.raises(ValueError, match="encodes width 16, the site's rows are 8 wide"):
+        store.reduce(torch.randn(2, 8), "s", k)  # checked in the step, not later
+
+    # a failed product: each of its reads raises when its rows are asked for
+    bad = store.reduce(steps[0], "s", k)
+
+    def broken(x):
+        raise MemoryError("no room")
+
+    store._waiting[("s", k)].encode_rows = broken
+    with pytest.raises(RuntimeError, match="after their steps failed: MemoryError: no room"):
+        bad["ids"].tensor()
+    with pytest.raises(RuntimeError, match="no room"):
+        bad["values"].tensor()
+
+    # dropping the SAE encodes what waits for it first
+    kept = store.reduce(steps[2], "s", k)
+    store._waiting[("s", k)].encode_rows = lambda x: store._reduce_now(x, "s", k)
+    store.drop(["s"])
+    assert not store._waiting and "s" not in store
+    torch.testing.assert_close(_dense(kept["ids"].tensor(), kept["values"].tensor(), d_sae),
+                               _dense(*top_features(encode(steps[2], w, spec), k), d_sae),
+                               atol=1e-5, rtol=1e-5)

@@ -27,7 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PLACEHOLDER = "/path/to/vlens"
 
-pytestmark = pytest.mark.install
+# the browser tests' group (tests/test_browser.py): not run beside them
+pytestmark = [pytest.mark.install, pytest.mark.xdist_group("ui")]
 
 
 def readme_cpu_commands() -> list[str]:

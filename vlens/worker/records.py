@@ -35,6 +35,7 @@ import torch
 
 from vlens.protocol.tensors import encode_tensor
 from vlens.protocol.plan import Plan
+from vlens.worker.features import LazyPart
 
 __all__ = ["RequestRecord", "StepLog"]
 
@@ -68,6 +69,9 @@ class StepLog:
             cut: dict[Any, tuple[int, dict[ReadKey, torch.Tensor], int]] = {}
             lengths: dict[int, list[int]] = {}  # one list per group of spans
             for key, (rows, group) in self.entries.items():
+                if isinstance(rows, LazyPart):  # a feature read encoded after its step
+                    rows = rows.tensor()
+                    self.entries[key] = (rows, group)
                 spans = group.spans
                 n = lengths.get(id(spans))
                 if n is None:
