@@ -52,7 +52,7 @@ CHROMIUM_ARGS = [
 ]
 RUN_ALL_TIMEOUT_MS = 300_000  # engine start + every cell, on a busy machine
 
-# one xdist group with test_install: under `make test`'s two processes the
+# one xdist group with test_install: under `make test TEST_WORKERS=2` the
 # browser tests run one after another in one process, never beside the
 # install test's pip and compile (a view's figures have stayed empty there)
 pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("ui")]
