@@ -649,8 +649,6 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
                                         headless=True)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             _open_and_run_all(page, url, token, "connected.ipynb")
-            page.locator(".vlens-chip:visible").first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
-
             def drawn(scope):  # the chips, and the heatmap
                 chips = scope.locator(".vlens-chip:visible")
                 chips.first.wait_for(timeout=60_000)
@@ -661,6 +659,7 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
                 return chips, explorer
 
             try:
+                page.locator(".vlens-chip:visible").first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
                 chips, explorer = drawn(page)
             except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
                 _run_cell_and_read(page, f"{explore}; display(ex); print('VLENS-AGAIN')",
