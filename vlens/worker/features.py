@@ -165,8 +165,7 @@ class FeatureStore:
         return self._reduce_now(rows, sid, k)
 
     def _defer(self, rows: torch.Tensor, sid: str, k: int) -> dict[str, Any]:
-        spec, weights = self._held(sid, rows)
-        d_sae = weights["W_enc"].shape[1]
+        d_sae = self._held(sid, rows)[1]["W_enc"].shape[1]  # the width checked now
         waiting = self._waiting.get((sid, k))
         if waiting is None:
             waiting = self._waiting[(sid, k)] = _Waiting(
