@@ -33,12 +33,11 @@ demo: $(STAMP)
 	$(VENV)/bin/vlens demo --out vlens-demo.html
 
 # every prerequisite is installed here, so a skipped test is a failure.
-# TEST_WORKERS=2: two pytest-xdist processes, each with its own engines (one
-# process leaves a core idle most of the run: ~34 min against ~58 on 2 cores).
-# --dist loadgroup keeps the browser tests and the install test in one
-# process (their xdist_group), one after another. Not the default yet: on a
-# busy machine a browser view's plotly figures have stayed empty there.
-TEST_WORKERS ?= 0
+# Two pytest-xdist processes, each with its own engines (one process leaves
+# a core idle most of the run). --dist loadgroup keeps the browser tests,
+# the Run-All test and the install test in one process (their xdist_group),
+# one after another. TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(BROWSER_STAMP)
 	VLENS_NO_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 

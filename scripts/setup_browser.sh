@@ -17,5 +17,5 @@ fi
 /usr/bin/chromium --version
 
 "$VENV/bin/python" -m pip install --quiet "playwright>=1.45" "jupyterlab>=4" "ipykernel>=6" \
-    "ipywidgets>=8" "anywidget>=0.9"
+    "ipywidgets>=8" "anywidget>=0.11"
 "$VENV/bin/python" -c "import playwright, jupyterlab; print('playwright', playwright.__version__ if hasattr(playwright, '__version__') else 'ok', '| jupyterlab', jupyterlab.__version__)"

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests that run the notebooks (tests/test_notebooks.py
+"""Helpers shared by the tests that run the notebooks (tests/test_run_all.py
 and tests/test_browser.py); imported as ``_helpers`` (pytest puts tests/ on
 the path)."""
 

@@ -15,7 +15,9 @@ patching grid, then checks the views' state in the kernel (``layer``,
 A third opens the feature view of the bundled SAE: it picks a prompt, clicks
 a token, clicks one of its features (the contexts, histogram and promoted
 tokens follow) and steers with it (baseline and steered text stream side by
-side). Screenshots go to ``test-artifacts/``.
+side). Every view must draw the first time: no test makes a view again
+(tests/test_run_all.py runs every notebook with Run All on a busy machine).
+Screenshots go to ``test-artifacts/``.
 
 Needs ``scripts/setup_browser.sh`` (apt's chromium, pip's playwright);
 skipped, visibly, without them.
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -168,32 +171,41 @@ def _prepare(tmp: Path) -> Path:
     nbformat.write(_views_notebook(model), work / "views.ipynb")
     nbformat.write(_notebook_of(_CHAT_CELLS), work / "chat.ipynb")
     nbformat.write(_notebook_of(_FEATURE_CELLS), work / "features.ipynb")
-    settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False})
-    )
+    _quiet_lab_settings(tmp)
     return work
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """(url, token) of a JupyterLab server on 127.0.0.1, stopped afterwards."""
+def _browser_ready() -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing: run scripts/setup_browser.sh")
     pytest.importorskip("playwright.sync_api", reason="run scripts/setup_browser.sh")
     pytest.importorskip("jupyterlab")
-    work = _prepare(tmp_path)
+
+
+def _quiet_lab_settings(tmp: Path) -> None:
+    """Lab settings that keep JupyterLab quiet (no news, no update checks: no
+    network)."""
+    settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True, exist_ok=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+
+
+@contextmanager
+def _lab_server(work: Path, tmp: Path):
+    """(url, token) of a JupyterLab server on 127.0.0.1 over ``work``, stopped
+    afterwards (its log copied to test-artifacts/)."""
     ARTIFACTS.mkdir(exist_ok=True)
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ)
     env.update(
-        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab-workspaces"),
-        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp / "lab-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "lab-workspaces"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
     )
     url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "jupyter.log", "w") as log:
+    with open(tmp / "jupyter.log", "w") as log:
         server = subprocess.Popen(
             [
                 sys.executable, "-m", "jupyter", "lab", "--no-browser",
@@ -216,7 +228,7 @@ def lab(tmp_path):
                     if server.poll() is not None or time.monotonic() > deadline:
                         log.flush()
                         pytest.fail("JupyterLab did not start:\n"
-                                    + (tmp_path / "jupyter.log").read_text()[-3000:])
+                                    + (tmp / "jupyter.log").read_text()[-3000:])
                     time.sleep(0.5)
             yield url, token
         finally:
@@ -225,7 +237,16 @@ def lab(tmp_path):
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
-    shutil.copy(tmp_path / "jupyter.log", ARTIFACTS / "jupyter.log")
+    shutil.copy(tmp / "jupyter.log", ARTIFACTS / "jupyter.log")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """(url, token) of a JupyterLab server over the test notebooks."""
+    _browser_ready()
+    work = _prepare(tmp_path)
+    with _lab_server(work, tmp_path) as served:
+        yield served
 
 
 def _run_cell_and_read(page, code: str, marker: str) -> str:
@@ -296,7 +317,6 @@ def _figure_data(figure) -> str:
 
 
 def test_explorer_in_a_real_browser(lab, tmp_path):
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     url, token = lab
@@ -305,20 +325,7 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
         console: list[str] = []
         browser, page = _open_page(p, 1000, console)
         try:
-            page.goto(f"{url}/lab/tree/01_tour.ipynb?token={token}")
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
-            # a fresh lab may ask which kernel to start: the notebook's own
-            accept = page.locator(".jp-Dialog .jp-mod-accept")
-            try:
-                accept.wait_for(timeout=10_000)
-                accept.click()
-            except PlaywrightTimeout:
-                pass
-            page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(
-                timeout=120_000)
-            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel",
-                         has_text=re.compile(r"^Run All Cells$")).click()
+            _open_and_run_all(page, url, token, "01_tour.ipynb")
 
             # the explorer's chips appear once the engine started and every cell ran
             page.locator(".jp-OutputArea-output", has_text="layer:").last.wait_for(
@@ -335,20 +342,7 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
                 _wait_plotted(page, heatmap)
                 return chips, explorer, heatmap
 
-            try:
-                chips, explorer, heatmap = drawn(page)
-            except PlaywrightTimeout:
-                # anywidget gives a new model 2 s to load its front end, then
-                # gives up ("[anywidget] Failed to initialize model."): on a
-                # loaded machine the chip strip (or a figure) can miss that. A
-                # new explorer makes new models; said in console.log.
-                console.append("test: explorer not drawn after Run All; made again")
-                _run_cell_and_read(
-                    page, "ex = vlens.explore(s, prompts[1], positive=happy, negative=sad, "
-                          "max_new_tokens=MAX_NEW_TOKENS); display(ex); print('VLENS-AGAIN')",
-                    "VLENS-AGAIN")
-                chips, explorer, heatmap = drawn(
-                    page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last)
+            chips, explorer, heatmap = drawn(page)  # drawn the first time: no retry
             time.sleep(1)
             page.screenshot(path=str(ARTIFACTS / "01-explorer.png"), full_page=False)
             explorer.screenshot(path=str(ARTIFACTS / "01-explorer-widget.png"))
@@ -488,11 +482,13 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
     assert all(u.startswith(("file:", "data:", "blob:")) for u in fetched), fetched
 
 
-def _open_and_run_all(page, url: str, token: str, name: str) -> None:
-    """Open notebook ``name`` in the lab and run every cell."""
+def _open_and_run_all(page, url: str, token: str, name: str, workspace: str = "") -> None:
+    """Open notebook ``name`` in the lab and run every cell. ``workspace``:
+    open it in a workspace of its own, with no other notebook restored."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    page.goto(f"{url}/lab/tree/{name}?token={token}")
+    where = f"workspaces/{workspace}/" if workspace else ""
+    page.goto(f"{url}/lab/{where}tree/{name}?token={token}")
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
     accept = page.locator(".jp-Dialog .jp-mod-accept")  # which kernel: the notebook's own
     try:
@@ -515,7 +511,6 @@ def _click_at(page, box: dict, fx: float, fy: float) -> None:
 
 
 def test_attention_and_patching_views_in_a_real_browser(lab):
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     url, token = lab
@@ -537,17 +532,7 @@ def test_attention_and_patching_views_in_a_real_browser(lab):
                 cell.locator(".js-plotly-plot").nth(1).locator(
                     ".gtitle", has_text="layer 0, head 0").wait_for(timeout=60_000)
 
-            try:
-                drawn(cell)
-            except PlaywrightTimeout:
-                # anywidget's 2 s to load a model can pass on a loaded machine
-                # (see the explorer test), leaving chips or figures empty: a
-                # new view makes new models
-                console.append("test: attention view not drawn after Run All; made again")
-                _run_cell_and_read(page, "att = AttentionView(run, layer=0, head=0); "
-                                         "display(att); print('VLENS-AGAIN')", "VLENS-AGAIN")
-                cell = page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last
-                drawn(cell)
+            drawn(cell)  # drawn the first time: no retry
             chips = cell.locator(".vlens-chip")
             cell.scroll_into_view_if_needed()
             plots = cell.locator(".js-plotly-plot")
@@ -627,7 +612,6 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
     the chips and heatmap render, the layer slider moves the layer, and a steering
     run streams back from the server."""
     import nbformat
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
     from test_serve import _Server
 
@@ -658,13 +642,8 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
                 explorer.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
                 return chips, explorer
 
-            try:
-                page.locator(".vlens-chip:visible").first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
-                chips, explorer = drawn(page)
-            except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
-                _run_cell_and_read(page, f"{explore}; display(ex); print('VLENS-AGAIN')",
-                                   "VLENS-AGAIN")
-                chips, explorer = drawn(page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last)
+            page.locator(".vlens-chip:visible").first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            chips, explorer = drawn(page)  # drawn the first time: no retry
             assert chips.count() >= 4
             slider = explorer.locator(".widget-slider:visible").first
             readout = slider.locator(".widget-readout")
@@ -694,7 +673,6 @@ def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
     """The chips of a conversation are coloured by role, and its spaces and
     newlines are drawn (· and ↵); the logit lens's token axis draws them the
     same way."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     url, token = lab
@@ -712,15 +690,7 @@ def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
                 cell.scroll_into_view_if_needed()
                 cell.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
 
-            try:
-                drawn(cell)
-            except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
-                console.append("test: chat explorer not drawn after Run All; made again")
-                _run_cell_and_read(page, "ex = explore(s, CONV, max_new_tokens=4); "
-                                         "display(ex); print('VLENS-AGAIN')",
-                                   "VLENS-AGAIN")
-                cell = page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last
-                drawn(cell)
+            drawn(cell)  # drawn the first time: no retry
             chips = cell.locator(".vlens-chip")
             time.sleep(1)
             cell.screenshot(path=str(ARTIFACTS / "14-chat-explorer.png"))
@@ -759,7 +729,6 @@ def test_feature_view_in_a_real_browser(lab):
     click that feature among the token's top features, then steer a sad
     opening with it: the kernel saw each click, the page drew the feature
     and streamed both texts."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     url, token = lab
@@ -774,18 +743,7 @@ def test_feature_view_in_a_real_browser(lab):
             at, position = (int(x) for x in out.inner_text().split()[2:4])
             cell = page.locator(".jp-CodeCell", has_text="fv = vlens.FeatureView").first
             chips = cell.locator(".vlens-chip")
-            try:
-                chips.first.wait_for(timeout=60_000)
-            except PlaywrightTimeout:  # anywidget's 2 s model start on a loaded machine
-                console.append("test: feature view chips missing after Run All; made again")
-                _run_cell_and_read(page, "fv = vlens.FeatureView(s, sae, stories, labels=labels, "
-                                         "max_new_tokens=24, prompt=world.steering_prompts("
-                                         "world.SAD, 1)[0]); fv.scale = measured['steer']['scale']; "
-                                         "display(fv); print('VLENS-AGAIN')",
-                                   "VLENS-AGAIN")
-                cell = page.locator(".jp-CodeCell", has_text="VLENS-AGAIN").last
-                chips = cell.locator(".vlens-chip")
-                chips.first.wait_for(timeout=60_000)
+            chips.first.wait_for(timeout=60_000)  # drawn the first time: no retry
             cell.scroll_into_view_if_needed()
             time.sleep(1)
             cell.screenshot(path=str(ARTIFACTS / "15-feature-view.png"))

@@ -6,7 +6,7 @@ traces of the bundled model (``toy_session``); the patching view and the
 ablation mode call the Session and are checked against the Session's own
 answers (``s.patch``, ``s.trace(ablate=...)``). The browser drives the same
 views in tests/test_browser.py, the notebooks 05 and 06 in
-tests/test_notebooks.py.
+tests/test_run_all.py.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
     assert panel.mode == "ablate" and panel._ablate_row.layout.display == ""
     assert panel._scale_row.layout.display == "none" and panel._lists.layout.display == "none"
     panel._run_button.click()
-    assert "pick at least one head" in panel.error  # shown, not raised
+    assert panel.wait(120) and "pick at least one head" in panel.error  # shown, not raised
     panel.head_picker._buttons[head].value = True  # a click on the head's button
     assert panel.ablate_heads == [head]
     ab = panel.ablation()
@@ -167,7 +167,7 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
     assert sorted(panel.ablate_heads) == looking
     ab = panel.ablation()
     panel._run_button.click()
-    assert panel.error == "" and panel.streamed_states >= 2
+    assert panel.wait(120) and panel.error == "" and panel.streamed_states >= 2
     base, ablated = panel.comparison.texts[0]
     # the plain run and the ablated one equal what trace gives for each
     ref = toy_session.trace([ANIMAL, ANIMAL], max_new_tokens=6, layers=[0], reduce="norm",
@@ -210,7 +210,7 @@ def test_patching_view_streams_the_grid_and_shows_a_clicked_cell(toy_session):
 
     view._corrupt.value = "a short corrupt prompt"  # typed; a different length
     view._run_button.click()  # said in the widget, not raised
-    assert "same length" in view.error and view.patching is not None
+    assert view.wait(120) and "same length" in view.error and view.patching is not None
 
 
 @engine
@@ -224,6 +224,6 @@ def test_patching_view_of_a_result_and_its_argument_checks(toy_session):
     view.cell = (0, 2)  # set from Python: the same as a click
     assert view.cell_name() == "layer 0, head 2" and len(view.bars.data) == 3
     view._run_button.click()
-    assert "given a result, not a session" in view.error
+    assert view.wait(120) and "given a result, not a session" in view.error
     with pytest.raises(TypeError, match="site"):
         PatchingView(result, site="z")

@@ -6,7 +6,7 @@ engine (the controller, the steering panel, the explorer) runs on the
 bundled model (``toy_session``); the ``calls`` fixture records what they
 asked the Session while the Session's own methods do the work. The browser
 drives the same widgets in tests/test_browser.py, the notebooks in
-tests/test_notebooks.py.
+tests/test_run_all.py.
 """
 
 from __future__ import annotations
@@ -436,7 +436,8 @@ def _panel(session, **kw) -> SteeringPanel:
 def test_steering_panel_run_calls_direction_then_compare(toy_session, calls):
     panel = _panel(toy_session)
     assert calls == []  # nothing runs until asked
-    panel._run_button.click()
+    panel._run_button.click()  # starts the run in the background
+    assert panel.wait(120)
     assert panel.error == ""
     assert [c["name"] for c in calls] == ["direction", "stream_compare"]
     d = calls[0]
@@ -474,8 +475,8 @@ def test_steering_panel_scale_reruns_with_a_cached_direction(toy_session, calls)
     panel = _panel(toy_session)
     panel.run_comparison()
     bars_before = list(panel.comparison_figure.data[0].y)
-    panel._scale.value = -1.0  # the slider, released
-    assert panel.scale == -1.0
+    panel._scale.value = -1.0  # the slider, released: a run in the background
+    assert panel.scale == -1.0 and panel.wait(120)
     assert [c["steer"].scale for c in calls_of(calls, "stream_compare")] == [RECIPE["scale"], -1.0]
     assert len(calls_of(calls, "direction")) == 1  # reused
     assert list(panel.comparison_figure.data[0].y) != bars_before
@@ -503,7 +504,7 @@ def test_steering_panel_span_from_token_chips(toy_session, calls):
 def test_steering_panel_sweep_and_metric(toy_session, calls):
     panel = _panel(toy_session, scales=(-4, 0, 4, 8), token_set="happy merry")
     panel._sweep_button.click()
-    assert panel.error == ""
+    assert panel.wait(120) and panel.error == ""
     (sw,) = calls_of(calls, "sweep")
     assert sw["scales"] == [-4, 0, 4, 8] and sw["args"] == (PROMPT,)
     frame = panel.sweep_result.to_frame()
@@ -524,21 +525,22 @@ def test_steering_panel_errors_are_shown(toy_session, calls):
     panel = SteeringPanel(toy_session, PROMPT)
     panel._positive.value = ""  # the recipe's lists, cleared
     panel._run_button.click()
-    assert "positive" in panel.error  # no prompt lists
+    assert panel.wait(120) and "positive" in panel.error  # no prompt lists
     panel.source = "vector"
     panel._run_button.click()
-    assert "vector" in panel.error
+    assert panel.wait(120) and "vector" in panel.error
     hidden = toy_session.hidden_size
     panel.vector = torch.ones(hidden) * 2
     assert f"norm {2 * math.sqrt(hidden):.3g}" in panel._vector_label.value
     panel._run_button.click()
-    assert panel.error == ""
+    assert panel.wait(120) and panel.error == ""
     sent = calls_of(calls, "stream_compare")[-1]["steer"]
     assert sent.relative  # the recipe's default: the vector's direction, |x| sets the size
     assert torch.allclose(sent.vector, panel.vector / panel.vector.norm())
     panel.vector = torch.ones(hidden + 1)  # from another model
     panel._sweep_button.click()
-    assert "hidden size" in panel.error and not panel.busy
+    assert panel.wait(120) and "hidden size" in panel.error and not panel.busy
+    assert not panel._run_button.disabled and not panel._sweep_button.disabled
 
 
 @engine
@@ -580,7 +582,7 @@ def test_steering_panel_defaults_flip_the_sad_example_on_the_bundled_model(toy_s
     assert (panel.layer, panel.scale, panel.relative) == (recipe.layer, recipe.scale, True)
     assert panel.positive == list(recipe.positive) and panel.negative == list(recipe.negative)
     panel._run_button.click()  # the first click
-    assert panel.error == ""
+    assert panel.wait(120) and panel.error == ""
     (cmp,) = calls_of(calls, "stream_compare")
     assert cmp["max_new_tokens"] == recipe.max_new_tokens
     base, steered = panel.comparison.texts[0]
@@ -691,6 +693,7 @@ def test_explorer_trace_button_retraces(toy_session, calls):
     longer = PROMPT + " the sky was grey and the wind was cold."
     ex._prompt.value = longer
     ex._trace_button.click()
+    assert ex.wait(120)
     assert [c["args"] for c in calls_of(calls, "trace")] == [([PROMPT],), ([longer],)]
     assert ex.span == (0, 0)
     assert len(ex.span_picker.tokens) == ex.run[0].n_tokens
@@ -703,7 +706,7 @@ def test_explorer_shows_an_engine_error_and_keeps_working(toy_session):
     assert "prompt 0 is empty" in ex.error and ex.run is None
     ex._prompt.value = PROMPT
     ex._trace_button.click()  # the button works after the failure
-    assert ex.error == "" and ex.run is not None
+    assert ex.wait(120) and ex.error == "" and ex.run is not None
     assert ex.busy is False and ex._progress_row.layout.display == "none"
 
 
@@ -807,7 +810,7 @@ def test_feature_view_token_feature_steer_and_clamp(toy_session, tmp_path):
     fv.feature = happy
     assert fv.feature_buttons.value is None and "mood=happy" in fv._header.value
     fv._run_button.click()
-    assert fv.error == "" and fv.streamed_states >= 3
+    assert fv.wait(120) and fv.error == "" and fv.streamed_states >= 3
     ref = s.compare(sad, steer=vlens.Steer(sae.decoder(happy), sae.layer, 0.75, sae.site,
                                            relative=True), max_new_tokens=12)
     assert fv.comparison.texts == ref.texts and fv.live_texts == tuple(ref.texts[0])
@@ -834,7 +837,7 @@ def test_feature_view_token_feature_steer_and_clamp(toy_session, tmp_path):
         fv.feature = 1024
     fv.feature = -1
     fv._run_button.click()
-    assert "pick a feature first" in fv.error
+    assert fv.wait(120) and "pick a feature first" in fv.error
     with pytest.raises(vlens.VlensError, match="needs a vlens.SAE"):
         vlens.FeatureView(s, "path/to/sae", stories)
     with pytest.raises(vlens.VlensError, match="needs prompts"):

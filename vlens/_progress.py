@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Progress", "progress_factory"]
+__all__ = ["Progress", "Stages", "progress_factory"]
 
 
 class Progress:
@@ -51,15 +51,27 @@ class Progress:
             self._bar.close()
 
 
+def _checked(progress: Any) -> bool:
+    """Whether ``progress`` asks for any reporting (raises if it is no valid value)."""
+    if progress is None or progress is False:
+        return False
+    if progress is True or callable(progress):
+        return True
+    from vlens.errors import VlensError
+
+    raise VlensError(
+        f"progress must be True, False/None, or a function fn(done, total); got {progress!r}"
+    )
+
+
 def progress_factory(progress: Any, desc: str = "vlens"):
     """``progress``: None/False (quiet), True (a tqdm.auto bar), or a
-    callable ``fn(done, total)``. Returns what vLLM's ``use_tqdm`` takes.
+    callable ``fn(done, total)``. Returns what vLLM's ``use_tqdm`` takes
+    (and ``Runner.stream`` calls with ``total=`` only).
 
     vLLM also wraps plain iterables with it (while it renders prompts);
     those pass through unreported."""
-    if progress is None or progress is False:
-        return None
-    if progress is True or callable(progress):
+    if _checked(progress):
         def factory(iterable: Any = None, *, total: int | None = None, **_: Any):
             if total is None:
                 return iterable
@@ -68,8 +80,32 @@ def progress_factory(progress: Any, desc: str = "vlens"):
             return Progress(total, callback=progress)
 
         return factory
-    from vlens.errors import VlensError
+    return None
 
-    raise VlensError(
-        f"progress must be True, False/None, or a function fn(done, total); got {progress!r}"
-    )
+
+class Stages:
+    """One ``progress=`` over consecutive engine calls (``patch``: the read
+    pass, then the cell batch) with one known ``total``: :meth:`at` gives
+    each call its own ``fn(done, total)``, counting on from ``offset``."""
+
+    def __init__(self, progress: Any, total: int, desc: str = "vlens") -> None:
+        self._progress = None
+        if _checked(progress):
+            self._progress = Progress(total, bar=progress is True, desc=desc,
+                                      callback=None if progress is True else progress)
+
+    def at(self, offset: int) -> Callable[[int, int], None] | None:
+        """The ``progress=`` of the call whose requests come after ``offset``."""
+        p = self._progress
+        if p is None:
+            return None
+
+        def report(done: int, _total: int) -> None:
+            if offset + done > p.n:
+                p.update(offset + done - p.n)
+
+        return report
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()

@@ -228,8 +228,8 @@ class Runner:
         """Run ``call.requests`` in ONE engine batch and return
         ``call.assemble(vLLM outputs, records by tag)``.
 
-        Runs are serialised per engine (two widget callbacks at once queue,
-        they do not interleave). The vectors the requests name are held for
+        Runs are serialised per engine (a widget's run in its thread and a
+        cell's call queue, they do not interleave). The vectors the requests name are held for
         the call; the edit functions live in the workers only during it; if
         anything fails, the engine aborts what is left and the workers forget
         this call's records before the exception goes on."""
@@ -239,22 +239,32 @@ class Runner:
             outputs = running.engine.generate(running.prompts, params, factory)
             return running.finish(call.assemble, outputs)
 
-    def stream(self, call: Call, *, budget: int) -> Iterator[Any]:
+    def stream(self, call: Call, *, budget: int, progress: Any = None) -> Iterator[Any]:
         """Like :meth:`run`, step by step: after every engine step yield
         ``call.partial(latest vLLM outputs)`` (None for a request with no
         token yet), and last ``call.assemble(outputs, records)``. Closing
-        the iterator early aborts the requests and cleans up as an
-        interrupt does."""
+        the iterator early aborts the requests as an interrupt does.
+        ``progress`` (checked now, not at the first step) as in :meth:`run`,
+        counting finished requests; raising in it ends the stream so too."""
         if call.partial is None:
             raise TypeError("a streamed call needs its partial= (what to yield each step)")
+        return self._stream(call, budget, progress_factory(progress))
+
+    def _stream(self, call: Call, budget: int, factory: Any) -> Iterator[Any]:
         with self._calling(call.requests, budget, call.edit_fns) as running:
             outputs: list = []
             steps = running.engine.stream(running.prompts, [r.params for r in call.requests])
+            bar = factory(total=len(call.requests)) if factory else None
             try:
                 for outputs in steps:
+                    done = sum(1 for o in outputs if o is not None and o.finished)
+                    if bar is not None and done > bar.n:
+                        bar.update(done - bar.n)
                     yield call.partial(outputs)
             finally:
                 steps.close()  # closed early: the engine aborts what is left
+                if bar is not None:
+                    bar.close()
             result = running.finish(call.assemble, outputs)
         yield result
 

@@ -22,6 +22,8 @@ import torch
 from vlens import checks
 from vlens.methods import ablation, directions, patching, sae
 from vlens._runner import Runner, env_flag, live_engines
+from vlens.engine.engine import start_options
+from vlens.engine.quiet import start_line
 from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
 from vlens.protocol.plan import Edit, Read
@@ -42,13 +44,21 @@ class Session(ServerNamed):
     ``model_impl="transformers"``, ``max_model_len=512``,
     ``max_num_batched_tokens=64``). A second Session with the same model and
     arguments in one process shares the live engine unless ``reuse=False``.
+
+    A new engine starts quietly and prints one line (model, route, eager or
+    compiled, KV cache, seconds to start); ``verbose=True`` (or
+    ``VLENS_VERBOSE=1``) shows vLLM's own log instead. Errors show either way.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, reuse: bool = True,
-                 **llm_kwargs: Any) -> None:
+                 verbose: bool | None = None, **llm_kwargs: Any) -> None:
+        if verbose is not None and not isinstance(verbose, bool):
+            raise VlensError(f"verbose must be True or False, got {verbose!r}")
         self.model = resolve_model(model)
-        self._runner = Runner(self.model, llm_kwargs, reuse=reuse)
+        with start_options(verbose=verbose):
+            self._runner = Runner(self.model, llm_kwargs, reuse=reuse)
         self._setup()
+        print(start_line(self.model, self.engine, self.reused), flush=True)
 
     @classmethod
     def _attach(cls, engine: Any) -> Session:
@@ -164,11 +174,10 @@ class Session(ServerNamed):
     ) -> Run:
         """Generate from each prompt and read ``sites`` at ``layers``.
 
-        Greedy unless sampling settings say otherwise (``temperature``,
-        ``top_p``, ``n`` … go to vLLM's ``SamplingParams``). All prompts run
-        in one engine batch; every request reads and writes only its own
-        rows. Returns a :class:`~vlens.results.Run` with one trace per
-        request (``n`` per prompt when ``n > 1``).
+        Greedy unless sampling settings (``temperature``, ``n`` …: vLLM's
+        ``SamplingParams``) say otherwise. One engine batch; each request
+        reads and writes only its own rows. A :class:`~vlens.results.Run`,
+        one trace per request (``n`` per prompt when ``n > 1``).
 
         * ``steer``: a :class:`~vlens.Steer` or a list of them (all on every
           prompt), or ``vlens.PerPrompt([...])`` (one entry per prompt: a
@@ -210,16 +219,14 @@ class Session(ServerNamed):
         return self._runner.run(self._trace_call(prompts, params), budget=self.read_budget,
                                 progress=progress)
 
-    def stream(self, prompts: str | Sequence[str], **options: Any) -> Iterator[Run]:
-        """``trace``, token by token, with the same keywords (but
-        ``progress``): an iterator of Runs. After every engine step it yields
-        a partial Run (each sample's tokens and text so far, no reads;
-        ``finish_reason`` None while it runs); the last item is the finished
-        Run, with reads, exactly as ``trace`` returns it. Closing the
-        iterator early (a closed widget, an interrupt) aborts the requests
-        and leaves the engine clean."""
+    def stream(self, prompts: str | Sequence[str], *, progress: Any = None,
+               **options: Any) -> Iterator[Run]:
+        """``trace``, token by token, with the same keywords: after every
+        engine step a partial Run (tokens and text so far, no reads), last
+        the finished Run exactly as ``trace`` returns it. Closing the
+        iterator early aborts the requests and leaves the engine clean."""
         return self._runner.stream(self._trace_call(prompts, TraceParams.of(**options)),
-                                   budget=self.read_budget)
+                                   budget=self.read_budget, progress=progress)
 
     def _trace_call(self, prompts: str | Sequence[str], params: TraceParams) -> Call:
         """Check a trace's arguments and build its call (which streams too)."""
@@ -305,7 +312,8 @@ class Session(ServerNamed):
         return _comparison(*self._runner.run(call, budget=self.read_budget, progress=progress))
 
     def stream_compare(self, prompts: str | Sequence[str], *, steer: Any,
-                       max_new_tokens: int = 16, **sampling: Any) -> Iterator[Any]:
+                       max_new_tokens: int = 16, progress: Any = None,
+                       **sampling: Any) -> Iterator[Any]:
         """``compare``, token by token: after every engine step a pair of
         partial Runs ``(baseline, steered)`` (tokens and text so far), and
         last the finished :class:`~vlens.results.Comparison`, exactly as
@@ -314,7 +322,7 @@ class Session(ServerNamed):
         call = self._steering_call(plist, arms, max_new_tokens, sampling)
         assemble = call.assemble
         call.assemble = lambda outs, got: _comparison(*assemble(outs, got))
-        return self._runner.stream(call, budget=self.read_budget)
+        return self._runner.stream(call, budget=self.read_budget, progress=progress)
 
     def _compare_arms(self, prompts, steer, max_new_tokens, sampling):
         facts = self._facts
@@ -392,8 +400,8 @@ class Session(ServerNamed):
 
     # -- methods: patching ---------------------------------------------------
     def patch(self, clean: str, corrupt: str, *, site: str = "resid_post", layers: Any = None,
-              positions: Any = None, answer: Any = None, heads: bool = False
-              ) -> patching.Patching:
+              positions: Any = None, answer: Any = None, heads: bool = False,
+              progress: Any = None) -> patching.Patching:
         """Activation patching: for every (layer, position) cell, the clean
         run's ``site`` row written into the corrupt run; ``.grid``
         ``[layers, positions]`` of the normalised logit difference (1: the
@@ -402,23 +410,25 @@ class Session(ServerNamed):
         ``site="z", heads=True``: one cell per (layer, head) over all
         ``positions`` (``[layers, heads]``). Two engine calls: one reads
         the clean and corrupt runs, one runs every cell as its own request
-        (see docs/methods.md)."""
-        return patching.run_patch(self, clean, corrupt, site, layers, positions, answer, heads)
+        (see docs/methods.md); ``progress`` counts the requests of both."""
+        return patching.run_patch(self, clean, corrupt, site, layers, positions, answer, heads,
+                                  progress=progress)
 
     def stream_patch(self, clean: str, corrupt: str, *, site: str = "resid_post",
                      layers: Any = None, positions: Any = None, answer: Any = None,
-                     heads: bool = False) -> Iterator[patching.Patching]:
+                     heads: bool = False, progress: Any = None
+                     ) -> Iterator[patching.Patching]:
         """``patch``, filling in: after every engine step a Patching with NaN
         where a cell has not finished; the last item equals ``patch``'s."""
         return patching.stream_patch(self, clean, corrupt, site, layers, positions, answer,
-                                     heads)
+                                     heads, progress=progress)
 
     # -- state and lifecycle --------------------------------------------------
     def status(self) -> dict[str, Any]:
         """The workers' hook state (rank 0): ``records`` and ``plans``
-        pending, ``edit_fns`` and ``vectors`` (with ``vector_bytes``) held,
-        hooks and step counters."""
-        return self.engine.rpc("vlens_status")[0]
+        pending, ``edit_fns`` and ``vectors`` held, hooks and step counters."""
+        with self.engine.lock:  # a run under way (a widget's) ends first
+            return self.engine.rpc("vlens_status")[0]
 
     def close(self) -> None:
         """Release this session's share of the engine; the engine shuts down

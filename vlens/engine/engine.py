@@ -5,7 +5,8 @@ extension, ``vlens/worker/``, runs inside vLLM's workers and imports it there).
 It chooses settings that make a notebook engine work on the first try (see
 ``env.py``), refuses settings under which hooks would silently not fire, and
 speaks to the workers only through ``collective_rpc`` so the same code runs
-in-process and out of process.
+in-process and out of process. It starts quietly unless asked
+(``verbose=``, see ``quiet.py``): vLLM's log stays out of the notebook.
 """
 
 from __future__ import annotations
@@ -13,20 +14,38 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from vlens.engine.doctor import require_startable
 from vlens.engine.env import apply_env_defaults
+from vlens.engine.quiet import quiet_calls, quiet_engine_args, quiet_start, verbose_default
 from vlens.engine.startup import EXTENSION, Checkpoint, engine_info
 from vlens.errors import ClosedError, VlensError
 from vlens.protocol.tensors import encode_tensor
 
-__all__ = ["Engine", "EXTENSION"]
+__all__ = ["Engine", "EXTENSION", "start_options"]
+
+# verbose= for the Engines made inside start_options() (a Session's Runner
+# makes its Engine from the vLLM arguments alone)
+_VERBOSE: ContextVar[bool | None] = ContextVar("vlens_engine_verbose", default=None)
+
+
+@contextmanager
+def start_options(*, verbose: bool | None) -> Iterator[None]:
+    """Engines made in this block start with ``verbose`` (None: the
+    ``VLENS_VERBOSE`` default) unless given their own."""
+    token = _VERBOSE.set(verbose)
+    try:
+        yield
+    finally:
+        _VERBOSE.reset(token)
 
 _REFUSED = {
     "worker_extension_cls": "vlens sets its own worker extension",
@@ -40,9 +59,19 @@ class Engine:
     ``info`` describes the model (``n_layers``, ``hidden_size``, ``impl``
     "native" or "transformers", ``sites``). ``lock`` serialises runs: vLLM's
     offline ``LLM`` is not safe to drive from two threads at once.
+
+    ``verbose``: show vLLM's log (its start and its calls) as vLLM prints
+    it; by default (``VLENS_VERBOSE`` unset) the engine starts and runs
+    quietly, errors only (``quiet.py``). Never passed on to vLLM.
+    ``started_in``: seconds the start took, vLLM's import included.
     """
 
-    def __init__(self, model: str | Path, **llm_kwargs: Any) -> None:
+    def __init__(self, model: str | Path, *, verbose: bool | None = None,
+                 **llm_kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        if verbose is None:
+            verbose = _VERBOSE.get()
+        self.verbose = verbose_default() if verbose is None else bool(verbose)
         eager = llm_kwargs.pop("enforce_eager", True)
         if not isinstance(eager, bool):
             raise VlensError(f"enforce_eager must be True or False, got {eager!r}")
@@ -75,12 +104,30 @@ class Engine:
         self._vectors: OrderedDict[str, int] = OrderedDict()
         self._saes: set[str] = set()  # SAEs the workers hold (kept: few, named by the user)
         self.vector_cache = int(os.environ.get("VLENS_VECTOR_CACHE", "256"))
+        with (nullcontext() if self.verbose
+              else quiet_start(single_process=self._starts_alone())):
+            self._start(checkpoint)
+        self.started_in = time.perf_counter() - t0
+        _OPEN.add(self)
 
+    def _starts_alone(self) -> bool:
+        """Whether this engine starts without other processes (its core in
+        this process, one worker): only then may a quiet start capture fd 2,
+        which processes started meanwhile would keep writing to."""
+        sizes = (self.llm_kwargs.get(k) or 1 for k in (
+            "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+        return (self.in_process and all(size == 1 for size in sizes)
+                and self.llm_kwargs.get("distributed_executor_backend") in (None, "uni"))
+
+    def _start(self, checkpoint: Checkpoint) -> None:
+        """Start vLLM and set up the hooks; sets ``llm``, ``tokenizer``, ``info``."""
         from vllm import LLM  # heavy: only now
 
         extra: dict[str, Any] = {}
         if self.compiled:
             extra = compiled_settings(self.llm_kwargs.pop("compilation_config", None))
+        if not self.verbose:
+            extra.update(quiet_engine_args(self.llm_kwargs))
         try:
             self.llm = LLM(
                 model=self.model,
@@ -103,7 +150,7 @@ class Engine:
             ) from None
         self.tokenizer = self.llm.get_tokenizer()
         try:
-            setup = self.rpc("vlens_setup")[0]
+            setups = self.rpc("vlens_setup")
         except BaseException:
             # a model the workers cannot hook leaves no engine behind
             self._closed = True
@@ -112,11 +159,13 @@ class Engine:
             if client is not None:
                 _shutdown(client, last=not any(e.in_process for e in _OPEN))
             raise
+        setup = dict(setups[0])
+        if all(s.get("kv_cache_bytes") for s in setups):  # every rank's share
+            setup["kv_cache_bytes"] = sum(s["kv_cache_bytes"] for s in setups)
         engine = self.llm.llm_engine
         self.info: dict[str, Any] = engine_info(
             setup, engine.model_config, engine.vllm_config, compiled=self.compiled,
             checkpoint=checkpoint)
-        _OPEN.add(self)
 
     # -- state --------------------------------------------------------------
     @property
@@ -130,10 +179,16 @@ class Engine:
             )
 
     # -- calls into the workers ---------------------------------------------
+    def _quiet(self):
+        """Around a call into vLLM: a quiet engine's call shows none of
+        vLLM's log below ERROR, nor its Python warnings (``quiet.py``)."""
+        return nullcontext() if self.verbose else quiet_calls()
+
     def rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every worker; one result per worker, rank 0 first."""
         self.check_open()
-        return self.llm.collective_rpc(method, args=args)
+        with self._quiet():
+            return self.llm.collective_rpc(method, args=args)
 
     @property
     def vector_ids(self) -> set[str]:
@@ -196,7 +251,8 @@ class Engine:
         self.check_open()
         self.generate_calls += 1
         try:
-            return self.llm.generate(prompts, params, use_tqdm=progress or False)
+            with self._quiet():
+                return self.llm.generate(prompts, params, use_tqdm=progress or False)
         except BaseException:
             self.abort_all()
             raise
@@ -223,16 +279,21 @@ class Engine:
         samples: dict[str, dict[int, Any]] = {}
         latest: dict[str, Any] = {}
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                sp = copy.copy(sp)
-                sp.output_kind = RequestOutputKind.CUMULATIVE
-                rid = f"vlens-stream-{call}-{i}"
-                engine.add_request(rid, prompt, sp)
-                ids.append(rid)
-                samples[rid] = {}
+            with self._quiet():
+                for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                    sp = copy.copy(sp)
+                    sp.output_kind = RequestOutputKind.CUMULATIVE
+                    rid = f"vlens-stream-{call}-{i}"
+                    engine.add_request(rid, prompt, sp)
+                    ids.append(rid)
+                    samples[rid] = {}
             n_of = {rid: getattr(sp, "n", 1) or 1 for rid, sp in zip(ids, params)}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
+            while True:
+                with self._quiet():  # each step, not the caller's code between them
+                    if not engine.has_unfinished_requests():
+                        break
+                    outs = engine.step()
+                for out in outs:
                     if out.request_id not in samples:
                         continue
                     for comp in out.outputs:
@@ -263,13 +324,14 @@ class Engine:
         """Abort every request still in the engine; returns how many."""
         engine = self.llm.llm_engine
         ids = list(engine.output_processor.request_states)
-        if ids:
-            engine.abort_request(ids, internal=True)
-        # let the engine core retire them (bounded: never spin forever)
-        for _ in range(1000):
-            if not engine.has_unfinished_requests():
-                break
-            engine.step()
+        with self._quiet():
+            if ids:
+                engine.abort_request(ids, internal=True)
+            # let the engine core retire them (bounded: never spin forever)
+            for _ in range(1000):
+                if not engine.has_unfinished_requests():
+                    break
+                engine.step()
         return len(ids)
 
     def close(self) -> None:
@@ -284,7 +346,8 @@ class Engine:
             llm, self.llm = self.llm, None
             client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if client is not None:
-                _shutdown(client, last=not any(e.in_process for e in _OPEN))
+                with self._quiet():
+                    _shutdown(client, last=not any(e.in_process for e in _OPEN))
             del llm, client
             import gc
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from vlens import checks
+from vlens._progress import Stages
 from vlens.calls import Call
 from vlens.errors import EngineError, VlensError
 from vlens.protocol.plan import Read, Set
@@ -135,7 +136,8 @@ def _check_records(requests: Sequence[Any], collected: dict[str, list[dict]]) ->
                 raise EngineError(f"patching request {req.plan.tag}: " + "; ".join(rec["errors"]))
 
 
-def _read_pass(session: Any, ids: list[list[int]], site: str, layers: list[int]):
+def _read_pass(session: Any, ids: list[list[int]], site: str, layers: list[int],
+               progress: Any = None):
     """Clean and corrupt in one batch: their activations ``[layers, T,
     width]`` and their first next-token top-``TOP_K`` log-probabilities."""
     runner = session._runner
@@ -151,7 +153,7 @@ def _read_pass(session: Any, ids: list[list[int]], site: str, layers: list[int])
         acts = [a.reshape(a.shape[0], a.shape[1], -1) for a in acts]  # z: [L, T, heads*hd]
         return acts, [_top(o.outputs[0]) for o in outputs]
 
-    return runner.run(Call(requests, assemble), budget=session.read_budget)
+    return runner.run(Call(requests, assemble), budget=session.read_budget, progress=progress)
 
 
 @dataclass
@@ -162,6 +164,8 @@ class _PatchCall:
     requests: list[Any]
     cells: list[tuple[int, int]]  # (row, column) of the grid, in request order after 2
     empty: Patching
+    #: the ``progress=`` of both engine calls (the cell batch: ``stages.at(2)``)
+    stages: Stages
 
     def result(self, outputs: Sequence[Any]) -> Patching:
         """The Patching of these vLLM outputs (None or unfinished: NaN)."""
@@ -214,10 +218,14 @@ class _PatchCall:
 
 def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                layers: Any = None, positions: Any = None, answer: Any = None,
-               heads: bool = False) -> _PatchCall:
+               heads: bool = False, progress: Any = None) -> _PatchCall:
     """Check the arguments, read the clean and corrupt runs (one engine
-    call), and build every cell's request for the second call."""
+    call), and build every cell's request for the second call. ``progress``
+    counts the requests of both calls."""
     ids, layers, positions = _check_args(session, clean, corrupt, site, layers, positions, heads)
+    # clean and corrupt, read; then every cell beside a clean and a corrupt run
+    n_cells = len(layers) * (session._facts.n_heads if heads else len(positions))
+    stages = Stages(progress, 2 + n_cells + 2)
     if answer is not None:  # checked before anything runs
         if not isinstance(answer, (list, tuple)) or len(answer) != 2:
             raise VlensError(f"answer must be (clean_token, corrupt_token), got {answer!r}")
@@ -225,7 +233,7 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                   _answer_id(session, answer[1], "corrupt"))
         if answer[0] == answer[1]:
             raise VlensError("answer names the same token twice: give two different tokens")
-    acts, tops = _read_pass(session, ids, site, layers)
+    acts, tops = _read_pass(session, ids, site, layers, stages.at(0))
     if answer is None:
         answer = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
         if answer[0] == answer[1]:
@@ -273,14 +281,19 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
         tuple(session.token_strings(list(answer))), torch.full(shape, math.nan),
         torch.full(shape, math.nan),
     )
-    return _PatchCall(session, requests, cells, empty)
+    return _PatchCall(session, requests, cells, empty, stages)
 
 
 def run_patch(session: Any, *args: Any, **kwargs: Any) -> Patching:
     pc = patch_call(session, *args, **kwargs)
-    return session._runner.run(pc.call(), budget=session.read_budget)
+    try:
+        return session._runner.run(pc.call(), budget=session.read_budget,
+                                   progress=pc.stages.at(2))
+    finally:
+        pc.stages.close()
 
 
 def stream_patch(session: Any, *args: Any, **kwargs: Any) -> Iterator[Patching]:
-    pc = patch_call(session, *args, **kwargs)
-    return session._runner.stream(pc.call(), budget=session.read_budget)
+    pc = patch_call(session, *args, **kwargs)  # a bar (progress=True) closes when dropped
+    return session._runner.stream(pc.call(), budget=session.read_budget,
+                                  progress=pc.stages.at(2))

@@ -29,6 +29,7 @@ from vlens.widgets.attention import AttentionView
 from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.explorer import Explorer, explore
 from vlens.widgets.features import FeatureView
+from vlens.widgets.figure import FigureView
 from vlens.widgets.logit_lens import LogitLensView
 from vlens.widgets.patching import PatchingView
 from vlens.widgets.pickers import LayerPicker, SitePicker
@@ -44,6 +45,7 @@ __all__ = [
     "Controller",
     "Explorer",
     "FeatureView",
+    "FigureView",
     "LayerPicker",
     "LogitLensView",
     "PatchingView",

@@ -10,6 +10,7 @@ working; the next successful callback clears it.
 from __future__ import annotations
 
 import html
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,8 @@ import plotly.graph_objects as go
 import traitlets
 
 from vlens.results import Run
+from vlens.widgets.figure import FigureView
+from vlens.widgets._runs import Runs
 from vlens.widgets.selection import Selection, token_sites
 
 __all__ = [
@@ -28,21 +31,16 @@ __all__ = [
 ]
 
 
-def figure_widget(height: int | None = None) -> go.FigureWidget:
-    """An empty plotly FigureWidget to be filled by :func:`show_figure`."""
-    fw = go.FigureWidget()
-    if height:
-        fw.layout.height = height
-    return fw
+def figure_widget(height: int | None = None) -> FigureView:
+    """An empty figure view (:class:`~vlens.widgets.figure.FigureView`) to be
+    filled by :func:`show_figure`."""
+    return FigureView(height=height)
 
 
-def show_figure(target: go.FigureWidget, fig: go.Figure) -> None:
+def show_figure(target: FigureView, fig: go.Figure) -> None:
     """Replace ``target``'s traces and layout with ``fig``'s, in one message
     to the browser (the widget object, and so its place on the page, stays)."""
-    with target.batch_update():
-        target.data = []
-        target.add_traces(list(fig.data))
-        target.layout = fig.layout
+    target.show(fig)
 
 
 class Panel(widgets.VBox):
@@ -50,11 +48,18 @@ class Panel(widgets.VBox):
 
     Subclasses build their controls, then call ``super().__init__(children)``.
     ``error`` holds the message of the last failed callback ("" when the last
-    one succeeded); ``busy`` is true while the engine runs.
+    one succeeded); ``busy`` is true while a run is pending, and the panel's
+    run buttons (``_run_button``, ``_sweep_button``, ``_trace_button``) are
+    disabled meanwhile.
+
+    Engine runs (:mod:`vlens.widgets._runs`): a callback starts one with
+    :meth:`_start` (in the background, the latest wins); a Python method
+    runs one with :meth:`_call` (in the caller's thread, returning its
+    result). :meth:`wait` waits for the panel's pending runs.
     """
 
     error = traitlets.Unicode("", help="message of the last failed callback")
-    busy = traitlets.Bool(False, help="true while an engine call runs")
+    busy = traitlets.Bool(False, help="true while a run is pending (started, not ended)")
 
     def __init__(self, children: list[widgets.Widget]) -> None:
         self._error_label = widgets.Label(style={"text_color": "#b00020"})
@@ -70,6 +75,8 @@ class Panel(widgets.VBox):
             [self._progress, self._progress_label], layout={"display": "none"}
         )
         self._details.layout.display = "none"
+        self._depth = 0  # nested _working blocks: the outermost shows and hides the row
+        self._runs = Runs(self._set_running)
         super().__init__(
             children=[*children, self._progress_row, self._error_label, self._details]
         )
@@ -113,31 +120,91 @@ class Panel(widgets.VBox):
             self._traceback.outputs = ()
             self._details.layout.display = "none"
 
+    # -- runs ------------------------------------------------------------------
+    def _start(self, key: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Start ``fn(*args)`` as this panel's newest run, in a thread of its
+        own (for callbacks: the kernel stays free); the run under way, if
+        any, is cancelled. An exception is shown in the widget."""
+        self._runs.start(key, lambda: fn(*args), self._show_error, self._clear_error)
+
+    def _call(self, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` as this panel's newest run, in this thread (for
+        Python methods: it returns the result, or raises)."""
+        return self._runs.call(key, lambda: fn(*args))
+
+    def _publishing(self) -> Any:
+        """``with self._publishing():`` around showing a run's result: a run
+        replaced meanwhile stops there (and shows nothing)."""
+        return self._runs.publishing()
+
+    def _check_run(self) -> None:
+        """Stop here if a newer run replaced this one (a stream's step)."""
+        job = self._runs.current
+        if job is not None:
+            job.check()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the runs this panel (and every panel inside it) started
+        have ended; False if ``timeout`` seconds passed first. A run started
+        by a control or a button runs in the background: call this before
+        reading its result from Python."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            panels = [self, *self._inner_panels()]
+            for panel in panels:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                if not panel._runs.wait(left):
+                    return False
+            if not any(p._runs.under_way() for p in panels):
+                return True
+
+    def _inner_panels(self) -> list[Panel]:
+        found, todo = [], list(self.children)
+        while todo:
+            w = todo.pop()
+            if isinstance(w, Panel):
+                found.append(w)
+            todo.extend(getattr(w, "children", ()) or ())
+        return found
+
+    def _set_running(self, running: bool) -> None:
+        self.busy = running
+        for name in ("_run_button", "_sweep_button", "_trace_button"):
+            button = getattr(self, name, None)
+            if button is not None:
+                button.disabled = running
+
     # -- progress --------------------------------------------------------------
     @contextmanager
-    def _working(self, what: str) -> Iterator[Callable[[int, int], None]]:
+    def _working(self, what: str, unit: str = "requests"
+                 ) -> Iterator[Callable[[int, int], None]]:
         """Show a progress row saying ``what`` while the engine runs.
 
         Yields ``report(done, total)``, to pass as the Session's
-        ``progress=``: the bar moves as requests finish (each update is sent
-        to the browser at once, while the kernel is still busy)."""
-        self.busy = True
+        ``progress=`` (or to call at each step of a stream): the bar moves
+        and the label says ``done/total unit`` (each update is sent to the
+        browser at once). Inside a run, ``report`` raises
+        :class:`~vlens.widgets._runs.RunReplaced` when a newer run replaced
+        this one, which stops the engine call cleanly."""
+        self._depth += 1
         self._progress.max = 1
         self._progress.value = 0
         self._progress_label.value = what
         self._progress_row.layout.display = ""
 
         def report(done: int, total: int) -> None:
+            self._check_run()
             self._progress.max = max(1, int(total))
             self._progress.value = min(int(done), self._progress.max)
-            self._progress_label.value = f"{what} {done}/{total}"
+            self._progress_label.value = f"{what} {done}/{total} {unit}"
 
         try:
             yield report
         finally:
-            self._progress_row.layout.display = "none"
-            self._progress_label.value = ""
-            self.busy = False
+            self._depth -= 1
+            if not self._depth:
+                self._progress_row.layout.display = "none"
+                self._progress_label.value = ""
 
 
 def full_sites(run: Run) -> list[str]:

@@ -34,7 +34,7 @@ class ActivationView(View):
     ``direction`` (a ``[hidden]`` tensor, for projection and cosine),
     ``per_layer`` (each layer its own colour range, default on) and
     ``log`` (log colours; default: on for norms). ``heatmap`` and
-    ``strip`` are the FigureWidgets.
+    ``strip`` are the figure views (:class:`FigureView`).
     """
 
     quantity = traitlets.Enum(QUANTITIES, default_value="norm")

@@ -52,7 +52,7 @@ class AttentionView(View):
     picked query token, -1 for none; the chips' hover sets it), ``run``;
     ``layer`` is the :class:`Selection`'s (shared in an explorer).
     ``thumbnails``, ``heatmap`` and ``token_figure`` are the
-    FigureWidgets, ``chips`` the token strip.
+    figure views (:class:`FigureView`), ``chips`` the token strip.
     """
 
     head = traitlets.Int(0)

@@ -100,8 +100,8 @@ class Explorer(View):
         widgets.link((self.span_picker, "selection"), (self.selection, "span"))
         self.controller.observe(self._guard(self._show_run), names=["run"])
         self.steering_panel.observe(self._guard(self._show_copied), names=["comparison"])
-        self._trace_button.on_click(
-            self._guard(lambda _b: self.trace(box_prompt(self._prompt.value))))
+        self._trace_button.on_click(lambda _b: self._start(
+            "trace", lambda: self._trace_run(box_prompt(self._prompt.value))))
         self._guard(self.trace)(prompt)
 
     @property
@@ -112,10 +112,17 @@ class Explorer(View):
     def trace(self, prompt: Any) -> Run:
         """Trace ``prompt`` (a string or a conversation: a list of
         ``{"role", "content"}`` dicts, shown in the box as JSON) and show it
-        in every view; the chips are coloured by role."""
+        in every view; the chips are coloured by role. (The trace button
+        does it in the background: ``ex.wait()`` waits for it.)"""
+        return self._call("trace", self._trace_run, prompt)
+
+    def _trace_run(self, prompt: Any) -> Run:
         self._prompt.value = box_text(prompt)
         with self._working(f"tracing {self.controller.max_new_tokens} new tokens…") as report:
-            return self.controller.trace(prompt, progress=report)
+            run = self.controller.trace(prompt, progress=report, keep=False)
+        with self._publishing():
+            self.controller.run = run
+        return run
 
     def _show_run(self, change) -> None:
         run = change["new"]

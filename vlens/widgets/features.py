@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from typing import Any
 
 import ipywidgets as widgets
@@ -206,7 +207,11 @@ class FeatureView(Panel):
                                   names="value")
         self.observe(self._guard(lambda _c: self._show_feature()), names="feature")
         self.observe(self._guard(lambda _c: self._show_mode()), names="mode")
-        self._run_button.on_click(self._guard(lambda _b: self.run_comparison()))
+        self._run_button.on_click(lambda _b: self._start("compare", self._compare_run))
+        # a setting changed while a run is under way: that run starts again with it
+        self.observe(lambda _c: self._runs.under_way() and self._start(
+            "compare", self._compare_run), names=["mode", "scale", "relative", "value", "span",
+                                                  "feature"])
         self._show_prompt()
         self._show_mode()
 
@@ -283,7 +288,11 @@ class FeatureView(Panel):
     # -- engine ----------------------------------------------------------------
     def run_comparison(self) -> Any:
         """Baseline vs steered (or clamped) on the steering prompt, streamed:
-        both texts grow side by side as the engine steps."""
+        both texts grow side by side as the engine steps. (The run button
+        does it in the background, the latest click wins: ``fv.wait()``.)"""
+        return self._call("compare", self._compare_run)
+
+    def _compare_run(self) -> Any:
         prompt = self._prompt.value
         if not prompt.strip():
             raise VlensError("type a prompt to steer first")
@@ -294,19 +303,21 @@ class FeatureView(Panel):
         self.streamed_states = 0
         self._ran.value = ""
         cmp = None
-        with self._working(what) as report:
-            for state in self.controller.stream_compare(prompt, edit):
+        states = self.controller.stream_compare(prompt, edit)
+        with self._working(what, "tokens") as report, closing(states):
+            for state in states:
                 if not isinstance(state, tuple):
                     cmp = state
                     break
-                self.live_texts = tuple(r[0].text if len(r) else "" for r in state)
                 report(sum(len(t.output_token_ids) for r in state for t in r), total)
+                self.live_texts = tuple(r[0].text if len(r) else "" for r in state)
                 self.streamed_states += 1
-        self.comparison = cmp
-        self.live_texts = (cmp.baseline[0].text, cmp.steered[0].text)
-        i = cmp.first_divergence[0]
-        self._ran.value = (f"{what[:-1]}: " + ("no divergence" if i is None
-                                              else f"first divergence at new token {i}"))
+        with self._publishing():
+            self.comparison = cmp
+            self.live_texts = (cmp.baseline[0].text, cmp.steered[0].text)
+            i = cmp.first_divergence[0]
+            self._ran.value = (f"{what[:-1]}: " + ("no divergence" if i is None
+                                                  else f"first divergence at new token {i}"))
         return cmp
 
     # -- reactions -------------------------------------------------------------

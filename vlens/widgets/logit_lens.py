@@ -54,7 +54,7 @@ class LogitLensView(View):
     token id, -1 for none), ``track_quantity`` (``"probability"`` /
     ``"rank"``), ``layer_range`` (inclusive ``(low, high)``), ``run``;
     the selection's ``span`` outlines token rows. ``figure`` is the
-    FigureWidget; ``track_source`` says where tracked values come from.
+    figure view (:class:`FigureView`); ``track_source`` says where tracked values come from.
     """
 
     layer_range = traitlets.Tuple(traitlets.Int(), traitlets.Int())

@@ -17,6 +17,7 @@ picked) and ``cells_done``.
 from __future__ import annotations
 
 import math
+from contextlib import closing
 from typing import Any
 
 import ipywidgets as widgets
@@ -48,7 +49,7 @@ class PatchingView(Panel):
     run button runs it again. Traits: ``patching``, ``cell`` ``(row,
     col)`` (``(-1, -1)`` for none), ``cells_done``, ``streamed_states``
     (how many partial grids the last run showed). ``heatmap`` and
-    ``bars`` are the FigureWidgets.
+    ``bars`` are the figure views (:class:`FigureView`).
     """
 
     patching = traitlets.Any(None, allow_none=True, help="the Patching on show")
@@ -83,7 +84,7 @@ class PatchingView(Panel):
         self.bars = figure_widget()
         inputs = [self._clean, self._corrupt, self._run_button] if self.session else []
         super().__init__([*inputs, self._summary, self.heatmap, self.bars])
-        self._run_button.on_click(self._guard(lambda _b: self.run()))
+        self._run_button.on_click(lambda _b: self._start("patch", self._patch_run))
         self.observe(self._guard(self._on_patching), names=["patching"])
         self.observe(self._guard(self._on_cell), names=["cell"])
         if patching is not None:
@@ -98,7 +99,11 @@ class PatchingView(Panel):
     # -- engine ----------------------------------------------------------------
     def run(self, clean: str | None = None, corrupt: str | None = None) -> Any:
         """Patch ``clean`` into ``corrupt`` (default: the text boxes),
-        streaming: the grid redraws as cells finish. Returns the Patching."""
+        streaming: the grid redraws as cells finish. Returns the Patching.
+        (The patch button does it in the background: ``view.wait()``.)"""
+        return self._call("patch", self._patch_run, clean, corrupt)
+
+    def _patch_run(self, clean: str | None = None, corrupt: str | None = None) -> Any:
         if self.session is None:
             raise ValueError("this view was given a result, not a session: "
                              "PatchingView(session, clean=..., corrupt=...) runs patching")
@@ -111,16 +116,17 @@ class PatchingView(Panel):
         self.streamed_states = 0
         self.cell = (-1, -1)
         last = None
-        with self._working("patching…") as report:
-            for state in self.session.stream_patch(box_prompt(self._clean.value),
-                                                   box_prompt(self._corrupt.value),
-                                                   **self.options):
-                if state is self.patching:  # the same object, filled further: no change event
-                    self._on_patching({"new": state})
-                else:
-                    self.patching = state
+        with self._working("patching…", "cells") as report, closing(self.session.stream_patch(
+                box_prompt(self._clean.value), box_prompt(self._corrupt.value),
+                **self.options)) as states:
+            for state in states:
+                report(state.done, int(state.grid.numel()))  # a replaced run stops here
+                with self._publishing():
+                    if state is self.patching:  # the same object, filled further: no event
+                        self._on_patching({"new": state})
+                    else:
+                        self.patching = state
                 last = state
-                report(self.cells_done, int(state.grid.numel()))
                 self.streamed_states += 1
         return last
 

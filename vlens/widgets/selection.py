@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from typing import Any
 
 import traitlets
@@ -81,14 +82,15 @@ class Controller(traitlets.HasTraits):
         self.max_new_tokens = max_new_tokens
         self._directions: dict[tuple, Any] = {}
 
-    def trace(self, prompt: Any, *, progress: Progress | None = None) -> Run:
-        """Trace ``prompt`` for every view and set ``run``."""
+    def trace(self, prompt: Any, *, progress: Progress | None = None, keep: bool = True) -> Run:
+        """Trace ``prompt`` for every view and set ``run`` (unless ``keep`` is False)."""
         s = self.session
         # per-head sites would double the read for nothing the views show
         sites = [x for x in s.sites if x not in PER_HEAD_SITES]
         run = s.trace([prompt], layers=None, sites=sites, logit_lens=TOP_K,
                       max_new_tokens=self.max_new_tokens, progress=progress)
-        self.run = run
+        if keep:
+            self.run = run
         return run
 
     def prompt_tokens(self, prompt: Any) -> list[str]:
@@ -137,11 +139,13 @@ class Controller(traitlets.HasTraits):
         s = self.session
         last = None
         # the smallest read a run can make: one layer's norms
-        for state in s.stream([prompt, prompt], ablate=PerPrompt([None, ablate]),
-                              layers=[s.n_layers - 1], reduce="norm",
-                              max_new_tokens=self.max_new_tokens):
-            last = state
-            yield Run([state[0]], prompts=[prompt]), Run([state[1]], prompts=[prompt])
+        states = s.stream([prompt, prompt], ablate=PerPrompt([None, ablate]),
+                          layers=[s.n_layers - 1], reduce="norm",
+                          max_new_tokens=self.max_new_tokens)
+        with closing(states):  # closed early (a replaced run): the engine aborts, in this thread
+            for state in states:
+                last = state
+                yield Run([state[0]], prompts=[prompt]), Run([state[1]], prompts=[prompt])
         yield Comparison(baseline=Run([last[0]], prompts=[prompt]),
                          steered=Run([last[1]], prompts=[prompt]))
 

@@ -26,6 +26,7 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
+from vlens.widgets.figure import FigureView
 from vlens.widgets.token_span import TokenSpanPicker
 
 __all__ = ["save_snapshot", "snapshot_html"]
@@ -96,6 +97,8 @@ def render(w: Any) -> str:
     own = getattr(w, "_snapshot_html", None)
     if callable(own):
         return own(render)
+    if isinstance(w, FigureView):
+        return _figure(w.figure)
     if isinstance(w, (go.FigureWidget, go.Figure)):
         return _figure(w)
     if isinstance(w, TokenSpanPicker):

@@ -13,15 +13,17 @@ relative, the sweep's scales) is :func:`steering_defaults`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import closing
 from typing import Any
 
 import ipywidgets as widgets
 import traitlets
 
-from vlens.plots import baseline_vs_steered, dose_response, token_set_metric
+from vlens.plots import dose_response, token_set_metric
 from vlens.edits import Steer
 from vlens.widgets.prompt_box import box_prompt, box_text
 from vlens.widgets._base import View, figure_widget, lines_of, show_figure, texts_html
+from vlens.widgets._figures import comparison_figure
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
 from vlens.widgets.pickers import HeadPicker, LayerPicker, SitePicker
 from vlens.widgets.selection import Controller, Selection, token_sites
@@ -55,7 +57,9 @@ class SteeringPanel(View):
 
     After :meth:`run_comparison` (or the run button) ``comparison`` holds
     the Comparison; after :meth:`sweep`, ``sweep_result`` the Sweep. With
-    ``auto_run`` a released scale slider re-runs the comparison.
+    ``auto_run`` a released scale slider re-runs the comparison. Buttons and
+    controls start runs in the background, the latest wins: a setting
+    changed while a run is under way replaces it (``panel.wait()`` waits).
 
     Where it starts is :func:`steering_defaults`: on the bundled model, a
     panel given no prompt lists, vector or prompt starts from the model's
@@ -236,15 +240,17 @@ class SteeringPanel(View):
         self._describe_vector()
         self.observe(self._guard(lambda _c: self._show_source()), names=["mode"])
 
-        self.observe(self._guard(self._on_scale), names=["scale"])
         self.selection.observe(self._guard(self._on_span), names=["span"])
+        self.observe(self._on_setting, names=["scale", "relative", "span_mode", "mode", "vector",
+                                              "ablate_heads", "ablation_kind", "source"])
+        self.selection.observe(self._on_setting, names=["layer", "site", "span"])
         self.observe(self._guard(lambda _c: self._show_source()), names=["source"])
         self.observe(self._guard(lambda _c: self._describe_vector()), names=["vector"])
         self.observe(self._guard(self._on_metric), names=["metric"])
         self._prompt.observe(self._guard(lambda _c: self._show_prompt_tokens()), names="value")
         self._load.on_click(self._guard(lambda _b: self.load_vector(self._path.value)))
-        self._run_button.on_click(self._guard(lambda _b: self.run_comparison()))
-        self._sweep_button.on_click(self._guard(lambda _b: self.sweep()))
+        self._run_button.on_click(lambda _b: self._start("compare", self._compare_run))
+        self._sweep_button.on_click(lambda _b: self._start("sweep", self._sweep_run))
 
     # -- inputs ----------------------------------------------------------------
     @property
@@ -333,7 +339,10 @@ class SteeringPanel(View):
         """Baseline vs steered for the prompt at the current scale, streamed:
         both texts grow side by side as the engine steps, the progress bar
         counts tokens, and the figures follow when the run is done."""
-        prompt = self._need_prompt()
+        return self._call("compare", self._compare_run)
+
+    def _compare_run(self) -> Any:
+        prompt, ran = self._need_prompt(), self._what_ran()
         if self.mode == "ablate":
             states = self.controller.stream_ablation(prompt, self.ablation())
             what = f"knocking out heads {self.ablate_heads} of layer {self.layer}…"
@@ -343,26 +352,29 @@ class SteeringPanel(View):
         total = 2 * self.controller.max_new_tokens
         self.streamed_states = 0
         cmp = None
-        with self._working(what) as report:
+        with self._working(what, "tokens") as report, closing(states):
             for state in states:
                 if not isinstance(state, tuple):
                     cmp = state
                     break
-                base, steered = state
-                self.live_texts = (_text_of(base), _text_of(steered))
                 report(sum(len(t.output_token_ids) for r in state for t in r), total)
+                self.live_texts = tuple(_text_of(run) for run in state)
                 self.streamed_states += 1
-        self.comparison = cmp
-        self._show_comparison()
+        with self._publishing():
+            self.comparison = cmp
+            self._show_comparison(ran)
         return cmp
 
     def sweep(self) -> Any:
         """Run the prompt at every scale of ``scales`` and plot the metric."""
-        prompt = self._need_prompt()
-        st = self.steer()
+        return self._call("sweep", self._sweep_run)
+
+    def _sweep_run(self) -> Any:
+        prompt, st = self._need_prompt(), self.steer()
         with self._working(f"sweeping {len(self.scales)} scales…") as report:
             sw = self.controller.sweep(prompt, st, self.scales, progress=report)
-        self.sweep_result = sw
+        with self._publishing():  # the figure follows: no newer run starts before it
+            self.sweep_result = sw
         frame = sw.to_frame()
         words = self._token_set.value.split()
         if words:
@@ -378,9 +390,16 @@ class SteeringPanel(View):
         return sw
 
     # -- reactions -------------------------------------------------------------
-    def _on_scale(self, change) -> None:
-        if self.auto_run and self.comparison is not None:
-            self.run_comparison()
+    def _on_setting(self, change) -> None:
+        """A setting changed: the run under way starts again with it (the
+        latest wins; a sweep ignores the scale), and with ``auto_run`` a new
+        scale re-runs a comparison on show."""
+        under_way, scale = self._runs.under_way(), change["name"] == "scale"
+        if under_way == "sweep":
+            if not scale:
+                self._start("sweep", self._sweep_run)
+        elif under_way == "compare" or (scale and self.auto_run and self.comparison is not None):
+            self._start("compare", self._compare_run)
 
     def _on_span(self, change) -> None:
         start, stop = change["new"]
@@ -411,28 +430,10 @@ class SteeringPanel(View):
         )
 
     # -- drawing ---------------------------------------------------------------
-    def _show_comparison(self) -> None:
-        cmp = self.comparison
-        frame = cmp.to_frame()  # one prompt: one row per generated position
-        base, steered = cmp.baseline[0], cmp.steered[0]
-        # a shorter generation leaves None where its tokens end
-        tb = [x if isinstance(x, str) else "" for x in frame["token_base"]]
-        ts = [x if isinstance(x, str) else "" for x in frame["token_steered"]]
-        i = cmp.first_divergence[0]
-        positions = frame["position"].tolist()
-        self.live_texts = (base.text, steered.text)
-        show_figure(
-            self.comparison_figure,
-            baseline_vs_steered(
-                tb, ts, frame["logprob_base"].tolist(), frame["logprob_steered"].tolist(),
-                positions=positions,
-                divergence=None if i is None else positions[i],
-                n_prompt=len(base.prompt_token_ids),
-                title=(self._what_ran() + ": "
-                       + ("no divergence" if i is None
-                          else f"first divergence at position {positions[i]}")),
-            ),
-        )
+    def _show_comparison(self, what: str) -> None:
+        """Draw ``comparison``; ``what``: the settings it ran with, in words."""
+        self.live_texts = self.comparison.texts[0]
+        show_figure(self.comparison_figure, comparison_figure(self.comparison, what))
 
     def _what_ran(self) -> str:
         if self.mode == "ablate":

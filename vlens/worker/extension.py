@@ -64,6 +64,23 @@ def _avoid_logprob_compile() -> None:
         pass
 
 
+def _kv_cache_bytes(worker: Any) -> int | None:
+    """Bytes of the KV-cache tensors this worker's model runner holds (each
+    storage counted once: layers may share one); None when not found."""
+    todo = [getattr(getattr(worker, "model_runner", None), "kv_caches", None)]
+    storages: dict[int, int] = {}
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+    return sum(storages.values()) or None
+
+
 class VlensWorkerExtension:
     """Mixed into vLLM's worker by ``worker_extension_cls``; call its methods
     with ``llm.collective_rpc("vlens_setup")`` and so on. Arguments and
@@ -96,6 +113,8 @@ class VlensWorkerExtension:
             "worker_absent": {**{k: v for k, v in hooks.sites.absent.items()},
                               **hooks.unhooked},
             **head_info(hooks.sites, hooks.tp),
+            # this worker's KV cache (the Session's start line shows the total)
+            "kv_cache_bytes": _kv_cache_bytes(self),
         }
 
     def vlens_put_vectors(self, payloads: dict[str, dict[str, Any]]) -> int:

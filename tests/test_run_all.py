@@ -1,0 +1,208 @@
+"""Run All, once, on every notebook, in a real browser on a busy machine.
+
+What a workshop class does in its first minute: open a notebook in
+JupyterLab (Chromium, 1600 x 1000) and press Run All once, while the
+laptop is busy with other work. Each notebook in ``notebooks/`` is opened
+in one JupyterLab server and run with *Run All Cells* exactly once, with two
+CPU-bound processes running beside it the whole time. No cell is re-run
+and no view is made again. Then, in the page:
+
+* every plotly figure in every output has data points, and every vlens
+  figure that Python filled was drawn with all of its traces;
+* every token strip has its chips;
+* nothing says "Failed to initialize" or "Error displaying widget" (page
+  text or browser console);
+
+and in the saved notebook: every code cell ran, no error output, and every
+widget error trait the notebooks print is empty. This is the test of
+"every notebook runs top to bottom" too (tests/test_notebooks.py only
+checks that they are stored clean). Times go to test-artifacts/run-all.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from _helpers import notebook_model, set_parameters
+from test_browser import (ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _browser_ready, _lab_server,
+                          _open_and_run_all, _quiet_lab_settings)
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+RUN_ALL_S = 900  # one notebook, engine start included, on a busy 2-core machine
+VIEWPORT = {"width": 1600, "height": 1000}
+BUSY_PROCESSES = 2
+
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("ui")]
+
+
+@pytest.fixture(scope="module")
+def lab_all(tmp_path_factory):
+    """A JupyterLab server over copies of every notebook (parameters set)."""
+    import nbformat
+
+    _browser_ready()
+    model = notebook_model()
+    tmp = tmp_path_factory.mktemp("run-all")
+    work = tmp / "work"
+    work.mkdir()
+    for path in NOTEBOOKS:
+        book = nbformat.read(path, as_version=4)
+        set_parameters(book, model)
+        nbformat.write(book, work / path.name)
+    _quiet_lab_settings(tmp)
+    with _lab_server(work, tmp) as (url, token):
+        yield url, token, work
+
+
+@contextmanager
+def _busy_machine(n: int = BUSY_PROCESSES):
+    """``n`` CPU-bound processes (a busy laptop) for the length of the block."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+# the state of the run: each code cell's prompt ("[3]:", "[*]:", "[ ]:")
+_PROMPTS = """() => Array.from(document.querySelectorAll(
+    '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputArea-prompt'),
+    e => e.textContent.trim())"""
+
+# what the views drew: every plotly figure, vlens figure and token strip
+_VIEWS = """() => {
+  const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+  const points = t => ['x', 'y', 'z', 'values', 'lat', 'r']
+      .some(k => Array.isArray(t[k]) && t[k].length > 0);
+  const plots = Array.from(panel.querySelectorAll('.jp-OutputArea .js-plotly-plot'), el => ({
+      traces: (el.data || []).length,
+      with_points: (el.data || []).filter(points).length,
+      vlens: el.classList.contains('vlens-figure'),
+      sent: el.dataset.traces === undefined ? null : Number(el.dataset.traces),
+  }));
+  const figures = Array.from(panel.querySelectorAll('.jp-OutputArea .vlens-figure'), el => ({
+      sent: Number(el.dataset.traces || 0),
+      drawn: (el.data || []).length,
+  }));
+  const strips = Array.from(panel.querySelectorAll('.jp-OutputArea .vlens-token-span'),
+      el => el.querySelectorAll('.vlens-chip').length);
+  const text = panel.innerText;
+  return {plots, figures, strips,
+          failed: (text.match(/Failed to initialize|Error displaying widget/g) || []).length};
+}"""
+
+
+def _wait_run_all(page, n_cells: int, deadline: float) -> list[str]:
+    """Poll until every code cell has run (or the run stopped at an error)."""
+    settled = 0
+    while True:
+        prompts = page.evaluate(_PROMPTS)
+        busy = any("*" in p for p in prompts)
+        numbered = [p for p in prompts if re.search(r"\[\d+\]", p)]
+        idle = page.locator(".jp-StatusBar-TextItem", has_text="Idle").count() > 0
+        if not busy and idle and len(prompts) == n_cells and numbered:
+            settled += 1
+            if settled >= 3:  # idle three polls running: the run is over
+                return prompts
+        else:
+            settled = 0
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Run All did not finish in {RUN_ALL_S} s: {prompts}")
+        time.sleep(2)
+
+
+def _shut_kernels(url: str, token: str) -> None:
+    """Shut every kernel of the server down (each holds an engine)."""
+    with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=10) as r:
+        kernels = json.load(r)
+    for k in kernels:
+        req = urllib.request.Request(f"{url}/api/kernels/{k['id']}?token={token}",
+                                     method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+
+
+def _outputs_text(book) -> str:
+    parts = []
+    for cell in book.cells:
+        for o in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if o.get("output_type") == "stream":
+                parts.append(o.get("text", ""))
+            elif o.get("output_type") in ("display_data", "execute_result"):
+                parts.append(o.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("name", [p.name for p in NOTEBOOKS],
+                         ids=[p.stem for p in NOTEBOOKS])
+def test_run_all_draws_every_view(lab_all, name):
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    url, token, work = lab_all
+    n_cells = sum(c.cell_type == "code" for c in nbformat.read(work / name, as_version=4).cells)
+    console: list[str] = []
+    with sync_playwright() as p, _busy_machine():
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport=VIEWPORT)
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        try:
+            t0 = time.monotonic()
+            _open_and_run_all(page, url, token, name, workspace=Path(name).stem)
+            prompts = _wait_run_all(page, n_cells, t0 + RUN_ALL_S)
+            took = time.monotonic() - t0
+            # figures draw as their state arrives; the last cell's may still be on its way
+            try:
+                page.wait_for_function(
+                    "() => Array.from(document.querySelectorAll('.vlens-figure'))"
+                    ".every(el => Number(el.dataset.traces || 0) === 0 || "
+                    "(el.data || []).length > 0)", timeout=30_000)
+            except Exception:  # noqa: BLE001 -- what is missing is reported below
+                pass
+            views = page.evaluate(_VIEWS)
+            page.screenshot(path=str(ARTIFACTS / f"run-all-{Path(name).stem}.png"),
+                            full_page=False)
+            page.keyboard.press("Control+s")  # the outputs, to read back below
+            page.locator(".jp-mod-dirty").first.wait_for(state="detached", timeout=30_000)
+        finally:
+            (ARTIFACTS / f"run-all-{Path(name).stem}-console.log").write_text("\n".join(console))
+            browser.close()
+            _shut_kernels(url, token)
+    times = ARTIFACTS / "run-all.json"
+    record = json.loads(times.read_text()) if times.exists() else {}
+    record[name] = round(took, 1)
+    times.write_text(json.dumps(record, indent=1))
+    print(f"{name}: Run All took {took:.0f} s; {len(views['plots'])} figures, "
+          f"{len(views['strips'])} token strips")
+
+    assert all(re.search(r"\[\d+\]", p) for p in prompts), prompts  # every cell ran
+    book = nbformat.read(work / name, as_version=4)
+    unsaved = [c.source[:40] for c in book.cells
+               if c.cell_type == "code" and not c.get("execution_count")]
+    assert not unsaved, f"the saved notebook lacks the run of: {unsaved}"
+    errors = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors, errors
+    text = _outputs_text(book)
+    assert "Traceback" not in text
+    for found in re.findall(r"error: (.*)", text):  # the widgets' error traits, printed
+        assert found.split(" |")[0].strip() == "''", found
+    failures = [line for line in console
+                if "Failed to initialize" in line or "Error displaying widget" in line]
+    assert not failures and views["failed"] == 0, failures
+    empty = [f for f in views["plots"] if f["with_points"] == 0]
+    assert not empty, views["plots"]
+    missing = [f for f in views["figures"] if f["sent"] and f["drawn"] != f["sent"]]
+    assert not missing, views["figures"]
+    assert all(n > 0 for n in views["strips"]), views["strips"]
