@@ -34,9 +34,9 @@ demo: $(STAMP)
 
 # every prerequisite is installed here, so a skipped test is a failure.
 # Two pytest-xdist processes, each with its own engines (one process leaves
-# a core idle most of the run). --dist loadgroup keeps the browser tests,
-# the Run-All test and the install test in one process (their xdist_group),
-# one after another. TEST_WORKERS=0 runs everything in this one process.
+# a core idle most of the run). --dist loadgroup keeps the browser tests
+# and the install test in one process (their xdist_group), and the Run-All
+# notebooks in one (theirs). TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(BROWSER_STAMP)
 	VLENS_NO_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup

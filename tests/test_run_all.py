@@ -41,7 +41,9 @@ RUN_ALL_S = 900  # one notebook, engine start included, on a busy 2-core machine
 VIEWPORT = {"width": 1600, "height": 1000}
 BUSY_PROCESSES = 2
 
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("ui")]
+# a group of its own: under two test processes the eight notebooks run one
+# after another in one process, while the other takes the rest of the suite
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("run-all")]
 
 
 @pytest.fixture(scope="module")
