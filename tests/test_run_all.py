@@ -85,8 +85,10 @@ _PROMPTS = """() => Array.from(document.querySelectorAll(
 # what the views drew: every plotly figure, vlens figure and token strip
 _VIEWS = """() => {
   const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
-  const points = t => ['x', 'y', 'z', 'values', 'lat', 'r']
-      .some(k => Array.isArray(t[k]) && t[k].length > 0);
+  // an array, a typed array, or plotly's base64 form ({dtype, bdata})
+  const filled = v => v != null && ((Array.isArray(v) || ArrayBuffer.isView(v))
+      ? v.length > 0 : typeof v.bdata === 'string' && v.bdata.length > 0);
+  const points = t => ['x', 'y', 'z', 'values', 'lat', 'r'].some(k => filled(t[k]));
   const plots = Array.from(panel.querySelectorAll('.jp-OutputArea .js-plotly-plot'), el => ({
       traces: (el.data || []).length,
       with_points: (el.data || []).filter(points).length,
