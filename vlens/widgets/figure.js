@@ -47,6 +47,7 @@ async function render({ model, el, host }) {
   let alive = true;
   let Plotly = null;
   let drawn = 0; // how many states have been drawn (a test reads data-drawn)
+  let listening = false; // whether plotly_click reaches onClick
 
   async function draw() {
     const fig = parse(model.get("figure_json"));
@@ -57,12 +58,17 @@ async function render({ model, el, host }) {
       // nothing to show yet (a figure filled by a later click or run): no
       // empty axes on the page
       div.style.display = "none";
-      Plotly.purge(div);
+      Plotly.purge(div); // (drops its listeners too)
+      listening = false;
     } else {
       div.style.display = "";
       await Plotly.react(div, fig.data, fig.layout, {
         responsive: true, displaylogo: false,
       });
+      if (!listening) { // plotly gives a div `on` once it has drawn there
+        div.on("plotly_click", onClick);
+        listening = true;
+      }
     }
     drawn += 1;
     div.dataset.drawn = String(drawn);
@@ -90,7 +96,7 @@ async function render({ model, el, host }) {
   // not awaited: anywidget's start does not wait on plotly.js
   plotly(host, model.get("library")).then((lib) => {
     Plotly = lib;
-    return draw().then(() => div.on("plotly_click", onClick));
+    return draw();
   }).catch((err) => {
     div.textContent = "vlens: the figure could not be drawn: " + err;
     div.style.color = "#b00020";
