@@ -223,9 +223,6 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
     call), and build every cell's request for the second call. ``progress``
     counts the requests of both calls."""
     ids, layers, positions = _check_args(session, clean, corrupt, site, layers, positions, heads)
-    # clean and corrupt, read; then every cell beside a clean and a corrupt run
-    n_cells = len(layers) * (session._facts.n_heads if heads else len(positions))
-    stages = Stages(progress, 2 + n_cells + 2)
     if answer is not None:  # checked before anything runs
         if not isinstance(answer, (list, tuple)) or len(answer) != 2:
             raise VlensError(f"answer must be (clean_token, corrupt_token), got {answer!r}")
@@ -233,16 +230,24 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                   _answer_id(session, answer[1], "corrupt"))
         if answer[0] == answer[1]:
             raise VlensError("answer names the same token twice: give two different tokens")
-    acts, tops = _read_pass(session, ids, site, layers, stages.at(0))
-    if answer is None:
-        answer = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
-        if answer[0] == answer[1]:
-            text = session.token_strings([answer[0]])[0]
-            raise VlensError(
-                f"the clean and corrupt prompts both predict {text!r} next, so there is no "
-                "difference to patch; pass answer=(clean_token, corrupt_token) with the two "
-                "tokens whose logit difference to measure"
-            )
+    # clean and corrupt, read; then every cell beside a clean and a corrupt run (made
+    # after the checks above, and closed on a failure below: no bar is left behind)
+    n_cells = len(layers) * (session._facts.n_heads if heads else len(positions))
+    stages = Stages(progress, 2 + n_cells + 2)
+    try:
+        acts, tops = _read_pass(session, ids, site, layers, stages.at(0))
+        if answer is None:
+            answer = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
+            if answer[0] == answer[1]:
+                text = session.token_strings([answer[0]])[0]
+                raise VlensError(
+                    f"the clean and corrupt prompts both predict {text!r} next, so there is "
+                    "no difference to patch; pass answer=(clean_token, corrupt_token) with "
+                    "the two tokens whose logit difference to measure"
+                )
+    except BaseException:
+        stages.close()
+        raise
     cands = list(dict.fromkeys([*answer, *(sorted(tops[0], key=lambda t: -tops[0][t])),
                                 *(sorted(tops[1], key=lambda t: -tops[1][t]))]))
     score = {"logprob_token_ids": cands}
