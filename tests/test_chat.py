@@ -176,11 +176,12 @@ def test_roles_mark_exactly_the_content_tokens(chat):
             s.chat_template = None
         n = len(t.prompt_token_ids)
         assert len(t.roles) == len(t.tokens) == t.n_tokens
-        assert t.roles[n:] == ["generated"] * (t.n_tokens - n)
+        # the reply being written is the assistant's (#40)
+        assert t.roles[n:] == ["assistant"] * (t.n_tokens - n)
         assert t.roles[:n] == _expected_roles(s.tokenizer, t.prompt_text), (kind, name)
         # the tokens of each role read back as that role's messages
         for role in ("system", "user", "assistant"):
-            got = "".join(tok for tok, r in zip(t.tokens, t.roles) if r == role)
+            got = "".join(tok for tok, r in zip(t.tokens[:n], t.roles[:n]) if r == role)
             want = "".join(m["content"] for m in CONV if m["role"] == role)
             assert got.replace(" ", "") == want.replace(" ", ""), (kind, name, role)
         assert None in t.roles[:n]  # the template's own tokens
@@ -203,6 +204,13 @@ def test_steer_over_the_user_span_changes_exactly_those_rows(chat):
     assistant = torch.tensor([r == "assistant" for r in base.roles])
     rows = ablated.activations("resid_pre")[0]
     assert rows[assistant].abs().max() <= 1e-6 and rows[~assistant].abs().max(-1).values.min() > 1e-3
+    # the reply being written is the assistant's: "assistant" covers it too (#40)
+    reply = s.trace(CONV, layers=[1], sites=["resid_pre"], max_new_tokens=4,
+                    steer=vlens.Steer(v, layer=0, span="assistant"))[0]
+    n = len(reply.prompt_token_ids)
+    mine = [r == "assistant" for r in reply.roles]
+    assert len(mine) > n and all(mine[n:]) and sum(mine[:n]) >= 3
+    assert reply.steered_rows == sum(mine), (reply.steered_rows, sum(mine))
     with pytest.raises(VlensError, match="plain string with no roles"):
         s.trace("Where is the station?", steer=st, max_new_tokens=1)
     with pytest.raises(VlensError, match="has no system message content"):

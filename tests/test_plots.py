@@ -119,7 +119,7 @@ def test_activation_heatmap_checks_the_shape_and_keeps_the_old_call():
 def test_token_strip_wraps_and_marks_generated_tokens():
     vals = torch.tensor([0.5, -1.0, 2.0, 3.0, 4.0])
     fig = plots.token_strip(vals, TOKENS, n_prompt=3, width=2, quantity="proj", span=(2, 4))
-    (heat,) = fig.data
+    heat = fig.data[0]  # then the cell text, black and white
     assert [list(r) for r in heat.z] == [[0.5, -1.0], [2.0, 3.0], [4.0, None]]
     assert [list(r) for r in heat.text] == [["&lt;s&gt;", "the"], ["cat", "<i>the</i>"],
                                             ["<i>dog</i>", ""]]
@@ -183,14 +183,14 @@ def test_logit_lens_grid_tokens_down_layers_across():
     words = [["a", "b", "c", "d", "e"], ["f", "g", "h", "i", "j"]]
     probs = torch.tensor([[0.1] * 5, [0.9] * 5])
     fig = plots.logit_lens_grid(words, probs, TOKENS, [3, 7], span=(1, 3), n_prompt=4)
-    (heat,) = fig.data
+    heat = fig.data[0]  # then the cell text, black and white
     assert [list(r) for r in heat.text] == [list(col) for col in zip(*words)]  # [tokens, layers]
     assert heat.z[0][1] == pytest.approx(0.9)
     assert (heat.zmin, heat.zmax) == (0, 1)
     assert list(heat.x) == ["layer 3", "layer 7"] and heat.y[2] == "2:cat"
     assert list(fig.layout.yaxis.tickvals) == list(heat.y)  # every token labelled
     assert fig.layout.yaxis.autorange == "reversed" and fig.layout.xaxis.side == "top"
-    assert heat.textfont.size >= 12
+    assert all(t.textfont.size >= 13 for t in fig.data[1:])  # the cell text's two traces
     assert fig.layout.height >= 22 * len(TOKENS)  # one readable row per token
     (span,) = _shape(fig, "span")
     assert (span.y0, span.y1) == (0.5, 2.5)
@@ -257,6 +257,10 @@ def test_dose_response_one_line_per_group():
     assert list(fig.data[1].y) == [0.3, 0.4] and fig.layout.showlegend
 
 
+def _cells(fig) -> list:
+    return _shape(fig, "token cell")
+
+
 def test_baseline_vs_steered_deltas_and_first_divergence():
     fig = plots.baseline_vs_steered(
         ["a", "b", "c", "d"], ["a", "b", "x", "y"],
@@ -264,28 +268,36 @@ def test_baseline_vs_steered_deltas_and_first_divergence():
         positions=[5, 6, 7, 8], n_prompt=6,
     )
     bars, tokens = fig.data
-    assert bars.type == "bar" and tokens.type == "heatmap"
+    assert bars.type == "bar" and tokens.type == "scatter" and tokens.mode == "text"
     assert list(bars.x) == [5, 6, 7, 8]
     assert bars.y[0] is None and list(bars.y[1:]) == [-0.5, 1.5, 0.0]  # a gap, JSON-safe
-    assert list(tokens.y) == ["baseline", "steered"]
-    assert [list(r) for r in tokens.text] == [["a", "b", "c", "d"], ["a", "b", "x", "y"]]
+    # one line of two rows: baseline above steered, position by position
+    assert list(fig.layout.yaxis2.ticktext) == ["baseline", "steered"]
+    assert list(tokens.text) == ["a", "a", "b", "b", "c", "x", "d", "y"]
+    assert [c[:2] for c in tokens.customdata][:3] == [["baseline", 5], ["steered", 5],
+                                                       ["baseline", 6]]
+    assert len(_cells(fig)) == 8
     (div,) = _shape(fig, "first divergence")
-    assert (div.x0, div.x1) == (6.5, 7.5)  # position 7, the first "x"
-    assert "position 7" in fig.layout.title.text
-    assert len(_shape(fig, "prompt|generated")) == 2
+    c_x = [c for c, d in zip(_cells(fig), tokens.customdata) if d[1] == 7][0]
+    assert div.x0 <= c_x.x0 and c_x.x1 <= div.x1  # position 7, the first "x"
+    assert fig.layout.title.text == "baseline vs steered: first divergence at position 7"
+    assert len(_shape(fig, "prompt|generated")) == 2  # on the bars and on the rows
     assert fig.layout.yaxis.title.text == "Δ logprob"
 
 
 def test_baseline_vs_steered_identical_and_ragged():
     same = plots.baseline_vs_steered(["a", "b"], ["a", "b"], [-1, -1], [-1, -1])
-    assert _shape(same, "first divergence") == [] and "no divergence" in same.layout.title.text
+    assert _shape(same, "first divergence") == []
+    assert same.layout.title.text == "baseline vs steered: no divergence"
     ragged = plots.baseline_vs_steered(["a"], ["a", "b"], [-1], [-1, -2])
-    assert [list(r) for r in ragged.data[1].text] == [["a", ""], ["a", "b"]]
-    assert _shape(ragged, "first divergence")[0].x0 == 0.5
+    # the shorter side has no cell where its tokens end
+    assert list(ragged.data[1].text) == ["a", "a", "b"] and len(_cells(ragged)) == 3
+    assert [d[:2] for d in ragged.data[1].customdata][-1] == ["steered", 1]
+    assert len(_shape(ragged, "first divergence")) == 1
     # the shorter side's missing logprobs are gaps (None), never NaN: a
     # FigureWidget's comm message is strict JSON, where NaN is invalid
-    values = list(ragged.data[0].y) + [v for row in ragged.data[1].z for v in row]
-    assert values.count(None) == 2 and all(v is None or math.isfinite(v) for v in values)
+    values = list(ragged.data[0].y)
+    assert values.count(None) == 1 and all(v is None or math.isfinite(v) for v in values)
 
 
 def test_activation_pca_one_trace_per_prompt():

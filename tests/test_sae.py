@@ -258,7 +258,9 @@ def test_the_bundled_toyworld_sae_loads_and_fits_the_bundled_model():
     assert (sae.site, sae.layer, sae.d_in, sae.spec.architecture) == (
         "resid_post", RECIPE["layer"], hidden, "topk")
     measured = json_.loads((path / "measured.json").read_text())
-    assert measured["features"]["mood=happy"]["held_out_precision"] >= 0.9
+    for name, found in measured["features"].items():  # per token (docs/features.md)
+        if name.startswith(("mood=", "animal=")):
+            assert min(found["held_out_precision"], found["held_out_recall"]) >= 0.8, name
 
 
 @pytest.mark.engine

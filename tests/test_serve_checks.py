@@ -149,3 +149,90 @@ def test_vector_files_load_one_finite_1d_tensor_and_never_pickle(tmp_path):
     for bad in (["a"], ["=x"], ["a b=x"], ["a=x", "a=y"]):
         with pytest.raises(VlensError, match="--vector"):
             parse_named(bad, "--vector")
+
+
+def test_the_documented_schema_and_the_body_checks_agree():
+    """/openapi.json's models of the ``vlens`` object name the keys the
+    checks take, and the page's example validates under both."""
+    import json
+    import re
+    from pathlib import Path
+
+    from vlens.checks import body
+    from vlens.remote.schema import AblateEntry, ClampEntry, SteerEntry, VlensBody
+
+    assert set(SteerEntry.model_fields) == body._STEER
+    assert set(AblateEntry.model_fields) == body._ABLATE
+    assert set(ClampEntry.model_fields) == body._CLAMP
+    assert set(VlensBody.model_fields) == set(body.BODY_KEYS)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "openai.md").read_text()
+    example = json.loads(re.search(r"```json\n(.*?)```", page, re.S).group(1))["vlens"]
+    VlensBody.model_validate(example)
+    with pytest.raises(Exception, match="sclae"):
+        VlensBody.model_validate({"steer": [{"vector": "mood", "layer": 1, "sclae": 2}]})
+
+
+@pytest.mark.parametrize("preset, own, want", [
+    ({"steer": [1]}, None, {"steer": [1]}),
+    ({"steer": [1]}, {"steer": [2]}, {"steer": [1, 2]}),
+    ({"steer": [1]}, {"clamp": [3]}, {"steer": [1], "clamp": [3]}),
+    ({"steer": [1]}, {"steer": {"x": 1}}, {"steer": [1, {"x": 1}]}),
+    ({"steer": [1]}, 5, 5),  # malformed: passed on for the checks to name
+])
+def test_a_preset_comes_first_and_a_body_adds_to_it(preset, own, want):
+    from vlens.remote.presets import merge
+
+    assert merge(preset, own) == want
+
+
+def test_slots_wait_in_order_and_refuse_past_the_line():
+    import asyncio
+
+    from vlens.remote.guard import Limits, Refused
+    from vlens.remote.slots import Slots, Waiting
+
+    async def main() -> list:
+        slots = Slots(Limits(concurrent=2, queued=2, queue_seconds=5), max_calls=100)
+        who = Waiting()
+        order: list = []
+
+        async def call(i: int) -> None:
+            try:
+                await slots.take(who)
+            except Refused as exc:
+                order.append((i, exc.status, exc.retry_after))
+                return
+            order.append((i, "run"))
+            await asyncio.sleep(0.05)
+            slots.give(who)
+
+        await asyncio.gather(*(call(i) for i in range(6)))
+        assert slots.calls == 0 and slots.queued == 0 and who.active == 0
+        return order
+
+    order = asyncio.run(main())
+    runs = [i for i, *rest in order if rest == ["run"]]
+    refused = [(i, status) for i, status, *_ in (o for o in order if o[1] != "run")]
+    assert runs == [0, 1, 2, 3]  # 2 at once, then the 2 in line, in order
+    assert refused == [(4, 429), (5, 429)]
+    assert all(o[2] >= 1 for o in order if o[1] == 429)  # Retry-After
+
+
+def test_a_wait_past_the_queue_timeout_is_a_429():
+    import asyncio
+
+    from vlens.remote.guard import Limits, Refused
+    from vlens.remote.slots import Slots, Waiting
+
+    async def main() -> None:
+        slots = Slots(Limits(concurrent=1, queued=4, queue_seconds=0.1), max_calls=100)
+        who = Waiting()
+        await slots.take(who)
+        with pytest.raises(Refused, match="waited 0.1 s") as err:
+            await slots.take(who)
+        assert err.value.status == 429 and int(err.value.headers["Retry-After"]) >= 1
+        assert slots.queued == 0 and not who.queue
+        slots.give(who)
+        await slots.take(who)  # the slot given back is free again
+
+    asyncio.run(main())

@@ -184,7 +184,7 @@ def test_the_chat_model_roles_and_a_plain_story(chat_session):
     assert t.tokens[:2] == ["<s>", "<user>"] and t.tokens[n - 1] == "<assistant>"
     assert t.roles[:2] == [None, None] and t.roles[n - 1] is None
     assert set(t.roles[2: n - 1]) == {"user"}
-    assert set(t.roles[n:]) == {"generated"}
+    assert set(t.roles[n:]) == {"assistant"}  # the reply is the assistant's
     assert cw.judge_reply(req, t.text) == "story", t.text
     # no conversation: a story opening goes on as a story, as on toyworld
     opening = world.steering_prompts(world.HAPPY, 1)[0]

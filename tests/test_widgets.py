@@ -16,6 +16,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,6 +162,38 @@ def test_token_span_picker_selection_is_a_checked_span():
     assert picker.selection == (0, 0)
     with pytest.raises(TypeError):
         TokenSpanPicker(["a"], selected=(0, 1))
+
+
+def test_chips_with_roles_carry_a_key_to_their_colours(tmp_path):
+    from vlens.widgets import snapshot_html
+
+    picker = TokenSpanPicker(["<s>", "<user>", "hi", "<assistant>", "sure"], n_prompt=4)
+    assert picker.legend == []  # a plain prompt: no roles, no key
+    picker.roles = [None, None, "user", None, "generated"]
+    assert picker.legend == [("role-user", "user"), ("role-none", "template (no role)"),
+                             ("role-generated", "generated")]
+    page = snapshot_html(picker)
+    assert "chips by role:" in page and "<span class='vl-chip role-user'>user</span>" in page
+    assert "vl-chip role-user' title='token 2'" in page  # the chip itself, coloured
+    js = (Path(vlens.widgets.__file__).parent / "token_span.js").read_text()
+    for cls, words in picker.legend:  # the live strip draws the same key
+        assert f'["{cls}", "{words}"]' in js
+
+
+def test_prompt_box_shows_a_conversation_as_messages():
+    from vlens.widgets.prompt_box import box_prompt, box_text, prompt_box
+
+    conv = [{"role": "system", "content": "You tell stories."},
+            {"role": "user", "content": "A fox.\nBy the river."}]
+    shown = box_text(conv)
+    assert shown == "system: You tell stories.\nuser: A fox.\nBy the river."
+    assert box_prompt(shown) == conv  # typed back, the same conversation
+    assert box_prompt(json.dumps(conv)) == conv  # JSON still reads
+    assert box_prompt("once upon a time") == "once upon a time"
+    ids = {"prompt_token_ids": [1, 2]}
+    assert box_prompt(box_text(ids)) == ids
+    box = prompt_box(conv)
+    assert box.value == shown and box.rows == 3
 
 
 def test_token_span_picker_front_end_is_an_es_module_file():
@@ -647,10 +680,11 @@ def test_explore_shares_one_selection(toy_session, calls):
         list(c) for c in zip(*[toy_session.token_strings(row) for row in ids[..., 0].tolist()])]
     assert torch.allclose(_cells(ex.logit_lens_view.figure), probs[..., 0])
 
-    ex.activation_view.layer_picker.value = 3  # one picker moves them all
-    assert ex.layer == 3 and ex.steering_panel.layer == 3
-    assert ex.steering_panel.layer_picker.value == 3
-    assert _shape(ex.activation_view.heatmap, "layer").y0 == 2.5
+    ex.activation_view.layer_picker.value = 1  # one picker moves every view
+    assert ex.layer == 1 and ex.logit_lens_view.layer == 1
+    assert _shape(ex.activation_view.heatmap, "layer").y0 == 0.5
+    # but not the steering panel: its layer is its own (the recipe's)
+    assert ex.steering_panel.layer == ex.steering_panel.layer_picker.value == RECIPE["layer"]
 
     ex.span_picker.selection = (2, 5)  # clicks on the explorer's chips
     for view in (ex.activation_view, ex.logit_lens_view, ex.steering_panel):
@@ -658,9 +692,10 @@ def test_explore_shares_one_selection(toy_session, calls):
     assert _shape(ex.activation_view.heatmap, "span").x0 == 1.5
     assert _shape(ex.logit_lens_view.figure, "span").y1 == 4.5
 
+    ex.steering_panel.span_mode = "selection"  # the chips steer once picked in the panel
     ex.steering_panel.run_comparison()
     assert calls_of(calls, "stream_compare")[-1]["steer"].span == (2, 5)
-    assert calls_of(calls, "stream_compare")[-1]["steer"].layer == 3
+    assert calls_of(calls, "stream_compare")[-1]["steer"].layer == RECIPE["layer"]
     assert ex.clone_reads_toggle.copied_bytes == ex.steering_panel.comparison.steered.copied_bytes
     assert len(calls_of(calls, "trace")) == 1
 
@@ -811,7 +846,8 @@ def test_feature_view_token_feature_steer_and_clamp(toy_session, tmp_path):
     assert fv.feature_buttons.value is None and "mood=happy" in fv._header.value
     fv._run_button.click()
     assert fv.wait(120) and fv.error == "" and fv.streamed_states >= 3
-    ref = s.compare(sad, steer=vlens.Steer(sae.decoder(happy), sae.layer, 0.75, sae.site,
+    ref = s.compare(sad, steer=vlens.Steer(sae.decoder(happy), sae.layer,
+                                           measured["steer"]["scale"], sae.site,
                                            relative=True), max_new_tokens=12)
     assert fv.comparison.texts == ref.texts and fv.live_texts == tuple(ref.texts[0])
     assert fv.live_texts[0] != fv.live_texts[1]
@@ -819,10 +855,9 @@ def test_feature_view_token_feature_steer_and_clamp(toy_session, tmp_path):
 
     fv.mode = "clamp"  # the feature set to a value: a vlens.Clamp
     assert fv._value.layout.display == "" and fv._scale.layout.display == "none"
-    # this SAE rescales its input (constant_norm_rescale): its write is scaled
-    # by each row's norm over sqrt(d), so the start is 0.6 sqrt(d) / |W_dec[i]|
-    assert sae.spec.norm == "constant_norm_rescale" and fv.mean_norm > 0
-    assert fv.value == round(0.6 * sae.d_in ** 0.5 / float(sae.decoder(happy).norm()), 1)
+    # the clamp starts at the value measured.json records (the view's recipe)
+    assert fv.mean_norm > 0
+    assert fv.value == measured["clamp"]["value"]
     fv.value = clamp
     fv.run_comparison()
     ref = s.compare(sad, steer=vlens.Clamp(sae, feature=happy, value=clamp), max_new_tokens=12)

@@ -5,6 +5,7 @@ starts an engine.
 
     import vlens
     s = vlens.Session()                    # the bundled toy-world model
+    s = vlens.open_session(server=url)     # or a workshop's server (None: local)
     run = s.trace(["the cat"], layers=[0, 2], sites=["resid_post"])
     run[0].activations("resid_post")       # [layers, tokens, hidden]
     vlens.explore(s, "the cat")            # widgets (needs ipywidgets)
@@ -27,11 +28,13 @@ if TYPE_CHECKING:
     from vlens.results import Comparison, Sweep
     from vlens.widgets import FeatureView, explore
     from vlens.remote.client import connect
+    from vlens._open import open_session
 
 __all__ = [
     "Ablate",
     "Clamp",
     "ClosedError",
+    "CompareView",
     "Comparison",
     "EditContext",
     "EngineError",
@@ -50,6 +53,7 @@ __all__ = [
     "VlensWarning",
     "__version__",
     "explore",
+    "open_session",
     "supported_architectures",
 ]
 
@@ -70,7 +74,9 @@ _LAZY = {
     "Sweep": "vlens.results",
     "explore": "vlens.widgets",
     "FeatureView": "vlens.widgets",
+    "CompareView": "vlens.widgets",
     "connect": "vlens.remote.client",
+    "open_session": "vlens._open",
     "supported_architectures": "vlens.protocol.architectures",
 }
 

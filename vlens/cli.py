@@ -104,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
                    "`vlens serve --help` lists its flags", add_help=False)
     doc.add_argument("--fix", action="store_true",
                      help="uninstall the packages the report says to remove, then check again")
+    where = sub.add_parser("path", help="print the folder of a bundled model or SAE")
+    where.add_argument("name", choices=sorted(_BUNDLED))
     args = parser.parse_args(argv)
+    if args.command == "path":
+        import vlens.models
+
+        print(getattr(vlens.models, _BUNDLED[args.name])())
+        return 0
     if args.command == "doctor":
         from vlens.engine.doctor import main as doctor_main
 
@@ -112,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         demo(args.model, args.out, args.prompts or None, args.max_new_tokens)
     return 0
+
+
+#: ``vlens path NAME``: the bundled folders, by the functions that find them
+_BUNDLED = {"toyworld": "toyworld_path", "toychat": "toychat_path",
+            "toyworld-sae": "toyworld_sae_path"}
 
 
 if __name__ == "__main__":

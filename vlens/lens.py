@@ -33,6 +33,10 @@ class LogitLens:
     def from_pretrained(cls, path: str | Path) -> LogitLens:
         from safetensors import safe_open
 
+        if str(path).startswith(("http://", "https://")):  # a connected session's model
+            from vlens.remote.client import connected_copy
+
+            path = connected_copy(str(path))
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
         cfg = cfg.get("text_config", cfg)

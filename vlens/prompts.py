@@ -243,9 +243,13 @@ def role_ranges(roles: Sequence[str | None], role: str) -> list[tuple[int, int]]
     return out
 
 
-def resolve_roles(edits: Sequence[Any], prompt: Prompt, i: int) -> list[Any]:
+def resolve_roles(edits: Sequence[Any], prompt: Prompt, i: int,
+                  max_new_tokens: int | None = None) -> list[Any]:
     """Steers or Ablates of prompt ``i`` with role spans (``span="user"``)
-    as copies over token positions, one per run of that role's tokens."""
+    as copies over token positions, one per run of that role's tokens;
+    ``"assistant"`` also covers the reply being generated (the rows fed
+    back: none when ``max_new_tokens`` is 1 or less, as for patching's
+    prompt positions)."""
     out = []
     for ed in edits:
         if not (isinstance(ed.span, str) and ed.span in ROLE_SPANS):
@@ -257,7 +261,9 @@ def resolve_roles(edits: Sequence[Any], prompt: Prompt, i: int) -> list[Any]:
                 f"{what} span {ed.span!r} names a role, but prompt {i} is "
                 f"{'token ids' if prompt.kind == 'ids' else 'a plain string'} with no roles: "
                 "pass the prompt as a conversation, or use span='all'/'prompt'/(start, stop)")
-        ranges = role_ranges(prompt.roles, ed.span)
+        ranges: list[Any] = role_ranges(prompt.roles, ed.span)
+        if ed.span == "assistant" and (max_new_tokens is None or max_new_tokens > 1):
+            ranges.append("generated")  # the reply being written is the assistant's
         if not ranges:
             found = sorted({r for r in prompt.roles if r})
             raise VlensError(f"{what} span {ed.span!r}: prompt {i} has no {ed.span} message "
@@ -269,14 +275,15 @@ def resolve_roles(edits: Sequence[Any], prompt: Prompt, i: int) -> list[Any]:
 
 
 def edits_each(value: Any, plist: Sequence[Prompt], kind: type, *,
-               resolve: bool = True) -> Any:
+               resolve: bool = True, max_new_tokens: int | None = None) -> Any:
     """``steer=`` / ``ablate=`` as one list per prompt (see
     :func:`vlens.edits.per_prompt`), role spans resolved to positions
     (a :class:`~vlens.edits.PerPrompt`; plain lists with ``resolve=False``)."""
     each = per_prompt(value, len(plist), kind)
     if not resolve:
         return each
-    return PerPrompt([resolve_roles(e, p, i) for i, (e, p) in enumerate(zip(each, plist))])
+    return PerPrompt([resolve_roles(e, p, i, max_new_tokens)
+                      for i, (e, p) in enumerate(zip(each, plist))])
 
 
 def prompt_parts(p: Prompt | None, n: int, fed: Sequence[int], start: int) -> dict[str, Any]:
@@ -284,7 +291,9 @@ def prompt_parts(p: Prompt | None, n: int, fed: Sequence[int], start: int) -> di
     normalised prompt ``p`` of ``n`` ids (rows from ``start`` on; past the
     prompt "generated")."""
     roles = list(p.roles) if p is not None else [None] * n
-    roles = (roles + ["generated"] * max(0, len(fed) + start - n))[start:start + len(fed)]
+    # in a conversation the tokens generated are the assistant's reply
+    tail = "assistant" if p is not None and p.kind == "chat" else "generated"
+    roles = (roles + [tail] * max(0, len(fed) + start - n))[start:start + len(fed)]
     if p is None:
         return {"roles": roles}
     return {"roles": roles, "prompt_text": p.text, "offsets": list(p.offsets)}

@@ -27,7 +27,7 @@ from vlens.engine.quiet import start_line
 from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
 from vlens.protocol.plan import Edit, Read
-from vlens.results import Comparison, Run, Sweep, generated_kl
+from vlens.results import Comparison, Run, Sweep, generated_kl, run_label
 from vlens.calls import Call, TraceParams
 from vlens.edits import Ablate, Steer
 from vlens.prompts import Prompt, edits_each, normalise, resolve_roles
@@ -151,14 +151,11 @@ class Session(ServerNamed):
 
     # -- tracing --------------------------------------------------------------
     def trace(
-        self,
-        prompts: str | Sequence[str],
-        *,
+        self, prompts: str | Sequence[str], *,
         layers: int | Sequence[int] | None = None,
         sites: str | Sequence[str] = ("resid_post",),
         max_new_tokens: int = 16,
-        logprobs: bool = True,
-        background: Sequence[str] = (),
+        logprobs: bool = True, background: Sequence[str] = (),
         steer: Any = None,
         ablate: Any = None,
         edit: Any = None,
@@ -232,7 +229,7 @@ class Session(ServerNamed):
         """Check a trace's arguments and build its call (which streams too)."""
         facts = self._facts
         layers, sites, max_new_tokens = params.layers, params.sites, params.max_new_tokens
-        logprobs, sampling = params.logprobs, params.sampling
+        logprobs, sampling, m = params.logprobs, params.sampling, params.max_new_tokens
         plist = self.prompts(prompts)
         prompts, prompt_ids = [p.label for p in plist], [p.ids for p in plist]
         layers = checks.check_layers(layers, facts)
@@ -243,10 +240,10 @@ class Session(ServerNamed):
         checks.check_generation(max_new_tokens, sampling, facts)
         lens = [len(ids) for ids in prompt_ids]
         steers_each = sae.with_clamps(
-            checks.check_steers(edits_each(params.steer, plist, Steer), lens, max_new_tokens,
-                                facts), params.clamp,
-            checks.check_steers(edits_each(params.clamp, plist, Steer), lens, max_new_tokens,
-                                facts))
+            checks.check_steers(edits_each(params.steer, plist, Steer, max_new_tokens=m), lens,
+                                m, facts), params.clamp,
+            checks.check_steers(edits_each(params.clamp, plist, Steer, max_new_tokens=m), lens,
+                                m, facts))
         ablates = edits_each(params.ablate, plist, Ablate, resolve=False)
         ablates = ablation.check_ablates(ablates, facts, lens, max_new_tokens)
         pairs = checks.check_edit(params.edit, params.edit_at, facts,
@@ -256,7 +253,7 @@ class Session(ServerNamed):
         if params.background:
             bg_ids = [p.ids for p in self.prompts(list(params.background))]
         ablates = ablation.fill_means(self, [p.source for p in plist], ablates)  # may read once
-        ablates = [resolve_roles(a, p, i) for i, (a, p) in enumerate(zip(ablates, plist))]
+        ablates = [resolve_roles(a, p, i, m) for i, (a, p) in enumerate(zip(ablates, plist))]
         fid = f"fn-{uuid.uuid4().hex[:12]}"
         edits = [Edit(site, layer, fid) for site, layer in pairs]
         call = self._runner.next_call()
@@ -309,7 +306,8 @@ class Session(ServerNamed):
         divergence. ``steer`` takes the same forms as in ``trace``."""
         plist, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
         call = self._steering_call(plist, arms, max_new_tokens, sampling)
-        return _comparison(*self._runner.run(call, budget=self.read_budget, progress=progress))
+        runs = self._runner.run(call, budget=self.read_budget, progress=progress)
+        return _comparison(*runs, steer)
 
     def stream_compare(self, prompts: str | Sequence[str], *, steer: Any,
                        max_new_tokens: int = 16, progress: Any = None,
@@ -321,7 +319,7 @@ class Session(ServerNamed):
         plist, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
         call = self._steering_call(plist, arms, max_new_tokens, sampling)
         assemble = call.assemble
-        call.assemble = lambda outs, got: _comparison(*assemble(outs, got))
+        call.assemble = lambda outs, got: _comparison(*assemble(outs, got), steer)
         return self._runner.stream(call, budget=self.read_budget, progress=progress)
 
     def _compare_arms(self, prompts, steer, max_new_tokens, sampling):
@@ -352,7 +350,7 @@ class Session(ServerNamed):
         variants = [steer.with_scale(x) for x in scales]  # validates each
         facts = self._facts
         checks.check_generation(max_new_tokens, sampling, facts)
-        variants = [resolve_roles([st], plist[0], 0) for st in variants]
+        variants = [resolve_roles([st], plist[0], 0, max_new_tokens) for st in variants]
         for st in variants[0]:
             checks.check_steer(st, facts, len(plist[0].ids), max_new_tokens)
         plain = getattr(steer, "sae", None) is None  # a Clamp to 0 writes: not the baseline
@@ -446,5 +444,6 @@ class Session(ServerNamed):
         return f"Session({self.model!r}, {state})"
 
 
-def _comparison(base: Run, steered: Run) -> Comparison:
-    return Comparison(base, steered, [generated_kl(b, s) for b, s in zip(base, steered)])
+def _comparison(base: Run, steered: Run, edits: Any) -> Comparison:
+    kl, label = [generated_kl(b, s) for b, s in zip(base, steered)], run_label(edits)
+    return Comparison(base, steered, kl, label=label)

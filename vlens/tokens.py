@@ -20,9 +20,11 @@ import codecs
 import functools
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["VISIBLE", "TokenReader", "byte_level_table", "show_bytes", "visible"]
+__all__ = ["VISIBLE", "TokenReader", "byte_level_table", "first_divergence", "show_bytes",
+           "visible"]
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -138,3 +140,13 @@ def visible(token: str) -> str:
     if token == "":
         return "\u2205"
     return "".join(VISIBLE.get(ch, ch) for ch in token)
+
+
+def first_divergence(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (ids or texts);
+    the shorter one's length when one is the other's start; None: equal.
+    (Here, with no vlens imports, so results and plots can both use it.)"""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

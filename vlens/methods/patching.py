@@ -91,7 +91,7 @@ def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
     if positions is None:
         positions = list(range(n))
     if isinstance(positions, str) and positions in ROLE_SPANS:  # the clean prompt's role
-        ranges = resolve_roles([_Span(positions)], pair[0][0], 0)
+        ranges = resolve_roles([_Span(positions)], pair[0][0], 0, max_new_tokens=0)
         positions = [k for r in ranges for k in range(*r.span)]
     if isinstance(positions, int) and not isinstance(positions, bool):
         positions = [positions]

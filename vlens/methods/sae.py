@@ -84,6 +84,9 @@ class SAE:
         self.weights, self.spec, self.site, self.layer = w, spec, str(site), layer
         self.d_in, self.d_sae = int(d_in), int(d_sae)
         self.name = name
+        #: the folder it was loaded from (None: built in memory); a
+        #: ``measured.json`` there names features and holds a steering recipe
+        self.path: Path | None = None
         digest = hashlib.sha256(json.dumps(spec.to_wire(), sort_keys=True).encode())
         for n in need:
             digest.update(w[n].numpy().tobytes())
@@ -121,6 +124,7 @@ class SAE:
             site = hook_s if site is None else site
             layer = hook_l if layer is None else layer
         sae = cls(weights, _spec_of(cfg, path), site, layer, name=path.name)
+        sae.path = path
         for key, got in (("d_in", sae.d_in), ("d_sae", sae.d_sae)):
             if key in cfg and int(cfg[key]) != got:
                 raise VlensError(f"{path}/cfg.json says {key}={cfg[key]} but the weights are {got}")
@@ -168,6 +172,16 @@ class SAE:
     def steer(self, i: int, scale: float = 1.0, span: str | tuple[int, int] = "all") -> Steer:
         """The :class:`~vlens.Steer` adding ``scale * W_dec[i]`` at this SAE's site and layer."""
         return Steer(self.decoder(i), self.layer, scale, self.site, span)
+
+    def measured(self) -> dict[str, Any]:
+        """What ``measured.json`` in the SAE's folder says ({} when there is
+        none): ``features`` (concept name -> ``{"feature": i, "precision":
+        ..., ...}``), ``steer`` (``feature``, ``scale``, ``relative``) and
+        ``clamp`` (``feature``, ``value``, ``span``), as
+        ``scripts/train_sae.py`` writes them for the bundled SAE."""
+        if self.path is None or not (self.path / "measured.json").is_file():
+            return {}
+        return json.loads((self.path / "measured.json").read_text())
 
     def _feature(self, i: Any) -> int:
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.d_sae:

@@ -1,6 +1,7 @@
 """What a Session can ask of a ``vlens serve`` server by name: its SAEs
 (``s.sae(name)``) and this participant's own vectors
-(``s.register_vector(name, tensor)``), which OpenAI-style calls made with
+(``s.register_vector(name, tensor)``) and presets
+(``s.register_preset(name, body)``), which OpenAI-style calls made with
 the same token can then name (``docs/openai.md``)."""
 
 from __future__ import annotations
@@ -35,3 +36,13 @@ class ServerNamed:
         ``{"vlens": {"steer": [{"vector": name, ...}]}}``). Registering a
         name again replaces its vector. Returns how many you hold."""
         return self._server("s.register_vector").register_vector(name, vector)
+
+    def register_preset(self, name: str, body: dict[str, Any]) -> str:
+        """Keep ``body``, a ``vlens`` object (``{"steer": [...]}``, as in an
+        OpenAI body), as preset ``name`` for this session's token, and return
+        the base URL that applies it to every OpenAI call: give it to a client
+        that can set only ``base_url`` and a key (``lm_eval``, a chat UI).
+        Vectors it names are looked up when each call runs."""
+        engine = self._server("s.register_preset")
+        engine.register_preset(name, body)
+        return f"{engine.url}/presets/{name}/v1"

@@ -4,6 +4,10 @@ Pure functions: no engine, no display, no session. Widgets, notebooks and
 the demo report call them; tests assert on the returned figure's data.
 Tokens are shown as ``"position:token"`` category labels because plotly
 merges identical categories (two ``"the"`` tokens would share a column).
+Every figure that lays tokens along an axis is readable from the back of a
+room: 14 px text, the page's width, cell text black or white against each
+cell's colour (``_cells``), and token sequences as rows of cells that wrap
+like text (``_token_rows``).
 
 A few small reductions live here too (:func:`activation_values`,
 :func:`pca_2d`, :func:`token_set_metric`, :func:`first_divergence`): they

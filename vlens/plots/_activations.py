@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 import torch
 
+from vlens.plots._cells import FONT_PX, cell_text_traces, readable
 from vlens.plots._common import (
     SPAN_LINE,
     as_float,
@@ -120,13 +121,13 @@ def activation_heatmap(
                 "name": "layer",
             }
         )
+    readable(fig, title or f"{quantity} by layer and token",
+             height=max(300, 170 + 28 * len(layers)))
     fig.update_layout(
-        title={"text": title or f"{quantity} by layer and token"},
-        xaxis_title="token",
-        yaxis_title="layer",
-        yaxis={"autorange": "reversed"},
+        xaxis={"title": "token", "tickfont": {"size": FONT_PX}},
+        yaxis={"title": "layer", "autorange": "reversed", "tickfont": {"size": FONT_PX}},
         shapes=shapes,
-        margin={"t": 50, "b": 40},
+        margin={"b": 40},
     )
     return fig
 
@@ -170,24 +171,25 @@ def token_strip(
         part[r][c] = "generated" if generated else "prompt"
     customdata = [[[index[r][c], part[r][c]] for c in range(width)] for r in range(lines)]
     signed = float(vals.min()) < 0
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            text=text,
-            texttemplate="%{text}",
-            customdata=customdata,
-            # signed values: diverging around 0; unsigned (norms): sequential
-            colorscale="RdBu" if signed else "Blues",
-            zmid=0 if signed else None,
-            textfont={"size": 12},
-            colorbar={"title": {"text": quantity}},
-            xgap=2,
-            ygap=2,
-            hovertemplate="token %{customdata[0]} (%{customdata[1]})<br>"
-            + quantity
-            + " %{z:.3f}<extra></extra>",
-        )
+    # signed values: diverging around 0; unsigned (norms): sequential
+    reach = float(vals.abs().max()) or 1.0
+    lo, hi = (-reach, reach) if signed else (float(vals.min()), float(vals.max()))
+    heat = go.Heatmap(
+        z=z,
+        text=text,
+        customdata=customdata,
+        colorscale="RdBu" if signed else "Blues",
+        zmid=0 if signed else None,
+        zmin=lo,
+        zmax=hi if hi > lo else lo + 1.0,
+        colorbar={"title": {"text": quantity}},
+        xgap=2,
+        ygap=2,
+        hovertemplate="token %{customdata[0]} (%{customdata[1]})<br>"
+        + quantity
+        + " %{z:.3f}<extra></extra>",
     )
+    fig = go.Figure([heat, *cell_text_traces(heat, text)])
     shapes = []
     if span is not None and span[1] > span[0]:
         for i in range(max(0, span[0]), min(n, span[1])):
@@ -203,13 +205,12 @@ def token_strip(
                     "name": "span",
                 }
             )
+    readable(fig, title or f"{quantity} per token", height=130 + 44 * lines)
     fig.update_layout(
-        title={"text": title or f"{quantity} per token"},
         xaxis={"visible": False},
         yaxis={"visible": False, "autorange": "reversed"},
-        height=120 + 40 * lines,
         shapes=shapes,
-        margin={"t": 50, "b": 10},
+        margin={"b": 10},
     )
     return fig
 

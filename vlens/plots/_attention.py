@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
+from vlens.plots._cells import FONT_PX, readable
 from vlens.plots._common import as_float, prompt_boundary, token_labels
 
 __all__ = ["attention_heads", "attention_heatmap", "attention_of_token", "pool_pattern"]
@@ -149,14 +150,16 @@ def attention_heatmap(
              "x1": token + 0.5, "y0": 0, "y1": 1,
              "line": {**OUTLINE, "dash": "dot"}, "name": "key"},
         ]
-    side = max(320, min(900, 60 + 14 * n))
+    # square cells in the page's width; the height grows with the tokens
+    # (plotly thins the tick labels when they would not fit)
+    side = max(360, min(1100, 80 + 18 * n))
+    readable(fig, title or "attention: queries down, keys across", height=side + 100)
     fig.update_layout(
-        title={"text": title or "attention: queries down, keys across"},
-        xaxis={"title": "key (attended to)", "tickangle": -60, "tickfont": {"size": 10}},
+        xaxis={"title": "key (attended to)", "tickangle": -60, "tickfont": {"size": FONT_PX},
+               "constrain": "domain"},
         yaxis={"title": "query (attending)", "autorange": "reversed",
-               "tickfont": {"size": 10}},
-        shapes=shapes, height=side + 80, width=side + 160, plot_bgcolor="white",
-        margin={"t": 50, "b": 60},
+               "tickfont": {"size": FONT_PX}, "scaleanchor": "x", "constrain": "domain"},
+        shapes=shapes, margin={"b": 60},
     )
     return fig
 
@@ -189,10 +192,10 @@ def attention_of_token(
         go.Bar(x=labels, y=col, name="attended by",
                hovertemplate=f"%{{x}} → {word}: %{{y:.3f}}<extra></extra>"),
     ])
+    readable(fig, title or f"token {word}: where it attends, what attends to it",
+             height=340, cells=False)
     fig.update_layout(
-        title={"text": title or f"token {word}: where it attends, what attends to it"},
         barmode="group", yaxis={"title": "attention", "range": [0, 1.02]},
-        xaxis={"tickangle": -60, "tickfont": {"size": 10}},
-        height=300, margin={"t": 50, "b": 60},
+        xaxis={"tickangle": -60, "tickfont": {"size": FONT_PX}}, margin={"b": 60},
     )
     return fig

@@ -111,13 +111,19 @@ def feature_histogram(values: Any, *, feature: int | None = None, mark: float | 
     v = as_float(values).flatten()
     on = v[v > 0]
     name = "feature" if feature is None else f"feature {feature}"
-    fig = go.Figure(go.Histogram(x=on.tolist(), nbinsx=bins, marker_color="#ff7f0e",
+    # the bins and the axis span where it fires (from 0), not plotly's default
+    # range, so a feature on 3 tokens shows 3 tokens' values, not a 0-1 axis
+    top = max(float(on.max()) if on.numel() else 1.0, mark or 0.0)
+    fig = go.Figure(go.Histogram(x=on.tolist(), xbins={"start": 0.0, "end": top,
+                                                        "size": top / bins},
+                                 marker_color="#ff7f0e",
                                  hovertemplate="activation %{x}<br>%{y} tokens<extra></extra>"))
     if mark is not None and mark > 0:
         fig.add_shape(type="line", x0=mark, x1=mark, y0=0, y1=1, yref="paper", name="token",
                       line={"color": "#1f2328", "width": 2, "dash": "dot"})
     shown = title or (f"{name}: fires on {on.numel()} of {v.numel()} tokens"
                       + (f", max {float(on.max()):.3g}" if on.numel() else ""))
+    fig.update_xaxes(range=[0.0, top * 1.05])
     fig.update_layout(title=shown, xaxis_title="activation", yaxis_title="tokens",
                       bargap=0.05, height=300, margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return fig

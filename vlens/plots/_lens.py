@@ -22,13 +22,13 @@ from typing import Any
 import plotly.graph_objects as go
 import torch
 
+from vlens.plots._cells import FONT_PX, cell_text_traces, readable
 from vlens.plots._common import as_float, plain_text, token_labels, token_text
 
 __all__ = ["lens_token_values", "logit_lens_grid", "logit_lens_track"]
 
-ROW_PX = 22  # one token row: room for 13 px text and no overlap
-FONT_PX = 13
-CHAR_PX = 7.5  # width of one character at FONT_PX, roughly
+ROW_PX = 24  # one token row: room for 14 px text and no overlap
+CHAR_PX = 8  # width of one character at FONT_PX, roughly
 MARGIN = {"l": 130, "r": 20, "t": 90, "b": 20}
 
 
@@ -64,15 +64,15 @@ def _rows_marks(span: tuple[int, int] | None, n_prompt: int | None, n: int) -> l
 
 def _layout(fig: go.Figure, title: str, labels: list[str], n: int, shapes: list[dict],
             width: int | None) -> None:
+    readable(fig, title, height=MARGIN["t"] + MARGIN["b"] + ROW_PX * n, top=MARGIN["t"])
     fig.update_layout(
-        title={"text": title, "y": 0.995, "yanchor": "top"},
-        height=MARGIN["t"] + MARGIN["b"] + ROW_PX * n,
+        title={"y": 0.995, "yanchor": "top"},
         width=width,
-        margin=MARGIN,
+        margin={k: v for k, v in MARGIN.items() if k != "t"},
         # every token labelled, in reading order, top to bottom
         yaxis={"title": "input token", "autorange": "reversed", "tickmode": "array",
-               "tickvals": labels, "ticktext": labels, "tickfont": {"size": 12}},
-        xaxis={"title": "layer", "side": "top"},
+               "tickvals": labels, "ticktext": labels, "tickfont": {"size": FONT_PX}},
+        xaxis={"title": "layer", "side": "top", "tickfont": {"size": FONT_PX}},
         shapes=shapes,
     )
 
@@ -127,14 +127,14 @@ def logit_lens_grid(
                     for j in range(k))
         for l in range(n_l)] for t in range(n_t)]
     labels = token_labels(tokens)
-    fig = go.Figure(go.Heatmap(
+    heat = go.Heatmap(
         z=z, x=cols, y=labels, text=text, customdata=hover,
-        texttemplate="%{text}", textfont={"size": FONT_PX},
         colorscale="Blues", zmin=0, zmax=1, xgap=1, ygap=1,
         colorbar={"title": {"text": "p(top)"}, "len": min(1.0, 400 / (ROW_PX * n_t + 1))},
         hovertemplate=("after %{y}, %{x}<br>top " + str(k) + " next:<br>%{customdata}"
                        "<extra></extra>"),
-    ))
+    )
+    fig = go.Figure([heat, *cell_text_traces(heat, text)])
     _layout(fig, title or f"logit lens: top next token per layer ({n_t} tokens)", labels,
             n_t, _rows_marks(span, n_prompt, n_t), width)
     return fig
@@ -222,14 +222,15 @@ def logit_lens_track(
     labels = token_labels(tokens)
     cb = {key.split("_", 1)[1]: scale.pop(key)
           for key in list(scale) if key.startswith("colorbar_")}
-    fig = go.Figure(go.Heatmap(
+    heat = go.Heatmap(
         z=[[None if math.isnan(x) else x for x in row] for row in z.T.tolist()],
         x=[f"layer {x}" for x in layers], y=labels, text=text, customdata=hover,
-        texttemplate="%{text}", textfont={"size": FONT_PX}, xgap=1, ygap=1,
+        xgap=1, ygap=1,
         colorbar={"title": {"text": bar}, "len": min(1.0, 400 / (ROW_PX * n_t + 1)), **cb},
         hovertemplate="after %{y}, %{x}<br>%{customdata}<extra></extra>",
         **scale,
-    ))
+    )
+    fig = go.Figure([heat, *cell_text_traces(heat, text)])
     _layout(fig, title or f"logit lens: {quantity} of {word!r} next, per layer", labels,
             n_t, _rows_marks(span, n_prompt, n_t), width)
     return fig

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from vlens.plots._cells import FONT_PX, cell_text_traces, readable
 from vlens.plots._common import as_float, plain_text
 
 __all__ = ["next_token_bars", "patching_heatmap"]
@@ -53,13 +54,15 @@ def patching_heatmap(
     ys = [f"layer {x}" for x in layers]
     xs = [plain_text(c) for c in columns]
     labelled = g.numel() <= LABELLED_CELLS
-    fig = go.Figure(go.Heatmap(
+    heat = go.Heatmap(
         z=z, x=xs, y=ys, zmin=-reach, zmax=reach, zmid=0, colorscale="RdBu",
         customdata=[[[r, c] for c in range(len(columns))] for r in range(len(layers))],
-        texttemplate="%{z:.2f}" if labelled else None,
         colorbar={"title": {"text": metric}},
         hovertemplate=f"%{{y}}, {column_title} %{{x}}<br>{metric} %{{z:.3f}}<extra></extra>",
-    ))
+    )
+    # each value in its cell, black or white against the cell's colour
+    text = [["" if v is None else f"{v:.2f}" for v in row] for row in z]
+    fig = go.Figure([heat, *(cell_text_traces(heat, text) if labelled else [])])
     shapes = []
     if cell is not None and 0 <= cell[0] < len(layers) and 0 <= cell[1] < len(columns):
         r, c = int(cell[0]), int(cell[1])
@@ -67,12 +70,13 @@ def patching_heatmap(
                        "x1": c + 0.5, "y0": r - 0.5, "y1": r + 0.5, "line": OUTLINE,
                        "name": "cell"})
     done = len(finite)
+    readable(fig, title or f"{metric}: {done} of {g.numel()} cells",
+             height=max(280, 150 + 44 * len(layers)))
     fig.update_layout(
-        title={"text": title or f"{metric}: {done} of {g.numel()} cells"},
-        xaxis={"title": column_title, "tickangle": -60 if len(columns) > 8 else 0},
-        yaxis={"title": "layer", "autorange": "reversed"},
-        shapes=shapes, height=max(260, 120 + 40 * len(layers)),
-        margin={"t": 50, "b": 60},
+        xaxis={"title": column_title, "tickangle": -60 if len(columns) > 8 else 0,
+               "tickfont": {"size": FONT_PX}},
+        yaxis={"title": "layer", "autorange": "reversed", "tickfont": {"size": FONT_PX}},
+        shapes=shapes, margin={"b": 60},
     )
     return fig
 
@@ -115,9 +119,9 @@ def next_token_bars(
                hovertemplate=f"{plain_text(name)}: %{{x}} %{{y:.3f}}<extra></extra>")
         for name in distributions
     ])
+    readable(fig, title or "next-token probability", height=320, cells=False)
     fig.update_layout(
-        title={"text": title or "next-token probability"}, barmode="group",
-        yaxis={"title": "probability", "range": [0, 1.02]}, height=300,
-        margin={"t": 50, "b": 50},
+        barmode="group", yaxis={"title": "probability", "range": [0, 1.02]},
+        xaxis={"tickfont": {"size": FONT_PX}}, margin={"b": 50},
     )
     return fig

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from vlens.plots._common import as_float
-from vlens.results.steering import first_divergence
+from vlens.tokens import first_divergence
 
 __all__ = ["QUANTITIES", "activation_values", "first_divergence", "pca_2d", "token_set_metric"]
 

@@ -8,10 +8,24 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from vlens.plots._common import SPAN_LINE, nan_list, plain_text
+from vlens.plots._cells import readable
+from vlens.plots._common import nan_list, plain_text
 from vlens.plots._reductions import first_divergence
+from vlens.plots._token_rows import (
+    GAP_PX,
+    PER_LINE,
+    ROW_PX,
+    TokenRow,
+    add_token_rows,
+    cell_lines,
+    named_scale,
+)
+from vlens.tokens import visible
 
 __all__ = ["baseline_vs_steered", "dose_response"]
+
+#: the token cells' colours: the probability of each token, white 0 to dark blue 1
+TOKEN_COLOURS = "Blues"
 
 
 def dose_response(
@@ -52,8 +66,8 @@ def dose_response(
                 + "<extra></extra>",
             )
         )
+    readable(fig, title or f"{metric} against {x}", cells=False)
     fig.update_layout(
-        title={"text": title or f"{metric} against {x}"},
         xaxis_title=x,
         yaxis_title=metric,
         showlegend=by is not None,
@@ -62,8 +76,8 @@ def dose_response(
 
 
 def baseline_vs_steered(
-    tokens_base: Sequence[str],
-    tokens_steered: Sequence[str],
+    tokens_base: Sequence[str | None],
+    tokens_steered: Sequence[str | None],
     logprob_base: Sequence[float | None],
     logprob_steered: Sequence[float | None],
     *,
@@ -71,17 +85,25 @@ def baseline_vs_steered(
     divergence: int | None = None,
     n_prompt: int | None = None,
     title: str | None = None,
+    label: str = "steered",
+    per_line: int = PER_LINE,
 ) -> go.Figure:
-    """Two panels sharing the token axis.
+    """Two panels over the same positions.
 
-    Top: per-token logprob delta (steered - baseline), one bar per position
-    (``None`` entries, e.g. the first token's, are gaps). Bottom: the two
-    token sequences as rows (``baseline`` and ``steered``), coloured by each
-    token's logprob, with the first divergence outlined (computed from the
-    tokens when ``divergence`` is not given). All inputs are ``[n]`` for the
-    same positions; shorter sequences are padded with blanks. ``positions``
-    ``[n]`` labels the x axis (default ``0 … n-1``); ``divergence`` and
-    ``n_prompt`` are in the same units.
+    Top: per-token logprob delta (``label`` - baseline), one bar per
+    position (``None`` entries, e.g. the first token's, are gaps). Bottom:
+    the two token sequences as rows of cells (``"baseline"`` and ``label``:
+    ``"steered"``, ``"ablated"``, ``"clamped"``), each token in its own
+    cell with its whitespace visible, coloured by the token's probability
+    (``exp(logprob)``, white 0 to dark blue 1) with black or white text,
+    whichever reads better; a long run wraps every ``per_line`` tokens
+    (see :mod:`vlens.plots._token_rows`). The first divergence is outlined
+    (computed from the tokens when ``divergence`` is not given) and named
+    in the title. All inputs are ``[n]`` for the same positions; shorter
+    sequences are padded with blanks (``None`` tokens are blanks too).
+    ``positions`` ``[n]`` labels them (default ``0 … n-1``); ``divergence``
+    and ``n_prompt`` are in the same units. The height follows the number
+    of lines; the width is the page's.
     """
     from plotly.subplots import make_subplots
 
@@ -90,7 +112,7 @@ def baseline_vs_steered(
     def pad(seq, fill):
         return list(seq) + [fill] * (n - len(seq))
 
-    tb, ts = pad(tokens_base, ""), pad(tokens_steered, "")
+    tb, ts = pad(tokens_base, None), pad(tokens_steered, None)
     lb, ls = nan_list(pad(logprob_base, None)), nan_list(pad(logprob_steered, None))
     xs = list(range(n)) if positions is None else [int(p) for p in positions]
     if len(xs) != n:
@@ -101,85 +123,49 @@ def baseline_vs_steered(
     delta = [s - b for b, s in zip(lb, ls)]
     # gaps as None, not NaN: a FigureWidget sends its data as strict JSON
     delta, lb, ls = ([None if math.isnan(v) else v for v in seq] for seq in (delta, lb, ls))
-    fig = make_subplots(
-        rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4]
-    )
+    words = [[_word(t) for t in seq] for seq in (tb, ts)]
+    bars_px, spacing_px = 190, 70
+    # lines the token rows take: the same breaks add_token_rows makes
+    n_lines = len(cell_lines(list(zip(tb, ts)), per_line)[1])
+    rows_px = n_lines * (2 * ROW_PX + GAP_PX) + 10
+    total = bars_px + spacing_px + rows_px
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=spacing_px / total,
+                        row_heights=[bars_px / total, rows_px / total])
     fig.add_trace(
         go.Bar(
             x=xs,
             y=delta,
             name="logprob delta",
             marker_color=["#2ca02c" if d is not None and d >= 0 else "#d62728" for d in delta],
-            customdata=[[plain_text(b), plain_text(s)] for b, s in zip(tb, ts)],
+            customdata=[[a, b] for a, b in zip(*words)],
             hovertemplate="position %{x}: %{customdata[0]} → %{customdata[1]}"
             "<br>Δ logprob %{y:.3f}<extra></extra>",
         ),
         row=1,
         col=1,
     )
-    fig.add_trace(
-        go.Heatmap(
-            x=xs,
-            y=["baseline", "steered"],
-            z=[lb, ls],
-            text=[[plain_text(t) for t in tb], [plain_text(t) for t in ts]],
-            texttemplate="%{text}",
-            textfont={"size": 12},
-            colorscale="Greys",
-            reversescale=True,
-            showscale=False,
-            name="tokens",
-            hovertemplate="%{y} position %{x}: %{text}<br>logprob %{z:.3f}<extra></extra>",
-        ),
-        row=2,
-        col=1,
-    )
-    shapes = _divergence_shapes(divergence, n_prompt, xs)
+    probs = [[None if v is None else math.exp(v) for v in seq] for seq in (lb, ls)]
+    hover = [[("" if v is None else f"logprob {v:.3f}, p {math.exp(v):.3f}") for v in seq]
+             for seq in (lb, ls)]
+    add_token_rows(
+        fig, [TokenRow("baseline", tb, probs[0], hover[0]),
+              TokenRow(label, ts, probs[1], hover[1])],
+        xs, colorscale=named_scale(TOKEN_COLOURS), zmin=0.0, zmax=1.0, value_name="p",
+        axes=("x2", "y2"), subplot={"row": 2, "col": 1}, mark=divergence,
+        n_prompt=n_prompt, per_line=per_line)
+    if n_prompt is not None and xs and xs[0] < n_prompt <= xs[-1]:
+        fig.add_shape(type="line", xref="x", yref="y domain", x0=n_prompt - 0.5,
+                      x1=n_prompt - 0.5, y0=0, y1=1, line={"color": "grey", "dash": "dot"},
+                      name="prompt|generated")
     where = "no divergence" if divergence is None else f"first divergence at position {divergence}"
-    fig.update_layout(
-        title={"text": title or f"baseline vs steered ({where})"},
-        showlegend=False,
-        shapes=shapes,
-        height=420,
-    )
-    fig.update_yaxes(title_text="Δ logprob", row=1, col=1)
-    fig.update_yaxes(autorange="reversed", row=2, col=1)
-    fig.update_xaxes(title_text="position", row=2, col=1)
+    readable(fig, title or f"baseline vs {label}: {where}", height=total + 90, top=70)
+    fig.update_layout(showlegend=False, margin={"b": 20, "l": 90, "r": 20})
+    fig.update_yaxes(title_text="Δ logprob", gridcolor="#dddddd", zerolinecolor="#999999",
+                     row=1, col=1)
+    fig.update_xaxes(title_text="position", row=1, col=1)
     return fig
 
 
-def _divergence_shapes(divergence: int | None, n_prompt: int | None,
-                       xs: list[int]) -> list[dict]:
-    """The first divergence outlined on the token rows, and the
-    prompt|generated boundary on both panels (positions in ``xs`` units)."""
-    shapes = []
-    if divergence is not None:
-        shapes.append(
-            {
-                "type": "rect",
-                "xref": "x2",
-                "yref": "y2",
-                "x0": divergence - 0.5,
-                "x1": divergence + 0.5,
-                "y0": -0.5,
-                "y1": 1.5,
-                "line": SPAN_LINE,
-                "name": "first divergence",
-            }
-        )
-    if n_prompt is not None and xs[0] < n_prompt <= xs[-1]:
-        for ref in ("", "2"):
-            shapes.append(
-                {
-                    "type": "line",
-                    "xref": f"x{ref}",
-                    "yref": f"y{ref} domain",
-                    "x0": n_prompt - 0.5,
-                    "x1": n_prompt - 0.5,
-                    "y0": 0,
-                    "y1": 1,
-                    "line": {"color": "grey", "dash": "dot"},
-                    "name": "prompt|generated",
-                }
-            )
-    return shapes
+def _word(token: str | None) -> str:
+    """A token as the hover writes it (a blank: nothing)."""
+    return "" if token is None else plain_text(visible(token))

@@ -14,9 +14,11 @@ frames. The server keeps nothing of the call afterwards, so the runner's
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +29,10 @@ from vlens.checks import REMOTE_EDIT
 from vlens.errors import ClosedError, EngineError, VlensError
 
 __all__ = ["RemoteEngine", "connect"]
+
+
+#: the live connections by their ``model`` (``URL/FOLDER``), for LogitLens
+_CONNECTED: weakref.WeakValueDictionary[str, RemoteEngine] = weakref.WeakValueDictionary()
 
 
 class ServerGone(VlensError):
@@ -56,11 +62,34 @@ class RemoteEngine:
         self.info: dict[str, Any] = about["model"]
         self.limits: dict[str, int] = about["limits"]
         self.server = about["server"]
-        self.model = f"{self.url}/{about['model_name']}"
+        self.model_name = about["model_name"]
+        self.model = f"{self.url}/{self.model_name}"
         self.saes: dict[str, dict[str, Any]] = about.get("saes", {})  # the server's, by name
         self.vectors: dict[str, int] = about.get("vectors", {})
         self._sae_cache: dict[str, Any] = {}
         self.tokenizer = self._load_tokenizer()
+        _CONNECTED[self.model] = self
+
+    def local_copy(self) -> Path:
+        """The folder of this server's model when it is one of the models
+        bundled with vlens (same folder name and shape), for what reads the
+        checkpoint itself (``LogitLens.from_pretrained(s.model)``)."""
+        from vlens.models import toychat_path, toyworld_path
+
+        for bundled in (toyworld_path, toychat_path):
+            try:
+                folder = bundled()
+                cfg = json.loads((folder / "config.json").read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            if folder.name == self.model_name and (
+                    cfg.get("num_hidden_layers"), cfg.get("hidden_size")) == (
+                    self.info.get("n_layers"), self.info.get("hidden_size")):
+                return folder
+        raise VlensError(
+            f"the server's model {self.model_name!r} stays on the server, so its weights "
+            "cannot be read here: on a connected session use the worker's logit lens, "
+            "s.trace(..., logit_lens=k)")
 
     # -- HTTP --------------------------------------------------------------------
     def _send(self, method: str, path: str, **kw: Any):
@@ -84,6 +113,8 @@ class RemoteEngine:
             return
         try:
             message = resp.json().get("error") or resp.json().get("detail")
+            if isinstance(message, dict):  # the OpenAI routes' error shape
+                message = message.get("message")
         except ValueError:
             message = resp.text[:500]
         if resp.status_code == 401:
@@ -185,6 +216,13 @@ class RemoteEngine:
         self._raise_for(resp)
         return int(resp.json()["your_vectors"])
 
+    def register_preset(self, name: str, body: dict[str, Any]) -> int:
+        """Keep ``body`` (a ``vlens`` object) as preset ``name`` for this
+        token's calls under ``/presets/NAME/v1``."""
+        resp = self._send("POST", "/v1/presets", json={"name": name, "vlens": body})
+        self._raise_for(resp)
+        return int(resp.json()["your_presets"])
+
     def rpc(self, method: str, *args: Any) -> list[Any]:
         if method == "vlens_collect":
             return [{tag: self._collected.pop(tag, []) for tag in args[0]}]
@@ -198,8 +236,31 @@ class RemoteEngine:
             raise VlensError(REMOTE_EDIT)
         raise VlensError(f"{method} is not available on a connected session")
 
+    def _slices(self, prompts: list[Any], params: list[Any]
+                ) -> list[tuple[int, int, dict[str, Any]]]:
+        """One call as consecutive ``(start, stop, vectors)`` slices that each
+        fit the server's per-call limits on requests and steering vectors
+        (a patching grid or a head sweep can hold thousands of requests): the
+        server then answers them one after another, as one call."""
+        most = int(self.limits.get("requests") or len(prompts) or 1)
+        most_vectors = int(self.limits.get("vectors") or len(self._held) or 1)
+        if len(prompts) <= most and len(self._held) <= most_vectors:
+            return [(0, len(prompts), dict(self._held))]
+        from vlens.remote.wire import params_to_wire
+
+        slices: list[tuple[int, int, dict[str, Any]]] = []
+        start, named = 0, set()
+        for i, sp in enumerate(params):
+            needs = set(_held_names(params_to_wire(sp).get("extra_args"), self._held))
+            if i > start and (i - start >= most or len(named | needs) > most_vectors):
+                slices.append((start, i, {v: self._held[v] for v in named}))
+                start, named = i, set()
+            named |= needs
+        slices.append((start, len(params), {v: self._held[v] for v in named}))
+        return slices
+
     def _frames(self, prompts: list[dict[str, Any]], params: list[Any],
-                stream: bool) -> Iterator[dict[str, Any]]:
+                stream: bool, vectors: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """POST one call; yield its frames as they arrive. Closing this
         generator early closes the connection, and the server then aborts
         the call's requests and drops its records."""
@@ -212,7 +273,7 @@ class RemoteEngine:
         body = pack({
             "requests": [{"ids": list(p["prompt_token_ids"]), "params": params_to_wire(sp)}
                          for p, sp in zip(prompts, params)],
-            "vectors": dict(self._held),
+            "vectors": vectors,
             "stream": stream,
         })
         reader = FrameReader()
@@ -234,44 +295,76 @@ class RemoteEngine:
             raise ServerGone(f"the vlens server at {self.url} stopped mid-answer; "
                              "vlens.connect(url, token=...) again once it is back")
 
-    def _done(self, frame: dict[str, Any]) -> list[Any]:
-        from vlens.remote.wire import output_from_wire
-
-        self._collected = frame["records"]
-        return [output_from_wire(o) for o in frame["outputs"]]
+    def _no_results(self) -> ServerGone:
+        return ServerGone(f"the vlens server at {self.url} ended the call without results")
 
     def generate(self, prompts: list[Any], params: list[Any], progress: Any = None) -> list[Any]:
+        from vlens.remote.wire import output_from_wire
+
         bar = progress(total=len(prompts)) if progress else None
-        done = 0
+        outputs: list[Any] = []
+        records: dict[str, list] = {}
         try:
-            for frame in self._frames(prompts, params, stream=bar is not None):
-                if frame["kind"] == "done":
-                    return self._done(frame)
-                now = sum(1 for o in frame["outputs"] if o is not None and o["finished"])
-                if bar is not None and now > done:
-                    bar.update(now - done)
-                    done = now
+            for start, stop, vectors in self._slices(prompts, params):
+                frames = self._frames(prompts[start:stop], params[start:stop],
+                                      bar is not None, vectors)
+                done = 0
+                try:
+                    for frame in frames:
+                        if frame["kind"] == "done":
+                            records.update(frame["records"])
+                            outputs += [output_from_wire(o) for o in frame["outputs"]]
+                            break
+                        now = sum(1 for o in frame["outputs"] if o is not None and o["finished"])
+                        if bar is not None and now > done:
+                            bar.update(now - done)
+                            done = now
+                    else:
+                        raise self._no_results()
+                finally:
+                    frames.close()
         finally:
             if bar is not None:
                 bar.close()
-        raise ServerGone(f"the vlens server at {self.url} ended the call without results")
+        self._collected = records
+        return outputs
 
     def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
         from vlens.remote.wire import merge_delta, output_from_wire
 
-        frames = self._frames(prompts, params, stream=True)
-        have: list[dict[str, Any] | None] = [None] * len(prompts)
-        try:
-            for frame in frames:
-                if frame["kind"] == "done":
-                    yield self._done(frame)
-                    return
-                have = [merge_delta(h, o) for h, o in zip(have, frame["outputs"], strict=True)]
-                yield [output_from_wire(o) for o in have]
-        finally:
-            frames.close()
-        raise ServerGone(f"the vlens server at {self.url} ended the call without results")
+        finished: list[Any] = []  # the outputs of the slices already answered
+        records: dict[str, list] = {}
+        for start, stop, vectors in self._slices(prompts, params):
+            frames = self._frames(prompts[start:stop], params[start:stop], True, vectors)
+            have: list[dict[str, Any] | None] = [None] * (stop - start)
+            later = [None] * (len(prompts) - stop)
+            try:
+                for frame in frames:
+                    if frame["kind"] == "done":
+                        records.update(frame["records"])
+                        finished += [output_from_wire(o) for o in frame["outputs"]]
+                        break
+                    have = [merge_delta(h, o) for h, o in zip(have, frame["outputs"], strict=True)]
+                    yield finished + [output_from_wire(o) for o in have] + later
+                else:
+                    raise self._no_results()
+            finally:
+                frames.close()
+        self._collected = records
+        yield finished
 
+
+def _held_names(value: Any, held: Mapping[str, Any]) -> Iterator[str]:
+    """The held vectors' ids that a request's wire plan names, anywhere in it."""
+    if isinstance(value, str):
+        if value in held:
+            yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _held_names(item, held)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _held_names(item, held)
 
 def connect(url: str = "http://127.0.0.1:8765", token: str | None = None, *,
             timeout: float = 30.0):
@@ -294,3 +387,12 @@ def connect(url: str = "http://127.0.0.1:8765", token: str | None = None, *,
                          "again exactly as the workshop's operator gave it (it is not shown "
                          "here)")
     return Session._attach(RemoteEngine(url, token, timeout=timeout))
+
+
+def connected_copy(model: str) -> Path:
+    """The local folder of a live connection's model (``s.model`` of a
+    connected session): see :meth:`RemoteEngine.local_copy`."""
+    engine = _CONNECTED.get(model)
+    if engine is None:
+        raise VlensError(f"{model} is no live connection's model: vlens.connect to it first")
+    return engine.local_copy()

@@ -43,10 +43,16 @@ def _strict_equal(a: Any, b: Any) -> bool:
 class Refused(Exception):
     """A request the server turns down: HTTP ``status`` and why."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        #: seconds a client should wait before trying again (429, 503)
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class Limits:
 
     read_bytes: int = 256 * 2**20  # activations one call may read
     concurrent: int = 4  # calls of one client in flight at once
+    queued: int = 64  # calls of one client waiting for a slot (more: 429)
+    queue_seconds: float = 600.0  # how long a call may wait for a slot
     prompt_tokens: int = 4096  # tokens in one prompt
     requests: int = 256  # engine requests in one call
     samples: int = 16  # n per request

@@ -35,6 +35,11 @@ def _parser():
     g.add_argument("--max-read-mb", type=float, default=256,
                    help="activations one call of a client may read (MiB)")
     g.add_argument("--max-concurrent", type=int, default=4, help="calls in flight per client")
+    g.add_argument("--max-queued", type=int, default=64,
+                   help="calls of one client waiting for a slot, in order (more: HTTP 429 "
+                        "with Retry-After)")
+    g.add_argument("--queue-timeout", type=float, default=600.0,
+                   help="seconds a call may wait for a slot (then HTTP 429)")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="tokens per prompt (default: the model's max length)")
     g.add_argument("--max-requests", type=int, default=256, help="engine requests per call")
@@ -50,6 +55,11 @@ def _parser():
                         "tensor, .pt or .npy); repeat for more")
     g.add_argument("--sae", action="append", metavar="NAME=PATH", default=[],
                    help="an SAE (as vlens.SAE.load reads it) everyone may name; repeat for more")
+    g.add_argument("--preset", action="append", metavar="NAME=FILE", default=[],
+                   help="a JSON vlens object served under /presets/NAME/v1 (every call "
+                        "there is steered by it); repeat for more")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without a token")
     g.add_argument("--chat-template", default=None,
                    help="the chat template of the OpenAI chat route (a file or a Jinja "
                         "string; default: the tokenizer's)")
@@ -113,25 +123,33 @@ async def _serve(args: Any, argv: list[str]) -> None:
         info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
         limits = Limits(
             read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
+            queued=args.max_queued, queue_seconds=args.queue_timeout,
             prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
             requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20),
             body_seconds=args.body_timeout, stall_seconds=args.stall_timeout)
         from vlens.checks import ModelFacts
         from vlens.remote.names import ServerNames, parse_named
-        from vlens.remote.openai import OpenAIRoutes
+        from vlens.checks.body import parse_body
+        from vlens.remote.openai_routes import OpenAIRoutes
+        from vlens.remote.presets import Presets, load_presets
+        from vlens.remote.routes import install_docs
 
+        facts = ModelFacts.from_info(info)
         names = ServerNames.load(parse_named(args.vector, "--vector"),
-                                 parse_named(args.sae, "--sae"), ModelFacts.from_info(info),
-                                 limits.vectors)
+                                 parse_named(args.sae, "--sae"), facts, limits.vectors)
         if names.saes:  # in the workers for good: plans name them by id
             await llm.collective_rpc("vlens_put_saes", args=(
                 {s.id: s.payload() for s in names.saes.values()},))
+        presets = Presets(load_presets(parse_named(args.preset, "--preset"), lambda b: (
+            parse_body(b, facts, lambda n: names.vector("", n), names.saes.get))))
         server = Server(llm, info, tokens, limits, args.model, args.max_calls, args.token_file,
-                        names)
-        app = make_app(server)
+                        names, presets)
+        app = make_app(server, args.metrics_public)
         named = args.served_model_name
         served = (named[0] if isinstance(named, list) and named else named) or args.model
-        OpenAIRoutes(server, served, args.chat_template).install(app)
+        routes = OpenAIRoutes(server, served, args.chat_template)
+        routes.install(app)
+        install_docs(app, routes.bodies)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level="warning", timeout_graceful_shutdown=5)
         mode = ("compiled (CUDA graphs)" if compiled and has_gpu() else "compiled (torch.compile)"
@@ -141,7 +159,8 @@ async def _serve(args: Any, argv: list[str]) -> None:
         print(f"vlens serve: {Path(args.model).name} on http://{args.host}:{args.port} "
               f"for {len(tokens)} client(s), {mode}; OpenAI routes at /v1 as model {served!r}"
               + (f"; vectors {sorted(names.vectors)}" if names.vectors else "")
-              + (f"; SAEs {sorted(names.saes)}" if names.saes else ""), flush=True)
+              + (f"; SAEs {sorted(names.saes)}" if names.saes else "")
+              + (f"; presets {sorted(presets.served)}" if presets.served else ""), flush=True)
         if not is_loopback(args.host):
             print(f"vlens serve: warning: {args.host} is reachable from other machines and "
                   "this server speaks plain HTTP: tokens and results cross the network "

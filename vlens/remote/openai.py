@@ -1,6 +1,5 @@
-"""OpenAI-compatible routes on ``vlens serve``: ``GET /v1/models``,
-``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed
-(server-sent events) or not, with steering in the body::
+"""The engine behind the OpenAI-compatible routes of ``vlens serve``
+(:mod:`vlens.remote.openai_routes`), with steering in the body::
 
     client.chat.completions.create(model=..., messages=[...], extra_body={
         "vlens": {"steer": [{"vector": "mood", "layer": 3, "scale": 4.0,
@@ -21,28 +20,26 @@ the workers under the participant's prefix, and runs it exactly as a
 prefix-cache salt in the prompt.
 
 The participant's token is the API key; a call takes one of its slots
-(``--max-concurrent``) until its answer is sent.
+(``--max-concurrent``, waiting in line for one if need be) until its
+answer is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request  # module level: FastAPI reads the routes' annotations here
-
-from vlens.checks.body import BodyEdits, BodyError, parse_body
+from vlens.checks.body import BodyEdits
 from vlens.errors import VlensError
 from vlens.remote.guard import Refused
 
-__all__ = ["OpenAIRoutes", "SteeredEngine"]
+__all__ = ["BadBody", "PENDING", "Pending", "SteeredEngine", "error_json"]
 
 
-class _BadBody(Refused):
+class BadBody(Refused):
     """A refusal in OpenAI's error shape, naming the field."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
@@ -59,7 +56,7 @@ def error_json(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 @dataclass
-class _Pending:
+class Pending:
     """The request vLLM is about to hand to the engine: who sent it, its
     edits and (for role spans) its conversation."""
 
@@ -68,7 +65,7 @@ class _Pending:
     chat: Any = None  # the ChatCompletionRequest, for role spans
 
 
-_PENDING: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar(
+PENDING: contextvars.ContextVar[Pending | None] = contextvars.ContextVar(
     "vlens_openai_pending", default=None)
 
 
@@ -92,20 +89,20 @@ class SteeredEngine:
         of vLLM's handler (the route answers it), not streamed."""
         from vlens.protocol.plan import PLAN_KEY
 
-        pending = _PENDING.get()
+        pending = PENDING.get()
         server = self._server
         if pending is None:  # a route of vLLM's that vlens does not serve
-            raise _BadBody(404, "this route is not served")
+            raise BadBody(404, "this route is not served")
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if not isinstance(ids, list):
-            raise _BadBody(400, "vlens serves text and token prompts only", "prompt")
+            raise BadBody(400, "vlens serves text and token prompts only", "prompt")
         if len(ids) > server.limits.prompt_tokens:
-            raise _BadBody(413, f"{len(ids)} prompt tokens; this server takes at most "
+            raise BadBody(413, f"{len(ids)} prompt tokens; this server takes at most "
                                 f"{server.limits.prompt_tokens} per prompt", "prompt")
         if (sampling_params.n or 1) > server.limits.samples:
-            raise _BadBody(400, f"n must be at most {server.limits.samples} on this server", "n")
+            raise BadBody(400, f"n must be at most {server.limits.samples} on this server", "n")
         if sampling_params.extra_args:
-            raise _BadBody(400, "vllm_xargs is not accepted by vlens serve: steer with the "
+            raise BadBody(400, "vllm_xargs is not accepted by vlens serve: steer with the "
                                 "'vlens' object", "vllm_xargs")
         if not pending.edits:
             return self._llm.generate(prompt, sampling_params, request_id, **kw)
@@ -162,7 +159,7 @@ class SteeredEngine:
         finally:
             self._dropping = None
 
-    def _plan(self, pending: _Pending, ids: list[int], max_tokens: int):
+    def _plan(self, pending: Pending, ids: list[int], max_tokens: int):
         """The request's plan over its token ids, and the vectors it names
         (``{participant/id: encoded}``)."""
         from vlens.checks import check_plan, check_span_fits
@@ -183,16 +180,16 @@ class SteeredEngine:
                 try:
                     if isinstance(ed.span, str) and ed.span in ROLE_SPANS:
                         roles = roles or self._roles(pending, ids, field)
-                        out.extend(resolve_roles([ed], roles, 0))
+                        out.extend(resolve_roles([ed], roles, 0, max_tokens))
                     else:
                         check_span_fits(type(ed).__name__, ed.span, n, max_tokens)
                         out.append(ed)
                 except VlensError as exc:
-                    raise _BadBody(400, f"{field}.span: {exc}", f"{field}.span") from None
+                    raise BadBody(400, f"{field}.span: {exc}", f"{field}.span") from None
         try:
             ablates = check_ablates([ablates], facts, [n], max_tokens)[0]
         except VlensError as exc:
-            raise _BadBody(400, f"vlens.ablate: {exc}", "vlens.ablate") from None
+            raise BadBody(400, f"vlens.ablate: {exc}", "vlens.ablate") from None
         tensors: dict[str, Any] = {}
         adds = []
         for st in steers:
@@ -214,10 +211,10 @@ class SteeredEngine:
             check_plan(plan, facts, sizes, max_tokens)  # the rules every plan passes
             server.names.check_plan_saes(plan)
         except VlensError as exc:
-            raise _BadBody(400, f"vlens: {exc}", "vlens") from None
+            raise BadBody(400, f"vlens: {exc}", "vlens") from None
         return plan, {f"{owner}/{vid}": encode_tensor(v) for vid, v in tensors.items()}
 
-    def _roles(self, pending: _Pending, ids: list[int], field: str) -> Any:
+    def _roles(self, pending: Pending, ids: list[int], field: str) -> Any:
         """The conversation normalised as a local Session does it, for its
         roles; its ids must be the ones vLLM rendered."""
         from vlens.prompts import normalise
@@ -244,142 +241,3 @@ class SteeredEngine:
                              "ones the server rendered (tools or template options?): use "
                              "span 'all', 'prompt', 'generated' or [start, stop]")
         return prompt
-
-
-class OpenAIRoutes:
-    """vLLM's serving objects over :class:`SteeredEngine`, and the three
-    routes (added to the server's FastAPI app by :meth:`install`)."""
-
-    def __init__(self, server: Any, model_name: str, chat_template: str | None) -> None:
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-        from vllm.entrypoints.openai.models.protocol import BaseModelPath
-        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-        from vllm.renderers.chat_utils import load_chat_template
-        from vllm.renderers.online_renderer import OnlineRenderer
-
-        self.server = server
-        template = load_chat_template(chat_template)
-        engine = SteeredEngine(server, template)
-        self.models = OpenAIServingModels(
-            engine_client=engine, base_model_paths=[BaseModelPath(model_name, server.model_dir)])
-        renderer = OnlineRenderer(
-            model_config=engine.model_config, renderer=engine.renderer, request_logger=None,
-            chat_template=template, chat_template_content_format="auto")
-        self.chat = OpenAIServingChat(
-            engine, self.models, "assistant", online_renderer=renderer, request_logger=None,
-            chat_template=template, chat_template_content_format="auto")
-        self.completion = OpenAIServingCompletion(
-            engine, self.models, online_renderer=renderer, request_logger=None)
-
-    def install(self, app: Any) -> None:
-        from fastapi.responses import JSONResponse
-
-        server = self.server
-
-        async def models(request: Request):
-            try:
-                server.authenticate(request.headers.get("authorization"))
-            except Refused as exc:
-                return JSONResponse(error_json(exc.status, exc.message), exc.status)
-            listed = await self.models.show_available_models()
-            return JSONResponse(listed.model_dump())
-
-        async def chat(request: Request):
-            return await self._call(request, chat=True)
-
-        async def completions(request: Request):
-            return await self._call(request, chat=False)
-
-        app.add_api_route("/v1/models", models, methods=["GET"])
-        app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-        app.add_api_route("/v1/completions", completions, methods=["POST"])
-
-    async def _body(self, request: Any) -> dict[str, Any]:
-        from vlens.remote.server import read_body
-
-        raw = await read_body(request, self.server.limits.body_bytes,
-                              self.server.limits.body_seconds, "application/json")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _BadBody(400, f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise _BadBody(400, "the body must be a JSON object")
-        return body
-
-    async def _call(self, request: Any, chat: bool):
-        from fastapi.responses import JSONResponse, StreamingResponse
-        from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-        server = self.server
-        held = None
-        try:
-            client = server.authenticate(request.headers.get("authorization"))
-            server.admit(client)
-            held = client
-            body = await self._body(request)
-            raw_vlens = body.pop("vlens", None)
-            names = server.names
-            edits = parse_body(raw_vlens, server.facts, lambda n: names.vector(client.name, n),
-                               names.saes.get)
-            kind = ChatCompletionRequest if chat else CompletionRequest
-            try:
-                req = kind.model_validate(body)
-            except ValidationError as exc:
-                first = exc.errors()[0] if exc.errors() else {}
-                param = ".".join(str(x) for x in first.get("loc", ())) or None
-                raise _BadBody(400, f"{param}: {first.get('msg', exc)}" if param else str(exc),
-                               param) from None
-            token = _PENDING.set(_Pending(client, edits, req if chat else None))
-            try:
-                handler = self.chat.create_chat_completion if chat else (
-                    self.completion.create_completion)
-                result = await handler(req, request)
-            finally:
-                _PENDING.reset(token)
-        except BodyError as exc:
-            self._free(held)
-            return JSONResponse(error_json(400, str(exc), exc.field), 400)
-        except Refused as exc:
-            self._free(held)
-            return JSONResponse(error_json(exc.status, exc.message, getattr(exc, "param", None)),
-                                exc.status)
-        except VlensError as exc:
-            self._free(held)
-            return JSONResponse(error_json(400, str(exc)), 400)
-        except BaseException:
-            self._free(held)
-            raise
-        if isinstance(result, ErrorResponse):
-            self._free(held)
-            return JSONResponse(result.model_dump(), result.error.code)
-        if not hasattr(result, "__aiter__"):
-            self._free(held)
-            return JSONResponse(result.model_dump())
-
-        from starlette.background import BackgroundTask
-
-        started = []
-
-        async def events():
-            started.append(True)
-            try:
-                async for chunk in result:
-                    yield chunk
-            finally:
-                self._free(held)
-
-        def never_started() -> None:  # the client left before the first event
-            if not started:
-                self._free(held)
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 background=BackgroundTask(never_started))
-
-    def _free(self, client: Any) -> None:
-        if client is not None:
-            self.server.release(client)

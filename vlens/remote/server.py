@@ -28,7 +28,12 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
 from vlens.errors import VlensError
+from vlens.remote.bodies import drain, read_body
+from vlens.remote.errors import install as install_errors
 from vlens.remote.guard import Checked, Limits, Refused, check_call
+from vlens.remote.metrics import Metrics
+from vlens.remote.presets import Presets
+from vlens.remote.slots import Slots, Waiting
 from vlens.remote.tokens import TokenFile
 from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
 
@@ -43,8 +48,12 @@ _TOKENIZER_FILES = re.compile(
 @dataclass
 class _Client:
     name: str
-    active: int = 0  # calls in flight
+    slot: Waiting = field(default_factory=Waiting)  # calls running and waiting
     vectors: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> pins
+
+    @property
+    def active(self) -> int:
+        return self.slot.active
 
 
 class Server:
@@ -52,7 +61,7 @@ class Server:
 
     def __init__(self, llm: Any, info: dict[str, Any], tokens: dict[str, str], limits: Limits,
                  model_dir: str, max_calls: int, token_file: str | None = None,
-                 names: Any = None) -> None:
+                 names: Any = None, presets: Presets | None = None) -> None:
         from vlens.checks import ModelFacts
         from vlens.remote.names import ServerNames
 
@@ -65,8 +74,11 @@ class Server:
         self.instance = uuid.uuid4().hex[:12]
         self.tokens = TokenFile(tokens, token_file)
         self.clients = {name: _Client(name) for name in tokens.values()}
-        self.calls = 0
+        self.slots = Slots(limits, max_calls)
         self.calls_done = 0
+        self.metrics = Metrics()
+        #: named vlens objects served under /presets/NAME/v1 (--preset, s.register_preset)
+        self.presets = presets if presets is not None else Presets()
         self._vector_lock = asyncio.Lock()
         self._status_task: asyncio.Future | None = None  # the status call under way
         self._tokenizer: bytes | None = None  # the packed files, read once
@@ -113,20 +125,19 @@ class Server:
                     del client.vectors[k]
 
     # -- one call ---------------------------------------------------------------
-    def admit(self, client: _Client) -> None:
-        if client.active >= self.limits.concurrent:
-            raise Refused(429, f"{client.active} calls of this client are running; this "
-                               f"server takes at most {self.limits.concurrent} at once")
-        if self.calls >= self.max_calls:
-            raise Refused(503, f"the server is running its limit of {self.max_calls} calls; "
-                               "try again in a moment")
-        client.active += 1
-        self.calls += 1
+    @property
+    def calls(self) -> int:
+        """Calls running, all clients."""
+        return self.slots.calls
+
+    async def admit(self, client: _Client) -> None:
+        """One of the client's call slots, waiting in line for it if all are
+        taken (:mod:`vlens.remote.slots`); :class:`Refused` past the line."""
+        await self.slots.take(client.slot)
 
     def release(self, client: _Client) -> None:
-        """Give back a slot :meth:`admit` took (a call that never ran)."""
-        client.active -= 1
-        self.calls -= 1
+        """Give back a slot :meth:`admit` took (to the client's next waiting call)."""
+        self.slots.give(client.slot)
 
     async def run(self, client: _Client, call: Checked, stream: bool):
         """The frames of one admitted call (an async iterator of bytes)."""
@@ -228,7 +239,7 @@ class Server:
                 finally:
                     self.release(client)
 
-    async def _worker_status(self) -> dict[str, Any]:
+    async def worker_status(self) -> dict[str, Any]:
         """The workers' status. One engine call at a time, whoever asks:
         a request arriving while one is under way shares its answer, so a
         flood of status polls cannot queue engine calls (and an answer is
@@ -240,47 +251,20 @@ class Server:
         return (await asyncio.shield(task))[0]
 
     async def status(self, client: _Client) -> dict[str, Any]:
-        worker = await self._worker_status()
+        worker = await self.worker_status()
         return {
             **{k: worker[k] for k in ("records", "plans", "vectors", "vector_bytes",
                                       "hook_errors", "nonfinite_writes", "steps_seen", "steps_planned", "hooks",
                                       "edit_fns")},
             "unfinished": int(self.llm.output_processor.get_num_unfinished_requests()),
             "calls": self.calls,
+            "queued": self.slots.queued,
             "calls_done": self.calls_done,
             "stalled": self.stalled,
             "your_calls": client.active,
             "your_vectors": len(client.vectors),
             "server": self.instance,
         }
-
-
-async def read_body(request: Any, limit: int, seconds: float, kind: str = FRAME_TYPE) -> bytes:
-    """A request's body, at most ``limit`` bytes within ``seconds``, of
-    content type ``kind``."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise Refused(413, f"request body over this server's limit of {limit} bytes")
-    if (request.headers.get("content-type") or "").split(";")[0].strip() != kind:
-        raise Refused(415, f"send {'a vlens frame' if kind == FRAME_TYPE else 'JSON'} "
-                           f"(Content-Type: {kind})")
-    from starlette.requests import ClientDisconnect
-
-    buf = bytearray()
-
-    async def read() -> None:
-        async for chunk in request.stream():
-            buf.extend(chunk)
-            if len(buf) > limit:
-                raise Refused(413, f"request body over this server's limit of {limit} bytes")
-
-    try:
-        await asyncio.wait_for(read(), seconds)
-    except asyncio.TimeoutError:
-        raise Refused(408, f"the request body took over {seconds:g} s to arrive") from None
-    except ClientDisconnect:
-        raise Refused(400, "the client went away while sending its body") from None
-    return bytes(buf)
 
 
 def _stream_class():
@@ -302,11 +286,11 @@ def _stream_class():
             self.stall = stall
 
         async def stream_response(self, send: Any) -> None:
-            import inspect
-
+            entered = False  # run() began: its own clean-up gives the slot back
             try:
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
+                entered = True  # awaiting the first frame runs run() into its try
                 async for frame in self.frames:
                     await asyncio.wait_for(send({"type": "http.response.body", "body": frame,
                                                  "more_body": True}), self.stall)
@@ -315,7 +299,7 @@ def _stream_class():
             except asyncio.TimeoutError:
                 self.server.stalled += 1  # the connection closes unfinished
             finally:
-                if inspect.getasyncgenstate(self.frames) == inspect.AGEN_CREATED:
+                if not entered:
                     # never started (the client left first): run() never took
                     # over the slot, so give it back here
                     self.server.release(self.client)
@@ -364,15 +348,21 @@ def _named_routes(app: Any, server: Server, who: Any) -> None:
         return {"name": body["name"], "your_vectors": held}
 
 
-def make_app(server: Server):
+def make_app(server: Server, metrics_public: bool = False):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
 
+    from vlens.remote.routes import install_routes
+
     app = FastAPI(title="vlens serve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_errors(app)
+    install_routes(app, server, metrics_public)
 
     @app.exception_handler(Refused)
-    async def refused(_: Request, exc: Refused):
-        return JSONResponse({"error": exc.message}, status_code=exc.status)
+    async def refused(request: Request, exc: Refused):
+        await drain(request, server.limits)
+        server.metrics.refused(exc.status, "vlens")
+        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
 
     def who(request: Request) -> _Client:
         return server.authenticate(request.headers.get("authorization"))
@@ -423,7 +413,7 @@ def make_app(server: Server):
         client = who(request)
         # the slot is taken before the body is read: a client's bodies in
         # flight count against its calls at once, and each has a deadline
-        server.admit(client)
+        await server.admit(client)
         try:
             raw = await read_body(request, server.limits.body_bytes,
                                    server.limits.body_seconds)

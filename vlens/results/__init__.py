@@ -13,7 +13,8 @@ from vlens.results.steering import (
     first_divergence,
     generated_kl,
     kl_per_position,
+    run_label,
 )
 
 __all__ = ["Comparison", "Run", "Sweep", "Trace", "first_divergence", "generated_kl",
-           "kl_per_position"]
+           "kl_per_position", "run_label"]

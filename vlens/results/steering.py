@@ -15,8 +15,34 @@ from typing import Any
 import torch
 
 from vlens.results.run import Run
+from vlens.tokens import first_divergence
 
-__all__ = ["Comparison", "Sweep", "first_divergence", "generated_kl", "kl_per_position"]
+__all__ = ["Comparison", "Sweep", "first_divergence", "generated_kl", "kl_per_position",
+           "run_label"]
+
+#: what a run's edits made of it, as its row in a figure is labelled
+_LABELS = (("Clamp", "clamped"), ("Ablate", "ablated"), ("Steer", "steered"))
+
+
+def run_label(edits: Any) -> str:
+    """What ``edits`` made of a run, in one word: ``"steered"`` (Steer),
+    ``"ablated"`` (Ablate), ``"clamped"`` (an SAE Clamp); ``"edited"`` for
+    a mix. ``edits``: one edit, a list, a PerPrompt or nested lists of them
+    (None entries are skipped); none at all reads ``"steered"``."""
+    kinds: set[str] = set()
+    todo = [edits]
+    while todo:
+        e = todo.pop()
+        if e is None or isinstance(e, (str, bytes)):
+            continue
+        if isinstance(e, Sequence):
+            todo.extend(e)
+            continue
+        names = {c.__name__ for c in type(e).__mro__}
+        kinds.update(next(([word] for name, word in _LABELS if name in names), []))
+    if len(kinds) > 1:
+        return "edited"
+    return kinds.pop() if kinds else "steered"
 
 
 def kl_per_position(base_lp: torch.Tensor, steer_lp: torch.Tensor) -> torch.Tensor:
@@ -35,14 +61,6 @@ def generated_kl(base: Any, other: Any) -> torch.Tensor:
     return kl_per_position(base.vocab_logprobs()[-1, start:], other.vocab_logprobs()[-1, start:])
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where ``a`` and ``b`` differ (None: equal)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 @dataclass
 class Comparison:
     """Baseline and steered runs of the same prompts, made in one batch.
@@ -51,12 +69,16 @@ class Comparison:
     each generated position of prompt ``i`` (each run on its own prefix, so
     after the first divergence it also reflects the different text).
     ``first_divergence[i]``: index of the first generated token that differs
-    (None when the texts are identical).
+    (None when the texts are identical). ``label``: what was done to the
+    second run, as its figure row and hover name it (``"steered"``,
+    ``"ablated"``, ``"clamped"``: :func:`run_label` of the edits); the
+    attribute stays ``steered`` whatever the edit.
     """
 
     baseline: Run
     steered: Run
     kl: list[torch.Tensor] = field(default_factory=list)
+    label: str = "steered"
 
     @property
     def first_divergence(self) -> list[int | None]:
@@ -93,6 +115,37 @@ class Comparison:
                 })
         return pd.DataFrame(rows)
 
+    def figure(self, prompt: int = 0, *, what: str | None = None):
+        """Baseline vs the edited run of prompt ``prompt``, as
+        :func:`vlens.plots.baseline_vs_steered` draws it: the logprob delta
+        per generated position, and both token rows (``"baseline"`` and
+        :attr:`label`), wrapped, with the first divergence outlined. The
+        title gives that position (or says there is none), after ``what``
+        (the settings, in words) when given."""
+        from vlens.plots import baseline_vs_steered
+
+        if not 0 <= prompt < len(self.baseline):
+            raise IndexError(f"prompt {prompt} of a comparison of {len(self.baseline)}")
+        frame = self.to_frame()
+        if frame.empty:
+            raise ValueError("nothing was generated: no tokens to show")
+        frame = frame[frame["prompt"] == prompt]
+        positions = [int(p) for p in frame["position"]]
+        i = self.first_divergence[prompt]
+        at = None if i is None or i >= len(positions) else positions[i]
+        where = "no divergence" if at is None else f"first divergence at position {at}"
+
+        def column(name):
+            return [None if v is None or v != v else v for v in frame[name].tolist()]
+
+        return baseline_vs_steered(
+            column("token_base"), column("token_steered"),
+            column("logprob_base"), column("logprob_steered"),
+            positions=positions, divergence=at, label=self.label,
+            n_prompt=len(self.baseline[prompt].prompt_token_ids),
+            title=f"{what}: {where}" if what else f"baseline vs {self.label}: {where}",
+        )
+
 
 @dataclass
 class Sweep:
@@ -126,3 +179,13 @@ class Sweep:
                 ),
             })
         return pd.DataFrame(rows)
+
+    def figure(self, metric: str = "kl_mean"):
+        """``metric`` (a column of :meth:`to_frame`: ``kl_mean``,
+        ``kl_first``, ``mean_logprob`` …) against scale, as
+        :func:`vlens.plots.dose_response` draws it; the hover has each
+        scale's text."""
+        from vlens.plots import dose_response
+
+        return dose_response(self.to_frame(), metric,
+                             title=f"{metric} against scale ({len(self.scales)} scales)")

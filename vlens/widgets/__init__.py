@@ -16,10 +16,11 @@ mode, to knock out heads). :class:`PatchingView` streams
 ``session.stream_patch`` and shows the grid filling in. :func:`explore`
 composes them around one selection and one controller. :class:`FeatureView`
 shows one SAE's features over a set of prompts and steers or clamps with
-one. Figures come from
+one. :class:`CompareView` puts any two Runs of the same prompts side by side
+(plain and ablated, say), the first divergence marked. Figures come from
 the builders of :mod:`vlens.plots`. Every view and panel saves what it
-shows to one HTML file that needs no kernel (``view.snapshot(path)``,
-:func:`save_snapshot`).
+shows to one HTML file that needs no kernel: its **save** button, or
+``view.snapshot(path)`` / :func:`save_snapshot` from Python.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 from vlens.widgets.activation import ActivationView
 from vlens.widgets.attention import AttentionView
 from vlens.widgets.clone_reads import CloneReadsToggle
+from vlens.widgets.compare import CompareView
 from vlens.widgets.explorer import Explorer, explore
 from vlens.widgets.features import FeatureView
 from vlens.widgets.figure import FigureView
@@ -42,6 +44,7 @@ __all__ = [
     "ActivationView",
     "AttentionView",
     "CloneReadsToggle",
+    "CompareView",
     "Controller",
     "Explorer",
     "FeatureView",

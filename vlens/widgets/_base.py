@@ -1,5 +1,5 @@
-"""What every vlens widget shares: an error area, a progress row, in-place
-figure updates, and (for views) the shared :class:`Selection`.
+"""What every vlens widget shares: an error area, a progress row, a save
+button, in-place figure updates, and (for views) the shared :class:`Selection`.
 
 Callbacks run inside the kernel's comm handler, where an exception would
 only reach a log nobody reads. :meth:`Panel._guard` catches it, shows the
@@ -10,10 +10,12 @@ working; the next successful callback clears it.
 from __future__ import annotations
 
 import html
+import re
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
@@ -43,8 +45,23 @@ def show_figure(target: FigureView, fig: go.Figure) -> None:
     target.show(fig)
 
 
+class _SaveRow(widgets.HBox):
+    """The save button and where the last file went (left out of the
+    snapshot it makes)."""
+
+    def _snapshot_html(self, render: Callable[[Any], str]) -> str:
+        return ""
+
+
+def _file_name(widget: Any) -> str:
+    """``steering-panel-20260101-120000.html`` for a SteeringPanel, now."""
+    words = re.sub(r"(?<!^)(?=[A-Z])", "-", type(widget).__name__).lower()
+    return f"{words}-{time.strftime('%Y%m%d-%H%M%S')}.html"
+
+
 class Panel(widgets.VBox):
-    """A VBox with an error line, a folded traceback and a progress row.
+    """A VBox with an error line, a folded traceback, a progress row and a
+    **save** button (:meth:`save`: what it shows, as one HTML file).
 
     Subclasses build their controls, then call ``super().__init__(children)``.
     ``error`` holds the message of the last failed callback ("" when the last
@@ -75,11 +92,22 @@ class Panel(widgets.VBox):
             [self._progress, self._progress_label], layout={"display": "none"}
         )
         self._details.layout.display = "none"
+        self._save_button = widgets.Button(
+            description="save", icon="download",
+            tooltip="save what this shows as one HTML file (opens with no kernel)")
+        self._save_label = widgets.HTML()
+        self._save_row = _SaveRow([self._save_button, self._save_label])
+        self._save_button.on_click(self._guard(lambda _b: self.save()))
+        self.saved_path: Path | None = None
         self._depth = 0  # nested _working blocks: the outermost shows and hides the row
         self._runs = Runs(self._set_running)
         super().__init__(
-            children=[*children, self._progress_row, self._error_label, self._details]
+            children=[*children, self._progress_row, self._error_label, self._details,
+                      self._save_row]
         )
+        # one save button per page: a panel inside this one is saved with it
+        for inner in self._inner_panels():
+            inner._save_row.layout.display = "none"
 
     def snapshot(self, path: Any, *, title: str | None = None) -> Any:
         """Save what this widget shows now to one self-contained HTML file
@@ -88,6 +116,19 @@ class Panel(widgets.VBox):
         from vlens.widgets.snapshot import save_snapshot
 
         return save_snapshot(self, path, title=title)
+
+    def save(self, path: Any = None) -> Path:
+        """The save button: :meth:`snapshot` to ``path`` (default: a new
+        file named after the view and the time, in the working directory,
+        the notebook's folder), then say in the panel where it went.
+        Returns the absolute path (also ``saved_path``)."""
+        target = Path(path if path is not None else _file_name(self)).resolve()
+        self.snapshot(target)
+        self.saved_path = target
+        self._save_label.value = (
+            f"<small>saved to <code>{html.escape(str(target))}</code> "
+            "(opens in any browser, no kernel)</small>")
+        return target
 
     # -- errors ----------------------------------------------------------------
     def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:

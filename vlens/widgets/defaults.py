@@ -22,6 +22,8 @@ class SteeringDefaults:
     relative: bool
     scales: tuple[float, ...]
     site: str = "resid_post"
+    #: the steer's span: "all", "prompt" or "generated"
+    span: str = "all"
     positive: tuple[str, ...] = ()
     negative: tuple[str, ...] = ()
     prompt: str | None = None
@@ -43,7 +45,7 @@ def steering_defaults(session: Any) -> SteeringDefaults:
 
     On the bundled model: its documented sentiment recipe, read from
     :func:`vlens.models.recipes.steering_recipe` (layer, scale, relative,
-    the two prompt sets, a sad example that flips). Elsewhere: the middle
+    span, the two prompt sets, a sad example that flips). Elsewhere: the middle
     layer, scale 4, an absolute push, and a note saying what to set."""
     from vlens.models.recipes import steering_recipe
 
@@ -53,7 +55,7 @@ def steering_defaults(session: Any) -> SteeringDefaults:
                                 scales=(-8.0, -4.0, 0.0, 4.0, 8.0), note=_NO_RECIPE)
     return SteeringDefaults(
         layer=r.layer, scale=r.scale, relative=r.relative, scales=r.scales, site=r.site,
-        positive=r.positive, negative=r.negative, prompt=r.example,
+        span=r.span, positive=r.positive, negative=r.negative, prompt=r.example,
         max_new_tokens=r.max_new_tokens, from_recipe=True,
         note=(f"Starts from {r.note}. Press <b>run</b> on a {r.example_from} story: "
               f"it should turn {r.example_to} (a negative scale goes the other way)."),

@@ -6,9 +6,11 @@ lens's top 5, and the attention patterns where the model has them) and the
 explorer hands that Run to every view. The views
 share the selection: move any layer picker, or click tokens in the chip
 strip at the top, and every view redraws from it. The steering panel steers
-the same prompt at the selection's layer, site and span through the same
-controller. The patching tab starts with the prompt as the clean run: type
-a corrupt one and patch. ``ex.snapshot("file.html")`` saves every tab as shown, for
+the same prompt through the same controller, with settings of its own (the
+recipe's layer and span until changed in the panel): the shared chips are
+its span only when "selection" is picked in it. The patching tab starts
+with the prompt as the clean run: type a corrupt one and patch. The *save*
+button (or ``ex.snapshot("file.html")``) saves every tab as shown, for
 reading without a kernel.
 """
 
@@ -20,7 +22,7 @@ import ipywidgets as widgets
 
 from vlens.lens import LogitLens
 from vlens.results import Run
-from vlens.widgets.prompt_box import box_prompt, box_text
+from vlens.widgets.prompt_box import box_prompt, box_text, prompt_box
 from vlens.widgets._base import View
 from vlens.widgets.activation import ActivationView
 from vlens.widgets.attention import PATTERN_SITE, AttentionView
@@ -62,8 +64,7 @@ class Explorer(View):
         self.controller = Controller(session, max_new_tokens=max_new_tokens)
         self.selection = Selection(
             layer=steering_defaults(session).layer if layer is None else layer)
-        self._prompt = widgets.Text(box_text(prompt), description="prompt",
-                                    layout={"width": "60%"})
+        self._prompt = prompt_box(prompt)
         self._trace_button = widgets.Button(description="trace", icon="play")
         self.clone_reads_toggle = CloneReadsToggle(session)
         self.span_picker = TokenSpanPicker()
@@ -111,7 +112,8 @@ class Explorer(View):
 
     def trace(self, prompt: Any) -> Run:
         """Trace ``prompt`` (a string or a conversation: a list of
-        ``{"role", "content"}`` dicts, shown in the box as JSON) and show it
+        ``{"role", "content"}`` dicts, shown in the box one message a line,
+        ``role: content``) and show it
         in every view; the chips are coloured by role. (The trace button
         does it in the background: ``ex.wait()`` waits for it.)"""
         return self._call("trace", self._trace_run, prompt)

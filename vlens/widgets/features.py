@@ -9,7 +9,11 @@ prompts (tokens tinted by its activation), its activation histogram, and
 the tokens its decoder direction promotes and suppresses through the
 unembedding. The steering row steers with the feature's decoder row, or
 clamps the feature (:class:`vlens.Clamp`), on a prompt: baseline and
-steered text side by side, growing as the engine steps. The frames and
+steered text side by side, growing as the engine steps. An SAE folder
+holding ``measured.json`` (the bundled toy-world SAE's, written by
+``scripts/train_sae.py``) names its concept features and gives the steer
+and clamp the view starts at, the measured recipe (*reset to recipe* puts
+them back). The frames and
 figures come from :mod:`vlens.plots` (``top_features``,
 ``feature_contexts``, ``feature_logits``, ``feature_histogram``,
 ``promoted_tokens``).
@@ -46,9 +50,11 @@ MODES = ("steer", "clamp")
 SPANS = ("all", "prompt", "generated")
 #: the sites whose width is the residual stream's: their directions meet the unembedding
 RESIDUAL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
-#: where a clamp starts: a write of this fraction of the site's mean row norm
-#: over the prompts (0.6 changes the toy world's animal: docs/features.md)
+#: where a clamp starts without a measured recipe: a write of this fraction
+#: of the site's mean row norm over the prompts
 CLAMP_START = 0.6
+#: the steer's scale without a measured recipe (the toy world's residual recipe)
+SCALE_START = 0.75
 
 
 def contexts_html(frame: Any, top: float, label: str = "") -> str:
@@ -58,6 +64,8 @@ def contexts_html(frame: Any, top: float, label: str = "") -> str:
     if not len(frame):
         return f"<div class='vlens-contexts'><i>{html.escape(label)} fires on none of the prompts</i></div>"
     lines = []
+    # each token its own box with a gap after it: a word-level vocabulary's
+    # tokens hold no spaces, and a byte-level one's show theirs as "·"
     for row in frame.itertuples():
         cells = []
         for j, (tok, v) in enumerate(zip(row.tokens, row.values)):
@@ -66,7 +74,8 @@ def contexts_html(frame: Any, top: float, label: str = "") -> str:
             cells.append(
                 f"<span title='{html.escape(f'token {row.start + j}: {v:.4g}', quote=True)}' "
                 f"style='background:rgba(255,127,14,{alpha:.3f});{edge}"
-                f"padding:0 1px;border-radius:2px'>{html.escape(visible(tok))}</span>")
+                f"padding:0 1px;margin-right:0.4em;border-radius:2px'>"
+                f"{html.escape(visible(tok))}</span>")
         lines.append(
             f"<div class='vlens-context' style='font-family:monospace;white-space:pre;"
             f"margin:2px 0'><span style='color:#57606a'>prompt {row.prompt}, "
@@ -94,19 +103,26 @@ class FeatureView(Panel):
     ``FeatureView(session, sae, prompts)`` traces ``prompts`` (a string or
     a list) with ``saes=[sae]`` (``top_k=k``: each token's k largest only,
     ``features_top_k``; default every feature) and keeps it as ``run``.
-    ``labels`` names features (``{919: "mood=happy"}``); ``prompt`` is the
+    ``labels`` names features (``{919: "mood=happy"}``; default: the
+    concept names of ``measured.json`` beside the SAE); ``prompt`` is the
     prompt the steering row runs (default the first of ``prompts``); ``k``
     how many features a token lists (default: a topk SAE's k, else 8);
-    ``max_new_tokens`` how far a steering run generates.
+    ``max_new_tokens`` how far a steering run generates; ``measured`` what
+    ``measured.json`` says (default: the one beside the SAE, ``sae.measured()``;
+    pass it for an SAE fetched from a server).
 
     Traits: ``shown`` (which prompt the chips show), ``token`` (the clicked
     token, ``-1`` none), ``feature`` (``-1`` none), ``mode`` (``"steer"``:
     add ``scale`` x the decoder row, ``relative`` to each token's norm;
     ``"clamp"``: set the feature to ``value``), ``span`` (``"all"``,
-    ``"prompt"``, ``"generated"``); a newly shown feature's clamp
-    ``value`` starts where the write is 0.6 x the mean norm of the SAE's
-    site over the prompts (``mean_norm``; ``clamp_start``). After
-    a run ``comparison`` (the
+    ``"prompt"``, ``"generated"``). With a ``measured.json`` beside the SAE
+    (``recipe``) the steer starts at its ``steer`` (scale, relative), a
+    shown feature's clamp at its ``clamp`` (value, span), and
+    :meth:`reset_to_recipe` (the *reset to recipe* button) puts them and
+    the recipe's feature back; without one the steer starts at 0.75,
+    relative, and a shown feature's clamp ``value`` where the write is 0.6
+    x the mean norm of the SAE's site over the prompts (``mean_norm``;
+    ``clamp_start``). After a run ``comparison`` (the
     Comparison), ``streamed_states`` and ``live_texts``. Frames on show:
     ``.token_features()``, ``.contexts()``, ``.logits()``; figures
     ``histogram``, ``logit_figure``.
@@ -116,7 +132,7 @@ class FeatureView(Panel):
     token = traitlets.Int(-1, help="the clicked token of the shown prompt (-1: none)")
     feature = traitlets.Int(-1, help="the feature on show (-1: none)")
     mode = traitlets.Enum(MODES, default_value="steer")
-    scale = traitlets.Float(0.75)
+    scale = traitlets.Float(SCALE_START)
     relative = traitlets.Bool(True)
     value = traitlets.Float(0.0, help="what a clamp sets the feature to")
     span = traitlets.Enum(SPANS, default_value="all")
@@ -127,7 +143,8 @@ class FeatureView(Panel):
     def __init__(self, session: Any, sae: Any, prompts: str | Sequence[str], *,
                  feature: int | None = None, labels: Mapping[int, str] | None = None,
                  prompt: str | None = None, top_k: int = 0, k: int | None = None, n_contexts: int = 8,
-                 max_new_tokens: int = 40, unembed: Any = None) -> None:
+                 max_new_tokens: int = 40, unembed: Any = None,
+                 measured: Mapping[str, Any] | None = None) -> None:
         from vlens.methods.sae import SAE
 
         if not isinstance(sae, SAE):
@@ -138,7 +155,15 @@ class FeatureView(Panel):
             raise VlensError("FeatureView needs prompts: a non-empty string or a list of them")
         # a token's features listed: a topk SAE's k (each token has that many), else 8
         k = (sae.spec.k if sae.spec.architecture == "topk" else 8) if k is None else int(k)
-        self.sae, self.labels, self.k, self.n_contexts = sae, dict(labels or {}), k, n_contexts
+        measured = sae.measured() if measured is None else dict(measured)
+        if labels is None:
+            labels = {int(v["feature"]): name for name, v in measured.get("features", {}).items()}
+        self.sae, self.labels, self.k, self.n_contexts = sae, dict(labels), k, n_contexts
+        #: the measured steer and clamp this view starts at ({} without measured.json)
+        self.recipe = {key: measured[key] for key in ("steer", "clamp") if key in measured}
+        self.scale = float(self.recipe.get("steer", {}).get("scale", SCALE_START))
+        self.relative = bool(self.recipe.get("steer", {}).get("relative", True))
+        self.span = self.recipe.get("clamp", {}).get("span", "all")
         self.controller = Controller(session, max_new_tokens=max_new_tokens)
         self._unembed = unembed
         # the features, and the norms of the rows they encode (a clamp's scale)
@@ -175,17 +200,21 @@ class FeatureView(Panel):
         self._contexts = widgets.HTML(layout={"width": "98%"})
         self.histogram = figure_widget()
         self.logit_figure = figure_widget()
-        self._mode = widgets.ToggleButtons(options=MODES, description="with it")
+        self._mode = widgets.ToggleButtons(options=MODES, tooltips=[
+            "add scale x the feature's decoder row", "set the feature to a value"])
         self._scale = widgets.FloatSlider(value=self.scale, min=-2.0, max=2.0, step=0.05,
                                           description="scale", continuous_update=False)
         self._relative = widgets.Checkbox(value=self.relative, description="relative to |x|",
                                           indent=False, layout={"width": "140px"})
         self._value = widgets.FloatText(value=self.value, description="value",
                                         layout={"width": "200px"})
-        self._span = widgets.Dropdown(options=SPANS, description="span",
+        self._span = widgets.Dropdown(options=SPANS, value=self.span, description="span",
                                       layout={"width": "200px"})
+        self._reset = widgets.Button(description="reset to recipe", icon="undo",
+                                     tooltip="the feature, steer and clamp measured.json records")
+        self._reset.layout.display = "" if self.recipe else "none"
         self._steer_row = widgets.HBox(
-            [self._mode, self._scale, self._relative, self._value, self._span],
+            [self._mode, self._scale, self._relative, self._value, self._span, self._reset],
             layout={"flex_flow": "row wrap"})
         self._prompt = widgets.Text(prompt, description="steer", layout={"width": "70%"})
         self._run_button = widgets.Button(description="run", icon="play", button_style="primary")
@@ -208,6 +237,7 @@ class FeatureView(Panel):
         self.observe(self._guard(lambda _c: self._show_feature()), names="feature")
         self.observe(self._guard(lambda _c: self._show_mode()), names="mode")
         self._run_button.on_click(lambda _b: self._start("compare", self._compare_run))
+        self._reset.on_click(self._guard(lambda _b: self.reset_to_recipe()))
         # a setting changed while a run is under way: that run starts again with it
         self.observe(lambda _c: self._runs.under_way() and self._start(
             "compare", self._compare_run), names=["mode", "scale", "relative", "value", "span",
@@ -231,9 +261,30 @@ class FeatureView(Panel):
 
     # -- frames ----------------------------------------------------------------
     def name(self, feature: int) -> str:
-        """``"919 mood=happy"``, or ``"919"`` for a feature with no label."""
+        """``"#919 mood=happy"``, or ``"#919"`` for a feature with no label."""
         label = self.labels.get(feature)
-        return f"{feature} {label}" if label else str(feature)
+        return f"#{feature} {label}" if label else f"#{feature}"
+
+    def reset_to_recipe(self) -> None:
+        """The recipe's feature, steer (scale, relative) and clamp (value,
+        span) back, as ``measured.json`` records them (the *reset to
+        recipe* button)."""
+        if not self.recipe:
+            raise VlensError("this SAE has no measured.json beside it: no recipe to reset to")
+        steer, clamp = self.recipe.get("steer", {}), self.recipe.get("clamp", {})
+        with self.hold_trait_notifications():
+            self.feature = int(steer.get("feature", clamp.get("feature", self.feature)))
+            self.scale = float(steer.get("scale", self.scale))
+            self.relative = bool(steer.get("relative", self.relative))
+            self.span = clamp.get("span", self.span)
+        self.value = self._value_start(self.feature)
+
+    def _value_start(self, feature: int) -> float:
+        """Where a shown feature's clamp starts: the recipe's value, else
+        :func:`clamp_start`."""
+        if "value" in self.recipe.get("clamp", {}):
+            return float(self.recipe["clamp"]["value"])
+        return clamp_start(self.sae, feature, self.mean_norm)
 
     def token_features(self) -> Any:
         """The clicked token's top ``k`` features (a frame: ``feature``,
@@ -369,7 +420,7 @@ class FeatureView(Panel):
         self._feature_box.value = f
         values = [o[1] for o in self.feature_buttons.options]
         self.feature_buttons.value = f if f in values else None
-        self.value = clamp_start(self.sae, f, self.mean_norm)
+        self.value = self._value_start(f)
         frame = self.contexts()
         all_v = self.activations()
         n_on = sum(int((v > 0).sum()) for v in all_v)

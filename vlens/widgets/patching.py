@@ -16,6 +16,8 @@ picked) and ``cells_done``.
 
 from __future__ import annotations
 
+import html
+
 import math
 from contextlib import closing
 from typing import Any
@@ -24,7 +26,7 @@ import ipywidgets as widgets
 import traitlets
 
 from vlens.plots import next_token_bars, patching_heatmap
-from vlens.widgets.prompt_box import box_prompt, box_text
+from vlens.widgets.prompt_box import box_prompt, box_text, prompt_box
 from vlens.widgets._base import Panel, figure_widget, show_figure
 
 __all__ = ["PatchingView"]
@@ -73,16 +75,17 @@ class PatchingView(Panel):
             raise TypeError(f"{', '.join(sorted(options))}: patching options go with a "
                             "session, PatchingView(session, clean=..., corrupt=..., ...)")
         self.options = dict(options)
-        self._clean = widgets.Text(box_text(clean or ""), description="clean",
-                                   layout={"width": "90%"})
-        self._corrupt = widgets.Text(box_text(corrupt or ""), description="corrupt",
-                                     layout={"width": "90%"})
+        self._clean = prompt_box(clean, "clean", "90%")
+        self._corrupt = prompt_box(corrupt, "corrupt", "90%")
         self._run_button = widgets.Button(description="patch", icon="play",
                                           button_style="primary")
         self._summary = widgets.HTML()
         self.heatmap = figure_widget()
         self.bars = figure_widget()
-        inputs = [self._clean, self._corrupt, self._run_button] if self.session else []
+        # what the patch button will run with, always on show
+        self._settings = widgets.HTML(f"<small>{html.escape(self.settings_text)}</small>")
+        inputs = ([self._clean, self._corrupt, self._settings, self._run_button]
+                  if self.session else [])
         super().__init__([*inputs, self._summary, self.heatmap, self.bars])
         self._run_button.on_click(lambda _b: self._start("patch", self._patch_run))
         self.observe(self._guard(self._on_patching), names=["patching"])
@@ -91,6 +94,20 @@ class PatchingView(Panel):
             self.patching = patching
         elif self.session is not None and auto_run and clean and corrupt:
             self._guard(self.run)()
+
+    @property
+    def settings_text(self) -> str:
+        """What the patch button runs with, in words (the line the view
+        shows): ``session.stream_patch``'s options, its defaults where unset."""
+        o = self.options
+        answer = o.get("answer")
+        return "runs with: " + " · ".join([
+            f"site {o.get('site', 'resid_post')}",
+            f"layers {'every' if o.get('layers') is None else o['layers']}",
+            f"positions {'every' if o.get('positions') is None else o['positions']}",
+            "per head" if o.get("heads") else "per position",
+            "answer: each run's top next token" if answer is None else f"answer {answer!r}",
+        ])
 
     def set_clean(self, prompt: str) -> None:
         """Use ``prompt`` as the clean run of the next :meth:`run`."""

@@ -145,9 +145,11 @@ class Controller(traitlets.HasTraits):
         with closing(states):  # closed early (a replaced run): the engine aborts, in this thread
             for state in states:
                 last = state
+                if len(state) < 2:  # a server's first frames can hold one arm only
+                    continue
                 yield Run([state[0]], prompts=[prompt]), Run([state[1]], prompts=[prompt])
         yield Comparison(baseline=Run([last[0]], prompts=[prompt]),
-                         steered=Run([last[1]], prompts=[prompt]))
+                         steered=Run([last[1]], prompts=[prompt]), label="ablated")
 
     def sweep(self, prompt: str, steer: Any, scales: Sequence[float], *,
               progress: Progress | None = None) -> Any:

@@ -27,7 +27,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from vlens.widgets.figure import FigureView
-from vlens.widgets.token_span import TokenSpanPicker
+from vlens.widgets.token_span import TokenSpanPicker, role_class
 
 __all__ = ["save_snapshot", "snapshot_html"]
 
@@ -46,7 +46,12 @@ body { font-family: system-ui, sans-serif; font-size: 14px; margin: 16px; color:
 .vl-chips { display: flex; flex-wrap: wrap; gap: 3px; font-family: monospace; font-size: 13px; }
 .vl-chip { border: 1px solid #b0b7c3; border-radius: 4px; background: #f4f6f9;
            padding: 1px 6px; white-space: pre; }
-.vl-chip.generated { font-style: italic; background: #fff8e6; }
+.vl-chip.generated, .vl-chip.role-generated { font-style: italic; background: #fff8e6; }
+.vl-chip.role-system { background: #efe6fa; border-color: #9c7fd1; }
+.vl-chip.role-user { background: #e2effc; border-color: #5b9bd5; }
+.vl-chip.role-assistant { background: #e4f4e4; border-color: #5fae5f; }
+.vl-chip.role-other { background: #f6efe0; border-color: #c9a35a; }
+.vl-legend { color: #57606a; font-size: 12px; }
 .vl-chip.selected { background: #4b77be; border-color: #2d4f87; color: white; }
 footer { margin-top: 24px; color: #57606a; font-size: 12px; }
 """
@@ -76,10 +81,13 @@ def _figure(fig: go.FigureWidget | go.Figure) -> str:
 def _chips(picker: TokenSpanPicker) -> str:
     start, stop = picker.selection
     chips = []
+    roles = picker.roles if len(picker.roles) == len(picker.tokens) else []
     for i, tok in enumerate(picker.tokens):
         cls = ["vl-chip"]
         if 0 <= picker.n_prompt <= i:
             cls.append("generated")
+        if roles:
+            cls.append(role_class(roles[i]))
         if start <= i < stop:
             cls.append("selected")
         # a tint as the live chips draw it (token_span.js)
@@ -87,7 +95,12 @@ def _chips(picker: TokenSpanPicker) -> str:
                 if len(picker.shade) == len(picker.tokens) and "selected" not in cls else "")
         chips.append(f"<span class='{' '.join(cls)}' title='token {i}'{tint}>"
                      f"{html.escape(tok)}</span>")
-    return f"<div class='vl-chips'>{''.join(chips)}</div>" if chips else ""
+    if not chips:
+        return ""
+    keys = "".join(f"<span class='vl-chip {cls}'>{html.escape(words)}</span>"
+                   for cls, words in (picker.legend if roles else []))
+    legend = f"<div class='vl-chips vl-legend'>chips by role: {keys}</div>" if keys else ""
+    return f"{legend}<div class='vl-chips'>{''.join(chips)}</div>"
 
 
 def render(w: Any) -> str:

@@ -7,7 +7,12 @@ The panel asks its :class:`~vlens.widgets.Controller` for everything that
 runs: the direction (difference of means of two prompt lists, computed once
 per lists, layer and site), the comparison and the sweep. Moving the scale
 slider therefore costs one compare. Where the panel starts (layer, scale,
-relative, the sweep's scales) is :func:`steering_defaults`.
+relative, span, the sweep's scales) is :func:`steering_defaults`: on the
+bundled model, the recipe the notebooks promise. The panel's settings are
+its own (its controls are in :mod:`vlens.widgets._steering_controls`): an
+explorer's layer slider moves the other views, not this one, and the
+shared token selection is used only when the panel's span is
+``"selection"``.
 """
 
 from __future__ import annotations
@@ -22,16 +27,14 @@ import traitlets
 from vlens.plots import dose_response, token_set_metric
 from vlens.edits import Steer
 from vlens.widgets.prompt_box import box_prompt, box_text
-from vlens.widgets._base import View, figure_widget, lines_of, show_figure, texts_html
+from vlens.widgets._base import View, lines_of, show_figure, texts_html
 from vlens.widgets._figures import comparison_figure
+from vlens.widgets._steering_controls import SPAN_MODES, SteeringControls
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
-from vlens.widgets.pickers import HeadPicker, LayerPicker, SitePicker
-from vlens.widgets.selection import Controller, Selection, token_sites
-from vlens.widgets.token_span import TokenSpanPicker
+from vlens.widgets.selection import Controller, Selection
 
 __all__ = ["SteeringDefaults", "SteeringPanel", "steering_defaults"]
 
-SPAN_MODES = ("all", "prompt", "generated", "selection")
 MODES = ("steer", "ablate")
 
 
@@ -40,20 +43,26 @@ def _text_of(run: Any) -> str:
     return run[0].text if len(run) else ""
 
 
-class SteeringPanel(View):
+class SteeringPanel(SteeringControls, View):
     """Direction source, layer, span, scale, run: baseline vs steered and a
     dose-response plot.
 
     ``SteeringPanel(session, prompt, positive=[...], negative=[...])``, or
     a :class:`Controller` in place of the session (an explorer shares its
     own). Direction: ``source="prompts"`` uses the difference of means of
-    the two lists at the selection's layer and site; ``source="vector"``
+    the two lists at the panel's ``layer`` and ``site``; ``source="vector"``
     uses ``vector`` (a ``[hidden]`` tensor set from Python, or a
     ``torch.save``'d file named in the path box). ``span_mode`` is
     ``"all"``, ``"prompt"``, ``"generated"`` or ``"selection"`` (the
-    selection's ``span``, picked on the prompt's chips unless
-    ``span_picker=False``). ``relative`` scales the push by each token's
-    norm (see :class:`vlens.Steer`).
+    selection's ``span``: the panel's own chips, which switch the span to
+    ``"selection"`` when clicked, or an explorer's, which do not).
+    ``relative`` scales the push by each token's norm (see
+    :class:`vlens.Steer`).
+
+    The panel always shows what the run button will use (``settings_text``,
+    each setting changed from the recipe marked so); **reset to recipe**
+    (:meth:`reset`) puts the settings back. ``layer`` and ``site`` are the
+    panel's own, not the shared selection's.
 
     After :meth:`run_comparison` (or the run button) ``comparison`` holds
     the Comparison; after :meth:`sweep`, ``sweep_result`` the Sweep. With
@@ -66,12 +75,14 @@ class SteeringPanel(View):
     sentiment recipe and a sad example, so the first run shows the flip.
 
     ``mode="ablate"`` (a toggle at the top; on models with a ``z`` site)
-    knocks out the heads ``ablate_heads`` of the selection's layer instead,
+    knocks out the heads ``ablate_heads`` of the panel's layer instead,
     ``ablation_kind`` ``"zero"`` or ``"mean"``, over the same span as a
     steer: the run button compares the prompt's continuation with and
     without them (:meth:`ablation` gives the :class:`vlens.Ablate`).
     """
 
+    layer = traitlets.Int(0, help="the layer steered (the panel's own)")
+    site = traitlets.Unicode("resid_post", help="the site steered (the panel's own)")
     source = traitlets.Enum(("prompts", "vector"), default_value="prompts")
     span_mode = traitlets.Enum(SPAN_MODES, default_value="all")
     scale = traitlets.Float(4.0)
@@ -91,7 +102,7 @@ class SteeringPanel(View):
     def __init__(
         self,
         session: Any,
-        prompt: str | None = None,
+        prompt: Any = None,
         *,
         positive: Sequence[str] = (),
         negative: Sequence[str] = (),
@@ -101,7 +112,7 @@ class SteeringPanel(View):
         scale: float | None = None,
         relative: bool | None = None,
         scales: Sequence[float] | None = None,
-        span: str | tuple[int, int] = "all",
+        span: str | tuple[int, int] | None = None,
         token_set: str = "",
         metric: str = "kl_mean",
         max_new_tokens: int | None = None,
@@ -119,98 +130,31 @@ class SteeringPanel(View):
             self.controller = Controller(
                 session,
                 max_new_tokens=start.max_new_tokens if max_new_tokens is None else max_new_tokens)
-        s = self.controller.session
         if not positive and not negative and vector is None and start.from_recipe:
             positive, negative = start.positive, start.negative
         if prompt is None:
             prompt = start.prompt
+        span = start.span if span is None else span
         self.selection = Selection(layer=start.layer, site=start.site) \
             if selection is None else selection
-        if layer is not None:
-            self.selection.layer = layer
-        if site is not None:
-            self.selection.site = site
+        self.layer = start.layer if layer is None else int(layer)
+        self.site = start.site if site is None else site
         scale = start.scale if scale is None else float(scale)
         self.scales = [float(x) for x in (start.scales if scales is None else scales)]
         self.auto_run = auto_run
         self._sweep_frame = None
         reach = max([abs(x) for x in self.scales] + [abs(scale), 1.0])
-        self._make_controls(s, start, positive, negative, vector, prompt, scale, reach,
-                            relative, token_set, metric, span_picker)
-        super().__init__([
-            self._mode, self._note, self._source, self._lists, self._vector_row,
-            widgets.HBox([self._prompt]), *([self.span_picker] if span_picker else []),
-            widgets.HBox([self.layer_picker, self.site_picker, self._span_mode],
-                         layout={"flex_flow": "row wrap"}),
-            self._ablate_row, self._scale_row, self._run_button,
-            self._texts, self.comparison_figure, self._sweep_box,
-        ])
-
+        self._recipe_name = "recipe" if start.from_recipe else "start"
+        self._make_controls(self.controller.session, start, positive, negative, vector, prompt,
+                            scale, reach, relative, token_set, metric, span_picker)
+        super().__init__(self._layout())
         self._connect(scale, metric, vector, span)
-
-    def _make_controls(self, s: Any, start: SteeringDefaults, positive: Sequence[str],
-                       negative: Sequence[str], vector: Any, prompt: str | None, scale: float,
-                       reach: float, relative: bool | None, token_set: str, metric: str,
-                       span_picker: bool) -> None:
-        """The panel's controls and figures (``s``: the session)."""
-        self._source = widgets.ToggleButtons(
-            options=[("two prompt lists", "prompts"), ("saved vector", "vector")],
-            value="vector" if vector is not None and not positive else "prompts",
-            description="direction",
-        )
-        self._positive, self._negative = (
-            widgets.Textarea("\n".join(lines), description=name,
-                             placeholder="one prompt per line",
-                             layout={"width": "48%", "height": "90px"})
-            for name, lines in (("positive", positive), ("negative", negative))
-        )
-        self._lists = widgets.HBox([self._positive, self._negative])
-        self._note = widgets.HTML(f"<small>{start.note}</small>")
-        self._path = widgets.Text(description="vector file",
-                                  placeholder="a tensor saved with torch.save")
-        self._load = widgets.Button(description="load", icon="folder-open")
-        self._vector_label = widgets.Label()
-        self._vector_row = widgets.HBox([self._path, self._load, self._vector_label])
-        self.layer_picker = LayerPicker(s.n_layers, value=self.selection.layer)
-        # the [hidden]-wide sites: a steering direction is one vector per token
-        self.site_picker = SitePicker(token_sites(s.sites), value=self.selection.site)
-        self._prompt = widgets.Text(box_text(prompt or ""), description="prompt",
-                                    layout={"width": "60%"})
-        self.span_picker = TokenSpanPicker() if span_picker else None
-        self._span_mode = widgets.Dropdown(options=SPAN_MODES, description="span")
-        self._scale = widgets.FloatSlider(
-            value=scale, min=-reach, max=reach, step=0.25 if reach <= 4 else 0.5,
-            description="scale",
-            continuous_update=False,
-        )
-        self._relative = widgets.Checkbox(value=start.relative if relative is None else relative,
-                                          description="relative to |x|", indent=False,
-                                          layout={"width": "140px"})
-        self._token_set = widgets.Text(token_set, description="token set",
-                                       placeholder="words, space separated")
-        self._run_button = widgets.Button(description="run", icon="play",
-                                          button_style="primary")
-        self._sweep_button = widgets.Button(description=f"sweep {len(self.scales)} scales",
-                                            icon="line-chart")
-        n_heads = int(s.info.get("n_heads", 0) or 0)
-        self._mode = widgets.ToggleButtons(
-            options=[("steer", "steer"), ("ablate heads", "ablate")], description="mode")
-        self.head_picker = HeadPicker(max(n_heads, 1), description="knock out heads")
-        self._kind = widgets.Dropdown(options=["zero", "mean"], description="replace with",
-                                      layout={"width": "200px"})
-        self._ablate_row = widgets.HBox([self.head_picker, self._kind],
-                                        layout={"flex_flow": "row wrap"})
-        self._mode.layout.display = "" if "z" in s.sites and n_heads else "none"
-        # baseline and steered side by side, growing as the run streams
-        self._texts = widgets.HTML(layout={"width": "95%"})
-        self._texts.add_class("vlens-texts")
-        self._metric = widgets.Dropdown(options=[metric], value=metric, description="metric")
-        self.comparison_figure = figure_widget()
-        self.dose_figure = figure_widget()
-        self._scale_row = widgets.HBox([self._scale, self._relative, self._sweep_button])
-        # a box around the dose figure: a FigureWidget's layout is plotly's
-        self._sweep_box = widgets.VBox(
-            [widgets.HBox([self._metric, self._token_set]), self.dose_figure])
+        # where it started, for the settings line and the reset button
+        self._recipe = {"layer": self.layer, "site": self.site, "span_mode": self.span_mode,
+                        "scale": self.scale, "relative": self.relative, "source": self.source,
+                        "vector": self.vector, "positive": self.positive,
+                        "negative": self.negative}
+        self._show_settings()
 
     def _connect(self, scale: float, metric: str, vector: Any,
                  span: str | tuple[int, int]) -> None:
@@ -227,23 +171,26 @@ class SteeringPanel(View):
         for a, b in ((self._source, "source"), (self._span_mode, "span_mode"),
                      (self._scale, "scale"), (self._relative, "relative"),
                      (self._metric, "metric"), (self._mode, "mode"),
-                     (self.head_picker, "ablate_heads"), (self._kind, "ablation_kind")):
+                     (self.head_picker, "ablate_heads"), (self._kind, "ablation_kind"),
+                     (self.layer_picker, "layer"), (self.site_picker, "site")):
             widgets.link((a, "value"), (self, b))
-        widgets.link((self.layer_picker, "value"), (self.selection, "layer"))
-        widgets.link((self.site_picker, "value"), (self.selection, "site"))
         if self.span_picker is not None:
             widgets.link((self.span_picker, "selection"), (self.selection, "span"))
             self._show_prompt_tokens()
+            # a click on the panel's own chips picks the span here
+            self.span_picker.observe(self._guard(self._on_own_chips), names=["selection"])
         if not isinstance(span, str):
             self.span = tuple(span)
         self._show_source()
         self._describe_vector()
         self.observe(self._guard(lambda _c: self._show_source()), names=["mode"])
-
-        self.selection.observe(self._guard(self._on_span), names=["span"])
-        self.observe(self._on_setting, names=["scale", "relative", "span_mode", "mode", "vector",
-                                              "ablate_heads", "ablation_kind", "source"])
-        self.selection.observe(self._on_setting, names=["layer", "site", "span"])
+        settings = ["layer", "site", "scale", "relative", "span_mode", "mode", "vector",
+                    "ablate_heads", "ablation_kind", "source"]
+        self.observe(self._on_setting, names=settings)
+        self.observe(self._guard(self._show_settings), names=settings)
+        self.selection.observe(self._guard(self._on_shared_span), names=["span"])
+        for box in (self._positive, self._negative):
+            box.observe(self._guard(self._show_settings), names="value")
         self.observe(self._guard(lambda _c: self._show_source()), names=["source"])
         self.observe(self._guard(lambda _c: self._describe_vector()), names=["vector"])
         self.observe(self._guard(self._on_metric), names=["metric"])
@@ -251,6 +198,7 @@ class SteeringPanel(View):
         self._load.on_click(self._guard(lambda _b: self.load_vector(self._path.value)))
         self._run_button.on_click(lambda _b: self._start("compare", self._compare_run))
         self._sweep_button.on_click(lambda _b: self._start("sweep", self._sweep_run))
+        self._reset_button.on_click(self._guard(lambda _b: self.reset()))
 
     # -- inputs ----------------------------------------------------------------
     @property
@@ -321,7 +269,7 @@ class SteeringPanel(View):
 
     def ablation(self) -> Any:
         """The :class:`vlens.Ablate` of the ablation mode: the picked heads
-        of ``z`` at the selection's layer, over :meth:`steer_span`."""
+        of ``z`` at the panel's layer, over :meth:`steer_span`."""
         import vlens
 
         if not self.ablate_heads:
@@ -401,45 +349,31 @@ class SteeringPanel(View):
         elif under_way == "compare" or (scale and self.auto_run and self.comparison is not None):
             self._start("compare", self._compare_run)
 
-    def _on_span(self, change) -> None:
+    def _on_own_chips(self, change) -> None:
+        """The panel's chips, clicked: their span is used; cleared: back to
+        the span the panel started with."""
         start, stop = change["new"]
         if stop > start:
             self.span_mode = "selection"
         elif self.span_mode == "selection":
-            self.span_mode = "all"
+            first = self._recipe["span_mode"] if hasattr(self, "_recipe") else "all"
+            self.span_mode = first if first != "selection" else "all"
+
+    def _on_shared_span(self, change) -> None:
+        """The selection's span moved: it matters only to a "selection" span."""
+        self._show_settings()
+        if self.span_mode == "selection":
+            self._on_setting(change)
 
     def _on_metric(self, change) -> None:
         if self._sweep_frame is not None and change["new"] in self._sweep_frame:
             self._show_sweep()
-
-    def _show_source(self) -> None:
-        steering, prompts = self.mode == "steer", self.source == "prompts"
-        shown = [(self._note, steering), (self._source, steering),
-                 (self._lists, steering and prompts),
-                 (self._vector_row, steering and not prompts), (self._scale_row, steering),
-                 (self._sweep_box, steering), (self.site_picker, steering),
-                 (self._ablate_row, not steering)]
-        for part, show in shown:
-            part.layout.display = "" if show else "none"
-        self._run_button.description = "run" if steering else "compare"
-
-    def _describe_vector(self) -> None:
-        v = self.vector
-        self._vector_label.value = (
-            "no vector" if v is None else f"vector {list(v.shape)}, norm {float(v.norm()):.3g}"
-        )
 
     # -- drawing ---------------------------------------------------------------
     def _show_comparison(self, what: str) -> None:
         """Draw ``comparison``; ``what``: the settings it ran with, in words."""
         self.live_texts = self.comparison.texts[0]
         show_figure(self.comparison_figure, comparison_figure(self.comparison, what))
-
-    def _what_ran(self) -> str:
-        if self.mode == "ablate":
-            return (f"heads {', '.join(map(str, self.ablate_heads))} of layer {self.layer} "
-                    f"knocked out ({self.ablation_kind})")
-        return f"scale {self.scale:g} at layer {self.layer}"
 
     def _show_sweep(self) -> None:
         show_figure(

@@ -18,6 +18,20 @@ function roleClass(role) {
   return "role-" + (ROLE_CLASSES.includes(role) ? role : "other");
 }
 
+// what each chip colour means, as TokenSpanPicker.legend says it in Python:
+// one entry per kind of chip present, in this order
+const LEGEND = [
+  ["role-system", "system"], ["role-user", "user"], ["role-assistant", "assistant"],
+  ["role-other", "other role"], ["role-none", "template (no role)"],
+  ["role-generated", "generated"],
+];
+
+function legendEntries(roles) {
+  if (!roles.length) return [];
+  const present = new Set(roles.map((r) => roleClass(r) ?? "role-none"));
+  return LEGEND.filter(([cls]) => present.has(cls));
+}
+
 function render({ model, el }) {
   const root = document.createElement("div");
   root.className = "vlens-token-span";
@@ -25,7 +39,9 @@ function render({ model, el }) {
   chips.className = "vlens-chips";
   const status = document.createElement("div");
   status.className = "vlens-span-status";
-  root.append(chips, status);
+  const legend = document.createElement("div");
+  legend.className = "vlens-role-legend";
+  root.append(legend, chips, status);
   el.appendChild(root);
 
   let anchor = null;
@@ -83,11 +99,24 @@ function render({ model, el }) {
       : "click a token; shift-click to extend";
   }
 
+  function drawLegend(roles) {
+    legend.replaceChildren(
+      ...legendEntries(roles).map(([cls, label]) => {
+        const key = document.createElement("span");
+        key.className = `vlens-legend-key ${cls}`;
+        key.textContent = label;
+        return key;
+      }),
+    );
+    if (legend.children.length) legend.prepend("chips by role: ");
+  }
+
   function draw() {
     const tokens = model.get("tokens");
     const nPrompt = model.get("n_prompt");
     const roles = model.get("roles") || [];
     anchor = null;
+    drawLegend(roles);
     chips.replaceChildren(
       ...tokens.map((token, i) => {
         const chip = document.createElement("button");

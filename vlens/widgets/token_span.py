@@ -8,7 +8,8 @@ the last chip the pointer went over (views that follow the pointer, such
 as the attention view, observe it), and ``shade`` (one value in 0..1 per
 token, or empty) tints the chips, e.g. by where a token attends; ``roles``
 (one per token, as ``Trace.roles``) colours them by the message they
-belong to. Whitespace is drawn visibly (``·`` a space, ``↵`` a newline),
+belong to, with a key to the colours above the chips (:attr:`legend`).
+Whitespace is drawn visibly (``·`` a space, ``↵`` a newline),
 as every other view draws it (:func:`vlens.tokens.visible`). The front
 end is ``token_span.js`` beside this file; Python never builds HTML.
 """
@@ -24,6 +25,20 @@ import traitlets
 __all__ = ["TokenSpanPicker"]
 
 _HERE = Path(__file__).parent
+
+#: the chip colours' key, in the order it is drawn: (css class, words).
+#: token_span.js holds the same list.
+LEGEND = (("role-system", "system"), ("role-user", "user"),
+          ("role-assistant", "assistant"), ("role-other", "other role"),
+          ("role-none", "template (no role)"), ("role-generated", "generated"))
+_KNOWN = ("system", "user", "assistant", "generated")
+
+
+def role_class(role: str | None) -> str:
+    """The css class a chip of ``role`` gets (``role-none``: a template token)."""
+    if not role:
+        return "role-none"
+    return f"role-{role if role in _KNOWN else 'other'}"
 
 
 class TokenSpanPicker(anywidget.AnyWidget):
@@ -88,6 +103,13 @@ class TokenSpanPicker(anywidget.AnyWidget):
 
     def clear(self) -> None:
         self.selection = (0, 0)
+
+    @property
+    def legend(self) -> list[tuple[str, str]]:
+        """The key shown above the chips: ``(css class, words)`` for each
+        kind of chip present (empty when the chips have no roles)."""
+        present = {role_class(r) for r in self.roles}
+        return [(cls, words) for cls, words in LEGEND if cls in present]
 
     @property
     def selected_tokens(self) -> list[str]:

@@ -1,0 +1,170 @@
+"""Every notebook, run top to bottom against ``vlens serve`` (a workshop).
+
+docs/workshop.md tells a class to point the notebooks at one server: the
+parameters ``SERVER`` and ``TOKEN`` (or ``$VLENS_SERVER``/``$VLENS_TOKEN``).
+Here each notebook runs in a fresh kernel (nbclient) with those two set in a
+cell put after its parameters cell, as papermill does. Two servers answer:
+the bundled model with its SAE (``--sae toyworld=...``, for 08_features) and
+the bundled chat model (07_chat). A notebook passes when every cell ran
+without an error, no Session in its kernel started an engine of its own, and
+the server finished calls for it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from test_serve import _Server  # noqa: I001 - the suite's server subprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CELL_TIMEOUT_S = 600
+# a participant's limits, not test_serve.py's tight ones (later flags win)
+ROOMY = ("--enforce-eager", "--max-body-mb", "64", "--max-read-mb", "256",
+         "--max-concurrent", "4", "--body-timeout", "30", "--stall-timeout", "30")
+
+
+# put in after the parameters cell: what a workshop participant sets, and a
+# tripwire on the one way a notebook could start an engine of its own
+_CONNECT = """\
+SERVER = {url!r}
+TOKEN = {token!r}
+import vlens.session as _vs
+_LOCAL_STARTS = []
+_start_here = _vs.Session.__init__
+def _counted_start(self, *args, **kwargs):
+    _LOCAL_STARTS.append(args)
+    _start_here(self, *args, **kwargs)
+_vs.Session.__init__ = _counted_start
+"""
+
+# put in last: the kernel's sessions were all connected
+_CHECK = """\
+from vlens.session import Session as _Session
+_sessions = [v for v in list(globals().values()) if isinstance(v, _Session)]
+assert _sessions, "no Session in the notebook"
+assert not _LOCAL_STARTS, f"a local engine started: {_LOCAL_STARTS}"
+assert all(v._runner._shared.engine.remote for v in _sessions)
+print("connected sessions:", len(_sessions))
+"""
+
+
+def _started(srv: _Server, tokens_of: _Server | None = None) -> _Server:
+    """``srv`` running, on the token file of ``tokens_of`` (one file for all
+    of a workshop's servers)."""
+    if tokens_of is not None:
+        srv.tokens = tokens_of.tokens
+        srv.token_file.write_text(tokens_of.token_file.read_text())
+    try:
+        srv.start()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+@pytest.fixture(scope="module")
+def world_server(tmp_path_factory):
+    """The bundled model, serving its SAE as ``toyworld`` (08_features)."""
+    from vlens.models import toyworld_sae_path
+
+    srv = _started(_Server(tmp_path_factory.mktemp("world"),
+                           ROOMY + ("--sae", f"toyworld={toyworld_sae_path()}")))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory, world_server):
+    """The bundled chat model (07_chat), started only when 07 runs, on the
+    toy world's token file."""
+    from vlens.models import toychat_path
+
+    srv = _started(_Server(tmp_path_factory.mktemp("chat"), (str(toychat_path()), *ROOMY)),
+                   world_server)
+    yield srv
+    srv.stop()
+
+
+def _with_server(book, url: str, token: str) -> None:
+    """Papermill's way: a cell after the parameters cell overrides them."""
+    import nbformat
+
+    at = next(i for i, c in enumerate(book.cells)
+              if "parameters" in c.get("metadata", {}).get("tags", []))
+    book.cells.insert(at + 1, nbformat.v4.new_code_cell(_CONNECT.format(url=url, token=token)))
+    book.cells.append(nbformat.v4.new_code_cell(_CHECK))
+
+
+def test_open_session_connects_when_a_server_is_named(monkeypatch):
+    """A named server (argument or $VLENS_SERVER) means connect, never a
+    local engine: an unreachable one is the connection's error at once."""
+    import vlens
+    from vlens._open import server_from_env
+
+    monkeypatch.setenv("VLENS_SERVER", " http://127.0.0.1:9 ")
+    assert server_from_env() == "http://127.0.0.1:9"
+    assert server_from_env("http://other:1") == "http://other:1"
+    monkeypatch.setenv("VLENS_SERVER", "  ")
+    assert server_from_env() is None
+    monkeypatch.delenv("VLENS_TOKEN", raising=False)
+    with pytest.raises(vlens.VlensError, match="needs token"):
+        vlens.open_session(server="http://127.0.0.1:9")
+    with pytest.raises(vlens.VlensError, match="not answering"):
+        # a model that is not there: a local start would fail on it instead
+        vlens.open_session("/no/such/model", server="http://127.0.0.1:9", token="t")
+
+
+def test_a_call_over_the_servers_limits_goes_as_several():
+    """A patching grid or a head sweep can hold more requests or vectors
+    than one call may: the connection cuts it in order, each part with the
+    vectors its requests name."""
+    SamplingParams = pytest.importorskip("vllm").SamplingParams
+    from vlens.remote.client import RemoteEngine
+
+    engine = RemoteEngine.__new__(RemoteEngine)  # its slicing only: no server
+    engine.limits = {"requests": 3, "vectors": 2}
+    engine._held = {"a": "A", "b": "B", "c": "C"}
+
+    def naming(*ids):
+        return SamplingParams(extra_args={"plan": {"adds": [{"vec": v} for v in ids]}})
+
+    params = [naming("a"), naming("b"), naming("c"), naming(), naming(), naming(), naming("a")]
+    got = engine._slices([{}] * len(params), params)
+    assert [(start, stop) for start, stop, _ in got] == [(0, 2), (2, 5), (5, 7)]
+    assert [sorted(v) for _, _, v in got] == [["a", "b"], ["c"], ["a"]]
+    engine.limits = {"requests": 256, "vectors": 64}  # within the limits: one call, as before
+    assert engine._slices([{}] * len(params), params) == [(0, 7, engine._held)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# with tests/test_run_all.py: the notebooks run one after another in one
+# process while the other test process takes the rest of the suite
+@pytest.mark.engine
+@pytest.mark.xdist_group("run-all")
+def test_notebook_runs_connected(world_server, request, path, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    srv = request.getfixturevalue("chat_server") if path.stem == "07_chat" else world_server
+    before = srv.status()["calls_done"]
+    book = nbformat.read(path, as_version=4)
+    _with_server(book, srv.url, srv.tokens["c1"])
+    t0 = time.monotonic()
+    NotebookClient(book, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    took = time.monotonic() - t0
+    print(f"{path.name}: {took:.0f} s connected")
+
+    errors = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors, errors
+    unrun = [c.source[:40] for c in book.cells
+             if c.cell_type == "code" and not c.get("execution_count")]
+    assert not unrun, unrun
+    last = "".join(o.get("text", "") for o in book.cells[-1].outputs)
+    assert "connected sessions:" in last, last
+    assert srv.status()["calls_done"] > before  # the server did the notebook's work

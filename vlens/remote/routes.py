@@ -1,0 +1,101 @@
+"""The routes orchestrators and tools call on ``vlens serve``, as ``vllm
+serve`` answers them: ``/health`` and ``/ping`` (no token: 200 when the
+engine answers, 503 when it does not), ``/version``, ``/metrics``
+(Prometheus text; behind the token unless ``--metrics-public``), and
+``/docs`` with ``/openapi.json``, whose OpenAI request bodies document the
+``vlens`` object (:mod:`vlens.remote.schema`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request  # module level: FastAPI reads the routes' annotations here
+
+__all__ = ["install_routes", "install_docs"]
+
+#: seconds /health waits for the engine to answer
+HEALTH_SECONDS = 10.0
+
+
+def install_routes(app: Any, server: Any, metrics_public: bool) -> None:
+    from fastapi.responses import JSONResponse, Response
+
+    async def health(request: Request):
+        try:
+            if getattr(server.llm, "errored", False):
+                raise RuntimeError("the engine has stopped")
+            await asyncio.wait_for(server.llm.check_health(), HEALTH_SECONDS)
+        except Exception:  # noqa: BLE001 - any failure: not healthy
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def version(request: Request):
+        import vllm
+
+        import vlens
+
+        return JSONResponse({"version": vllm.__version__, "vlens": vlens.__version__})
+
+    async def metrics(request: Request):
+        if not metrics_public:
+            server.authenticate(request.headers.get("authorization"))
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        worker = await server.worker_status()
+        page = server.metrics.text(worker, server.slots.calls, server.slots.queued)
+        return Response(page, media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route("/health", health, methods=["GET"], response_class=Response,
+                      summary="200 when the engine answers, 503 when not (no token)")
+    app.add_api_route("/ping", health, methods=["GET", "POST"], response_class=Response,
+                      summary="as /health")
+    app.add_api_route("/version", version, methods=["GET"], summary="vLLM's and vlens's versions")
+    app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response,
+                      summary="Prometheus text: vLLM's engine metrics, then vlens's"
+                      + ("" if metrics_public else " (token)"))
+
+
+def install_docs(app: Any, bodies: dict[str, Any]) -> None:
+    """``/openapi.json`` with ``bodies`` (``{path: pydantic model}``) as
+    the request bodies of those POST routes, and ``/docs`` (Swagger UI)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.openapi.utils import get_openapi
+    from fastapi.responses import JSONResponse
+
+    cached: dict[str, Any] = {}
+
+    def schema() -> dict[str, Any]:
+        if cached:
+            return cached
+        spec = get_openapi(title="vlens serve", version=_version(), routes=app.routes,
+                           description="vLLM's OpenAI routes with a `vlens` object per "
+                                       "request, and vlens's own protocol")
+        components = spec.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            for prefix in ("", "/presets/{preset}"):
+                op = spec["paths"].get(prefix + path, {}).get("post")
+                if op is not None:
+                    op["requestBody"] = {"required": True, "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        cached.update(spec)
+        return cached
+
+    async def openapi(request: Request):
+        return JSONResponse(schema())
+
+    async def docs(request: Request):
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="vlens serve")
+
+    app.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False)
+
+
+def _version() -> str:
+    import vlens
+
+    return getattr(vlens, "__version__", "0")
+
