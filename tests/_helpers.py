@@ -32,3 +32,21 @@ def set_parameters(book, model: str | None) -> None:
     if model is not None:
         cells[0].source = re.sub(r"^MODEL = .*$", f"MODEL = {model!r}", cells[0].source,
                                  flags=re.MULTILINE)
+
+
+def wcag_contrast(a: str, b: str) -> float:
+    """The WCAG contrast ratio of two CSS colours (``#rrggbb`` or
+    ``rgb(r, g, b)``), written out here apart from vlens's own, as the
+    tests' reference."""
+    def luminance(colour: str) -> float:
+        if colour.startswith("rgb"):
+            vals = [float(v) for v in re.findall(r"[\d.]+", colour)[:3]]
+        else:
+            c = colour.lstrip("#")
+            vals = [int(c[i:i + 2], 16) for i in (0, 2, 4)]
+        lin = [(v / 255) / 12.92 if v / 255 <= 0.04045 else ((v / 255 + 0.055) / 1.055) ** 2.4
+               for v in vals]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)

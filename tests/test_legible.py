@@ -18,9 +18,9 @@ skipped, visibly, without them.
 
 from __future__ import annotations
 
-import re
 
 import pytest
+from _helpers import wcag_contrast
 from test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _browser_ready
 
 from vlens.tokens import visible
@@ -42,18 +42,6 @@ _READ = """() => {
   return {cells, texts, width: svg.getBoundingClientRect().width,
           title: document.querySelector('.gtitle').textContent};
 }"""
-
-
-def _luminance(css: str) -> float:
-    vals = [float(v) for v in re.findall(r"[\d.]+", css)[:3]]
-    lin = [(v / 255) / 12.92 if v / 255 <= 0.04045 else ((v / 255 + 0.055) / 1.055) ** 2.4
-           for v in vals]
-    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-
-
-def _contrast(a: str, b: str) -> float:
-    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
-    return (hi + 0.05) / (lo + 0.05)
 
 
 def _under(text: dict, cells: list[dict]) -> dict:
@@ -107,7 +95,7 @@ def test_a_steered_comparison_reads_in_a_real_browser(toy_session):
     for t in texts:
         cell = _under(t, cells)
         assert float(cell["opacity"]) == 1.0
-        assert _contrast(t["fill"], cell["fill"]) >= 4.5, (t, cell)
+        assert wcag_contrast(t["fill"], cell["fill"]) >= 4.5, (t, cell)
         assert t["size"] >= 13, t
     assert drawn["width"] >= 1500  # the page's width, not a narrow fixed one
     at = cmp.figure().layout.title.text.split()[-1]

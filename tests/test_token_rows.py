@@ -20,25 +20,10 @@ from vlens.results import Comparison, Sweep, run_label
 from vlens.results.patching import Patching
 from vlens.testing import make_run, make_trace
 
+from _helpers import wcag_contrast  # noqa: I001 - the tests' own reference
+
 STORY = " the wind was bitter and cold . the duck sat by the pond".split(" ")[1:]
 STORY = [" " + w for w in STORY]
-
-
-def _luminance(colour: str) -> float:
-    """WCAG relative luminance, written out here apart from vlens's own."""
-    c = colour.lstrip("#")
-    if colour.startswith("rgb"):
-        vals = [float(v) for v in colour[colour.index("(") + 1:-1].split(",")[:3]]
-    else:
-        vals = [int(c[i:i + 2], 16) for i in (0, 2, 4)]
-    lin = [(v / 255) / 12.92 if v / 255 <= 0.04045 else ((v / 255 + 0.055) / 1.055) ** 2.4
-           for v in vals]
-    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-
-
-def _ratio(a: str, b: str) -> float:
-    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
-    return (hi + 0.05) / (lo + 0.05)
 
 
 def _cells(fig) -> list:
@@ -84,11 +69,11 @@ def test_text_colour_reaches_4_5_on_every_colour_of_a_scale():
         scale = go.Heatmap(colorscale=name).colorscale
         for i in range(101):
             cell = colour_at(scale, i / 100, 0.0, 1.0)
-            assert _ratio(text_colour(cell), cell) >= 4.5, (name, i, cell)
+            assert wcag_contrast(text_colour(cell), cell) >= 4.5, (name, i, cell)
     assert text_colour("#08306b") == "#ffffff" and text_colour("#f7fbff") == "#000000"
     assert contrast_ratio("#000000", "#ffffff") == pytest.approx(21.0)
     # the middle grey plotly's own "auto" colour fails on
-    assert _ratio("#444444", "#808080") < 4.5 <= _ratio(text_colour("#808080"), "#808080")
+    assert wcag_contrast("#444444", "#808080") < 4.5 <= wcag_contrast(text_colour("#808080"), "#808080")
 
 
 def test_token_text_is_intact_with_its_whitespace_visible():
@@ -107,7 +92,7 @@ def test_every_token_cell_contrasts_4_5_with_its_text():
     assert len(pairs) == 2 * len(STORY)
     assert {c for _, c, _ in pairs} == {"#000000", "#ffffff"}  # both are needed
     for text, colour, cell in pairs:
-        assert _ratio(colour, cell) >= 4.5, (text, colour, cell)
+        assert wcag_contrast(colour, cell) >= 4.5, (text, colour, cell)
 
 
 @pytest.mark.parametrize("make", [
@@ -124,7 +109,7 @@ def test_every_labelled_heatmap_cell_contrasts_4_5(make):
     pairs = _heat_pairs(fig)
     assert len(pairs) >= 5
     for text, colour, cell in pairs:
-        assert _ratio(colour, cell) >= 4.5, (text, colour, cell)
+        assert wcag_contrast(colour, cell) >= 4.5, (text, colour, cell)
     assert fig.data[0].texttemplate is None  # the base draws no text of its own colour
 
 
@@ -214,4 +199,4 @@ def test_every_result_a_view_draws_has_a_figure():
                  grid, grid.clone())
     pf = p.figure()
     assert "3 of 4 cells" in pf.layout.title.text and list(pf.data[0].x) == ["3:·duck", "4:↵"]
-    assert all(_ratio(c, cell) >= 4.5 for _, c, cell in _heat_pairs(pf))
+    assert all(wcag_contrast(c, cell) >= 4.5 for _, c, cell in _heat_pairs(pf))

@@ -70,7 +70,6 @@ class Server:
         self.facts = ModelFacts.from_info(info)
         self.limits = limits
         self.model_dir = model_dir
-        self.max_calls = max_calls
         self.instance = uuid.uuid4().hex[:12]
         self.tokens = TokenFile(tokens, token_file)
         self.clients = {name: _Client(name) for name in tokens.values()}
