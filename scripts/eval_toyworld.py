@@ -48,6 +48,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vlens.models import RECIPE, toyworld_path, world
+from vlens.testing import hf_steering_hook
 
 SCALES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
 SMALL_SCALES = (0.25, 0.75, 1.25)
@@ -127,12 +128,8 @@ def greedy(
     if steer is not None:
         layer, u, scale = steer
 
-        def push(m: Any, a: Any, out: Any) -> Any:
-            h = out[0] if isinstance(out, tuple) else out
-            h = h + scale * h.norm(dim=-1, keepdim=True) * u
-            return (h,) + tuple(out[1:]) if isinstance(out, tuple) else h
-
-        hook = model.model.layers[layer].register_forward_hook(push)
+        hook = hf_steering_hook(model.model.layers[layer],
+                                lambda h: h + scale * h.norm(dim=-1, keepdim=True) * u)
     tok.padding_side = "left"
     out_ids: list[list[int]] = []
     try:
@@ -316,7 +313,7 @@ def vllm_parity(model: Any, tok: Any, session: Any, prompts: list[str], steer_la
 
     res: dict[str, Any] = {"prompts": len(prompts), "mismatches": []}
     happy, sad = world.sentiment_prompts()
-    d = session.direction(happy, sad, layer=steer_layer, position="last")
+    d = session.direction(happy, sad, layer=steer_layer, span="last")
     u = d / d.norm()
     for name, sign in (("unsteered", 0.0), ("towards_happy", 1.0), ("towards_sad", -1.0)):
         st = None if sign == 0 else vlens.Steer(sign * d, layer=steer_layer, scale=steer_scale, relative=True)

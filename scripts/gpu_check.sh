@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (`make gpu-check`): on a machine with an NVIDIA GPU, install
 # vlens with vLLM's CUDA build in its own venv, run the engine tests on the
-# GPU, then the benchmark with CUDA graphs (`benchmarks/run.py --device-check`:
+# GPU, then the benchmark with CUDA graphs (`python -m benchmarks run --device-check`:
 # plain vLLM at its defaults, vlens eager, vlens compiled with piecewise CUDA
 # graphs), and print the tables. Meant to finish in under ~9 minutes on one
 # H200, the install included; each phase prints its time.
@@ -16,7 +16,7 @@
 #                     work for an offline install from wheels
 #   GPU_TESTS         the test files (default below)
 #   TESTS_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET   seconds (defaults 240, 360, 240)
-#   BENCH_ARGS        more arguments for benchmarks/run.py (e.g. "--model PATH")
+#   BENCH_ARGS        more arguments for `python -m benchmarks run` (e.g. "--model PATH")
 #
 # Exit status: 0 when every phase passed, 1 when one failed (the others
 # still run), 2 when the machine cannot run the check at all (no GPU).
@@ -95,13 +95,13 @@ phase tests "${TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider $exis
 
 # -- 3. the benchmark with CUDA graphs ---------------------------------------------
 # shellcheck disable=SC2086
-phase bench "${BENCH_TIMEOUT:-360}" env PYTHONUNBUFFERED=1 "$PY" benchmarks/run.py --device-check \
+phase bench "${BENCH_TIMEOUT:-360}" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks run --device-check \
     --no-widgets --budget "${BENCH_BUDGET:-240}" ${BENCH_ARGS:-}
-if [ -f benchmarks/results-gpu.json ]; then
-    cp benchmarks/results-gpu.json "$OUT/results-gpu.json"
-    # the tables, from the JSON (also when the run stopped after it was written)
-    (cd benchmarks && "$PY" -c "import json, report; print(report.tables(json.load(open('results-gpu.json'))))") \
-        > "$OUT/tables.md" 2>&1 && cat "$OUT/tables.md"
+if grep -q '"suite": "gpu"' benchmarks/results.jsonl 2>/dev/null; then
+    cp benchmarks/results.jsonl "$OUT/results.jsonl"
+    # the tables, from the JSONL (also when the run stopped after the lines were written)
+    "$PY" -c "from benchmarks.report import tables; from benchmarks.results import latest; \
+print(tables(latest('benchmarks/results.jsonl', 'gpu')))" > "$OUT/tables.md" 2>&1 && cat "$OUT/tables.md"
 fi
 
 say "done in $(( $(date +%s) - T_ALL )) s; exit $STATUS (logs and results in $OUT)"

@@ -50,6 +50,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import train_toyworld as tw
 from vlens.models import CHAT_RECIPE, RECIPE, chat_world as cw, toyworld_path, world
+from vlens.testing import hf_steering_hook
 
 DEFAULT_OUT = ROOT / "vlens" / "models" / "toychat"
 SEED = 3
@@ -195,23 +196,16 @@ def hooks(model: LlamaForCausalLM, *, project: torch.Tensor | None = None,
     (resid_post at every layer); ``add``: (layer, vector) added to that
     layer's output at the prompt's positions (the prefill forward; the
     recipe's ``add_span``), not at generated tokens."""
-    def edit(fn: Any) -> Any:
-        def hook(m: Any, a: Any, o: Any) -> Any:
-            if isinstance(o, tuple):
-                return (fn(o[0]),) + tuple(o[1:])
-            return fn(o)
-        return hook
-
     with ExitStack() as stack:
         if project is not None:
             u = project / project.norm()
             for layer in model.model.layers:
-                h = layer.register_forward_hook(edit(lambda x: x - (x @ u)[..., None] * u))
+                h = hf_steering_hook(layer, lambda x: x - (x @ u)[..., None] * u)
                 stack.callback(h.remove)
         if add is not None:
             layer, v = add
-            h = model.model.layers[layer].register_forward_hook(
-                edit(lambda x: x + v if x.shape[1] > 1 else x))
+            h = hf_steering_hook(model.model.layers[layer],
+                                 lambda x: x + v if x.shape[1] > 1 else x)
             stack.callback(h.remove)
         yield
 

@@ -56,6 +56,7 @@ from transformers import (
 )
 
 from vlens.models import RECIPE, world
+from vlens.testing import hf_steering_hook
 
 DEFAULT_OUT = ROOT / "vlens" / "models" / "toyworld"
 
@@ -363,13 +364,8 @@ class AddToLayer:
             return h + self.scale * h.norm(dim=-1, keepdim=True) * self.direction
         return h + self.scale * self.direction
 
-    def _hook(self, module: Any, args: Any, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (self.steer(output[0]),) + tuple(output[1:])
-        return self.steer(output)
-
     def __enter__(self) -> Self:
-        self.handle = self.module.register_forward_hook(self._hook)
+        self.handle = hf_steering_hook(self.module, self.steer)
         return self
 
     def __exit__(self, *exc: object) -> None:

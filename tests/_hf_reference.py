@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vlens.protocol.architectures import ARCHITECTURES
+from vlens.testing import hf_steering_hook  # the one HF steering hook
 
 
 def _get(root, path):
@@ -76,17 +77,6 @@ def _hooks(model, arch, sites, change):
     def where(site, layer):
         return site_module(layer, hf, site)
 
-    def modifier(fn, pre):
-        if pre:
-            def hook(mod, args, kwargs):
-                x = _input(args, kwargs)
-                x.copy_(fn(x.clone()))
-        else:
-            def hook(mod, args, kwargs, out):
-                x = _first(out)
-                x.copy_(fn(x.clone()))
-        return hook
-
     def reader(site, i, pre):
         if pre:
             def hook(mod, args, kwargs):
@@ -100,8 +90,7 @@ def _hooks(model, arch, sites, change):
         for site in sites:
             mod, pre = where(site, layer)
             if change is not None and change[0] == site and change[1] == i:
-                reg = mod.register_forward_pre_hook if pre else mod.register_forward_hook
-                handles.append(reg(modifier(change[2], pre), with_kwargs=True))
+                handles.append(hf_steering_hook(mod, change[2], pre=pre))
             reg = mod.register_forward_pre_hook if pre else mod.register_forward_hook
             handles.append(reg(reader(site, i, pre), with_kwargs=True))
     return handles, got

@@ -1,119 +1,98 @@
-"""The performance benchmark (benchmarks/run.py), made small enough for the
-test suite so that it cannot rot: every condition runs and produces figures,
-and the report renders. How fast anything was is not asserted here; that is
-what docs/performance.md is for."""
+"""The benchmark harness (``python -m benchmarks``), small enough for the test
+suite so that it cannot rot: the registry names its conditions, the stored
+results render into exactly the tables of docs/performance.md, and one small
+run of every condition writes a JSONL line per measurement with the
+machine's facts. How fast anything was is not asserted; that is what
+docs/performance.md is for."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the checkout's benchmarks package (not installed)
+    sys.path.insert(0, str(ROOT))
 
-VLENS_KEYS = ["a", "b", "c", "d", "e", "f", "g", "h", "i_read", "i_edit_off", "i_edit_on"]
+from benchmarks.__main__ import main, parse  # noqa: E402
+from benchmarks.conditions import COMPILED, REGISTRY  # noqa: E402
+from benchmarks.report import render  # noqa: E402
+from benchmarks.results import latest  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import report
-        import run
-
-        yield run, report
-    finally:
-        sys.path.remove(str(BENCH))
+RESULTS = ROOT / "benchmarks" / "results.jsonl"
 
 
-def test_options_name_the_conditions(bench):
-    run, _ = bench
-    args = run.parse_args(["--model", "somewhere", "--only", "c,h"])
-    assert args.keys == ["a", "c", "h", "h_floor"]  # every ratio needs its references
-    assert args.doc is None  # a custom model leaves the doc alone
-    comp = run.parse_args(["--only", "c_comp,p_f_off,k256"])
-    assert comp.keys == ["a", "a_star", "c_comp", "a_off", "p_a", "p_a_off", "p_f_off",
-                         "k32", "k256"]
-    assert not comp.no_compiled and not comp.no_cache_off and comp.long_prompts
-    off = run.parse_args(["--no-compiled", "--no-cache-off", "--no-long"])
-    assert not set(off.keys) & set(run.COMPILED_KEYS) and "c_off" not in off.keys
-    assert not any(k.startswith("p_") for k in off.keys) and "i_edit_off" in off.keys
-    gpu = run.parse_args(["--device-check"])
-    assert gpu.reps == 3 and gpu.json.name == "results-gpu.json"
+def test_registry_names_the_conditions():
+    assert all(re.fullmatch(r"[a-z0-9_]+", n) and len(n) > 3 for n in REGISTRY)
+    assert REGISTRY["steer_one_layer"].tag == "c" and REGISTRY["plain_vllm_compiled"].tag == "a*"
+    args = parse(["run", "--model", "somewhere", "--only", "steer_one_layer,logit_lens_every_layer"])
+    assert args.names == ["plain_vllm", "steer_one_layer", "logit_lens_every_layer", "logit_lens_floor"]
+    assert args.doc is None and args.out.name == "results-custom.jsonl"  # a custom run: doc alone
+    comp = parse(["run", "--only", "steer_one_layer_compiled,preamble_read_cache_off,step_cost_wide"])
+    assert comp.names == ["plain_vllm", "plain_vllm_compiled", "steer_one_layer_compiled",
+                          "plain_vllm_cache_off", "preamble_plain", "preamble_plain_cache_off",
+                          "preamble_read_cache_off", "step_cost_32", "step_cost_wide"]
+    off = parse(["run", "--no-compiled", "--no-cache-off", "--no-long"])
+    assert not set(off.names) & set(COMPILED) and "noop_edit" in off.names
+    assert not any(n.startswith("preamble") or n.endswith("cache_off") for n in off.names)
+    gpu = parse(["run", "--device-check"])
+    assert gpu.reps == 3 and gpu.suite == "gpu"
     with pytest.raises(SystemExit):
-        run.parse_args(["--only", "c,zz"])
+        parse(["run", "--only", "steer_one_layer,zz"])
 
 
-def test_report_says_what_is_pending(bench):
-    _, report = bench
-    text = report.render(None, None)
-    assert "## GPU figures" in text and "--device-check" in text
-    assert "Pending" in text
+def _tables(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
 
 
-# every condition of one run without the compiled engines (each compiles for
-# ~30 s; `make bench` measures them)
-SMOKE_KEYS = set(VLENS_KEYS) | {"j", "h_floor", "a_off", "c_off", "f_off", "p_a", "p_c", "p_f",
-                                "p_a_off", "p_c_off", "p_f_off", "k32", "k256", "sae", "sae_hf"}
-# a steer-only trace on a warm prefix cache still fails in vlens (issue 10,
+def test_stored_results_render_the_docs_tables():
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    text = render(latest(RESULTS, "main"), latest(RESULTS, "gpu"), latest(RESULTS, "sae"))
+    assert len(_tables(doc)) > 150 and _tables(text) == _tables(doc)
+    pending = render(None, None)
+    assert "## GPU figures" in pending and "--device-check" in pending and "Pending" in pending
+
+
+# every condition without the compiled engines (each compiles for ~30 s)
+SMOKE = {n for n, c in REGISTRY.items() if c.engine not in ("plain", "compiled")} - {"nnsight_steer"}
+# a steer-only trace on a warm prefix cache may still fail in vlens (issue 10,
 # finding 3); the benchmark reports it as "did not run" instead of stopping
-MAY_FAIL = {"p_c"}
+MAY_FAIL = {"preamble_steer"}
 
 
 @pytest.mark.engine
-def test_small_run_produces_every_figure(bench, tiny_llama, tmp_path):
-    run, _ = bench
-    out, doc = tmp_path / "results.json", tmp_path / "performance.md"
-    results = run.main([
-        "--model", str(tiny_llama), "--prompts", "4", "--tokens", "4", "--reps", "1",
-        "--slow-reps", "1", "--no-nnsight", "--no-widgets", "--no-serve", "--kv-cache-mb", "64",
-        "--max-model-len", "256", "--no-compiled", "--wide", "12", "--k-tokens", "3",
-        "--long-tokens", "3", "--json", str(out), "--doc", str(doc),
-    ])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
-    (model,) = results["models"]
+def test_small_run_writes_a_line_per_measurement(tiny_llama, tmp_path):
+    out, doc = tmp_path / "results.jsonl", tmp_path / "performance.md"
+    summary = main([
+        "run", "--model", str(tiny_llama), "--prompts", "4", "--tokens", "4", "--reps", "1",
+        "--slow-reps", "1", "--no-nnsight", "--no-widgets", "--no-serve", "--no-patching",
+        "--kv-cache-mb", "64", "--no-compiled", "--wide", "12", "--k-tokens", "3",
+        "--long-tokens", "3", "--out", str(out), "--doc", str(doc)])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    head, measured = lines[0], [x for x in lines if x["kind"] == "measurement"]
+    assert head["kind"] == "run" and head["machine"]["cpus"] and head["versions"]["torch"]
+    assert all(x["machine"]["cores"] and x["machine"]["torch"] and x["machine"]["date"]
+               for x in measured)
+    (model,) = summary["models"]
     conds, errors = model["conditions"], model["errors"]
-    assert set(errors) <= MAY_FAIL, errors
-    assert all(e.startswith("EngineError") for e in errors.values()), errors
-    assert set(conds) | set(errors) == SMOKE_KEYS, model.get("errors")
-    assert results["complete"], "a run produced fewer tokens than asked"
-    assert results["serve"] == {"status": "skipped", "why": "--no-serve"}
-    for key, entry in conds.items():
-        assert entry["reps"] == 1, key
-        if key == "h_floor":
-            assert entry["macs"] > 0 and entry["ratio_to_a"]["median"] >= 1
-            continue
-        assert entry["tokens"] == {"k256": 12 * 3, "k32": 4 * 3}.get(
-            key, 4 * 3 if key.startswith("p_") else 4 * 4), key
-        assert entry["tok_s"]["median"] > 0, key
-        if key != "a":
-            assert entry["ratio_to_a"]["median"] > 0, key
-    for key in ("c", "d", "e", "f", "g", "h", "c_off", "f_off", "p_f", "k32", "k256"):
-        w = conds[key]["worker"]
-        assert w["planned_steps_per_run"] > 0 and w["sites_per_step"] > 0, key
-    assert conds["b"]["worker"]["planned_steps_per_run"] == 0  # idle: no plan
-    assert conds["f"]["copied_bytes"] > 0 and conds["i_read"]["copied_bytes"] > 0
-    assert conds["i_edit_on"]["clone_bytes"] > 0
-    assert conds["e"]["ratio_to_c"] and conds["j"]["ratio_to_c"]
-    assert conds["h"]["ratio_to_floor"]["median"] > 0
-    assert conds["c_off"]["ratio_to_a_off"] and conds["p_f_off"]["ratio_to_p_a"]
-    steps = model["step_costs"]["eager"]
-    assert steps["sites_per_step"] == 8 and steps["wide"]["layout_us"] > 0
-    decode = steps["decode"]  # the decode steps alone: fewer, each cheaper than a prefill's
-    assert 0 < decode["wide"]["steps"] < steps["wide"]["steps"]
-    wide = decode["wide"]
-    assert 0 < wide["site_us"] and 0 <= wide["reduce_us"] < wide["site_us"]
-    # features: vlens's top-32 read in the worker and the SAELens way (HF + encode)
-    assert conds["sae"]["worker"]["planned_steps_per_run"] > 0
-    assert conds["sae"]["copied_bytes"] > 0 and conds["sae_hf"]["encoded_rows"] > 0
-    assert conds["sae_hf"]["ratio_to_sae"]["median"] > 0
+    assert set(errors) <= MAY_FAIL and set(conds) | set(errors) == SMOKE, errors
+    assert sorted(x["condition"] for x in measured) == sorted(conds)  # one rep each
+    assert all(e["complete"] and e["reps"] == 1 for e in conds.values())
+    assert conds["step_cost_wide"]["tokens"] == 12 * 3 and conds["steer_one_layer"]["tokens"] == 16
+    for name in ("steer_one_layer", "norms_every_layer", "read_one_layer_cache_off", "step_cost_wide"):
+        w = conds[name]["worker"]
+        assert w["planned_steps_per_run"] > 0 and w["sites_per_step"] > 0, name
+    assert conds["hooks_idle"]["worker"]["planned_steps_per_run"] == 0  # idle: no plan
+    assert conds["noop_edit_clone"]["clone_bytes"] > 0 and conds["sae_hf"]["encoded_rows"] > 0
+    assert conds["logit_lens_every_layer"]["ratio_to_floor"]["median"] > 0
+    decode = model["step_costs"]["eager"]["decode"]
+    assert 0 < decode["wide"]["steps"] < model["step_costs"]["eager"]["wide"]["steps"]
     assert model["agreement"]["c_vs_j"]["of"] == 4
     text = doc.read_text()
     for row in ("| (a) |", "| (h) |", "| (i) |", "| (j) |", "| (c, off) |", "| (p: f) |",
-                "| eager | every planned step | 8 |", "| eager | decode steps | 8 |",
-                "| (h, floor) |", "| (sae) |", "| (sae_hf) |"):
+                "| eager | every planned step | 8 |", "| (h, floor) |", "| (sae) |", "| (sae_hf) |"):
         assert row in text, row
-    assert "Inside the worker (k)" in text and "## GPU figures" in text
-    assert "## Compiled mode" in text and "prefix cache" in text

@@ -248,9 +248,9 @@ def test_workflows_take_conversations(chat):
     assert cmp.steered[0].prompt_token_ids == cmp.baseline[0].prompt_token_ids
     assert cmp.steered[0].steered_rows == sum(r == "user" for r in cmp.baseline[0].roles)
     sw = s.sweep(CONV, steer=st, scales=[0.0, 4.0], max_new_tokens=2)
-    assert sw.runs[1].steered_rows > 0 and sw.runs[0].steered_rows == 0
+    assert sw.runs[1][0].steered_rows > 0 and sw.runs[0][0].steered_rows == 0
     # a random model may predict the same next token for both: name two answers
-    p = s.patch(_asking("fox"), _asking("crow"), layers=[0, 1], positions="user",
+    p = s.patch(_asking("fox"), _asking("crow"), layers=[0, 1], span="user",
                 answer=(5, 6))
     users = [k for k, r in enumerate(s.prompts(_asking("fox"))[0].roles) if r == "user"]
     assert p.grid.shape == (2, len(users)) and list(p.positions) == users

@@ -94,3 +94,23 @@ def test_sampling_settings_vlens_manages():
         checks.check_generation(4, {"seed": 1}, FACTS)
     with pytest.raises(VlensError, match="max_new_tokens must be a positive int"):
         checks.check_generation(True, {}, FACTS)
+
+
+def test_the_old_reduce_name_logprobs_names_vocab_logprobs():
+    """#39: the full-vocabulary read is ``"vocab_logprobs"``; a plan still
+    asking for ``"logprobs"`` is refused with the new name in the message."""
+    from vlens.protocol.plan import Plan
+
+    ok = Plan(tag="t", reads=(Read("resid_post", (2,), "vocab_logprobs"),), prompt_len=3)
+    checks.check_plan(ok, FACTS, {}, 4)
+    old = Plan(tag="t", reads=(Read("resid_post", (2,), "logprobs"),), prompt_len=3)
+    with pytest.raises(VlensError, match="vocab_logprobs"):
+        checks.check_plan(old, FACTS, {}, 4)
+
+
+def test_old_ablate_keyword_heads_names_query_heads():
+    """#39: an Ablate's query heads are ``query_heads=``; ``heads=`` is a
+    TypeError naming it."""
+    assert list(vlens.Ablate("z", 0, query_heads=[0]).query_heads) == [0]
+    with pytest.raises(TypeError, match="query_heads"):
+        vlens.Ablate("z", 0, heads=[0])

@@ -87,5 +87,5 @@ def test_frame_has_one_row_per_request_site_layer_token(llama_session):
     assert len(df) == expected
     one = df[(df.request == 1) & (df.site == "mlp_out") & (df.layer == 2)]
     assert one.token.tolist() == run[1].tokens
-    norms = run[1].layer("mlp_out", 2).norm(dim=-1)
+    norms = run[1]["mlp_out", 2].norm(dim=-1)
     assert torch.allclose(torch.tensor(one.norm.values, dtype=torch.float32), norms)

@@ -115,8 +115,8 @@ def test_completions_and_chat_equal_a_local_session(oai, chat_session, direction
     for entry, edit in (({"sae": "toy", "feature": 3, "scale": 8.0}, sae.steer(3, scale=8.0)),
                         ({"sae": "toy", "feature": 5, "value": 6.0},
                          vlens.Clamp(sae, feature=5, value=6.0))):
-        want = s.compare(prompt, steer=edit, max_new_tokens=TOKENS).steered[0].text
         key = "clamp" if "value" in entry else "steer"
+        want = s.compare(prompt, **{key: edit}, max_new_tokens=TOKENS).steered[0].text
         assert _complete(oai, prompt, {key: [entry]}) == want
     # usage counts as vllm serve gives them
     out = _client(oai).completions.create(model=_model(oai), prompt=prompt, max_tokens=TOKENS,
@@ -137,7 +137,7 @@ def test_saes_by_name_over_connect_equal_a_local_session(oai, toy_session):
         got = s.trace(prompts, saes=[sae], max_new_tokens=4)
         top = s.trace(prompts[0], saes=[sae], features_top_k=4, max_new_tokens=2)
         clamp = vlens.Clamp(sae, feature=5, value=6.0)
-        cmp = s.compare(prompts[0], steer=clamp, max_new_tokens=6)
+        cmp = s.compare(prompts[0], clamp=clamp, max_new_tokens=6)
         steered = s.trace(prompts[1], steer=sae.steer(3, scale=8.0), max_new_tokens=6)
         other = vlens.SAE(dict(local.weights), local.spec, local.site, local.layer)
         other.weights["b_enc"] = other.weights["b_enc"] + 1.0
@@ -154,7 +154,7 @@ def test_saes_by_name_over_connect_equal_a_local_session(oai, toy_session):
     want_top = toy_session.trace(prompts[0], saes=[local], features_top_k=4, max_new_tokens=2)
     torch.testing.assert_close(top[0].features(sae), want_top[0].features(local), atol=1e-4,
                                rtol=1e-5)
-    want_cmp = toy_session.compare(prompts[0], steer=vlens.Clamp(local, feature=5, value=6.0),
+    want_cmp = toy_session.compare(prompts[0], clamp=vlens.Clamp(local, feature=5, value=6.0),
                                    max_new_tokens=6)
     assert cmp.steered[0].text == want_cmp.steered[0].text
     assert steered[0].text == toy_session.trace(

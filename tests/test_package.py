@@ -31,6 +31,15 @@ def test_pure_modules_load_without_vllm():
     assert "vllm" not in set(got["mods"])
 
 
+def test_a_connected_session_loads_no_vllm():
+    """``vlens.connect`` / ``open_session(server=...)`` and the Session they
+    make load no vLLM (a connected notebook may have none)."""
+    got = _modules_after(
+        "import vlens; vlens.connect, vlens.open_session, vlens.Session; "
+        "import vlens.remote.client, vlens.backend")
+    assert "vllm" not in set(got["mods"])
+
+
 def test_session_and_steer_are_reachable_lazily():
     import vlens
 

@@ -97,14 +97,14 @@ def test_patching_result_parts(grid, patch_session):
     assert fig.data[0].type == "heatmap" and len(fig.data[0].z) == 4
 
 
-def test_patch_with_given_answers_layers_and_positions(grid, patch_session):
+def test_patch_with_given_answers_layers_and_span(grid, patch_session):
     p, _ = grid
     s = patch_session
-    sub = s.patch(CLEAN, CORRUPT, layers=[1, 3], positions=[SWAPPED - 1, SWAPPED, -1],
+    sub = s.patch(CLEAN, CORRUPT, layers=[1, 3], span=[SWAPPED - 1, SWAPPED, -1],
                   answer=p.answer_text)
     assert sub.grid.shape == (2, 3) and sub.positions == [SWAPPED - 1, SWAPPED, 39]
     assert torch.allclose(sub.grid, p.grid[[1, 3]][:, [SWAPPED - 1, SWAPPED, 39]], atol=1e-5)
-    swapped = s.patch(CLEAN, CORRUPT, layers=[1], positions=[SWAPPED],
+    swapped = s.patch(CLEAN, CORRUPT, layers=[1], span=[SWAPPED],
                       answer=(p.answer[1], p.answer[0]))
     # the other way round the metric is the same fraction
     assert float(swapped.grid[0, 0]) == pytest.approx(float(p.grid[1, SWAPPED]), abs=1e-4)
@@ -112,7 +112,7 @@ def test_patch_with_given_answers_layers_and_positions(grid, patch_session):
 
 def test_per_head_patching_of_z_equals_hugging_face(patch_session, tiny_llama4, tmp_path):
     s = patch_session
-    p = s.patch(CLEAN, CORRUPT, site="z", heads=True, positions=list(range(SWAPPED - 2, 40)))
+    p = s.patch(CLEAN, CORRUPT, site="z", per_head=True, span=list(range(SWAPPED - 2, 40)))
     assert p.grid.shape == (4, s.info["n_heads"]) and p.heads == [0, 1, 2, 3]
     ref = _hf_patch(tiny_llama4, s, p, tmp_path, heads=True)
     assert (p.grid.double() - ref["grid"]).abs().max() <= 1e-4
@@ -154,9 +154,9 @@ def test_a_loaded_engine_patches_the_same(grid, tiny_llama4, engine_options):
     (dict(corrupt=CLEAN), r"both predict .* pass answer=\(clean_token, corrupt_token\)"),
     (dict(site="nope"), r"unknown patch site 'nope'"),
     (dict(site="attn_pattern"), r"'attn_pattern' cannot be written"),
-    (dict(heads=True), r"heads=True .* use site='z'"),
+    (dict(per_head=True), r"per_head=True .* use site='z'"),
     (dict(layers=[7]), r"layer 7 does not exist"),
-    (dict(positions=[40]), r"position 40 is outside the prompt"),
+    (dict(span=[40]), r"position 40 is outside the prompt"),
     (dict(answer=("w3", "w3")), r"same token twice"),
     (dict(answer=("w3 w4", "w5")), r"'w3 w4' is 2 tokens"),
     (dict(answer=(999, 3)), r"answer id 999 is outside the vocabulary"),
@@ -166,9 +166,9 @@ def test_bad_patching_is_refused_and_the_engine_serves(patch_session, kwargs, ma
     before = patch_session.engine.generate_calls
     with pytest.raises(VlensError, match=match):
         patch_session.patch(args.pop("clean"), args.pop("corrupt"), layers=args.pop("layers", [0]),
-                            positions=args.pop("positions", [SWAPPED]), **args)
+                            span=args.pop("span", [SWAPPED]), **args)
     # refused before anything runs; equal top tokens are known after the read
     assert patch_session.engine.generate_calls - before == (1 if "both predict" in match else 0)
-    p = patch_session.patch(CLEAN, CORRUPT, layers=[0], positions=[SWAPPED])
+    p = patch_session.patch(CLEAN, CORRUPT, layers=[0], span=[SWAPPED])
     assert not math.isnan(float(p.grid[0, 0]))
     assert patch_session.status()["records"] == 0

@@ -52,7 +52,7 @@ def plans(draw, tag: str):
              tuple(sorted(draw(st.sets(st.integers(0, 2), min_size=1)))),
              reduce, k)
         for reduce, k in draw(st.lists(st.sampled_from(
-            [("full", 0), ("norm", 0), ("logit_lens", 2), ("logit_lens", 3), ("logprobs", 0)]),
+            [("full", 0), ("norm", 0), ("logit_lens", 2), ("logit_lens", 3), ("vocab_logprobs", 0)]),
             max_size=3, unique=True))
     )
     return Plan(

@@ -62,10 +62,13 @@ def test_plain_text_escapes_plotly_markup():
 
 
 def test_first_divergence():
-    assert plots.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert plots.first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert plots.first_divergence([1, 2], [1, 2, 3]) == 2
-    assert plots.first_divergence([], []) is None
+    from vlens.tokens import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([], []) is None
+    assert not hasattr(plots, "first_divergence")  # one of it: vlens.tokens's
 
 
 def test_pca_2d_finds_the_spread_axis_with_a_fixed_sign():
@@ -331,7 +334,7 @@ def test_token_set_metric_is_the_probability_of_the_set():
     g = torch.Generator().manual_seed(4)
     prompt, out = [0, 1], [2, 3, 4]  # rows 1, 2, 3 chose the generated tokens
     tables = [torch.randn(1, 4, 6, generator=g).log_softmax(-1) for _ in range(2)]
-    traces = [make_trace(prompt, out, reads={"resid_post:logprobs": lp}, layers=[3])
+    traces = [make_trace(prompt, out, reads={"resid_post:vocab_logprobs": lp}, layers=[3])
               for lp in tables]
     sweep = make_sweep("p", [0, 2], traces)
     values = plots.token_set_metric(sweep, [3, 1, 3])

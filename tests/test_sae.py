@@ -139,7 +139,7 @@ def test_feature_reads_equal_the_reference_encode_on_a_loaded_engine(loaded_sess
     top = s.trace(prompts, saes=list(saes.values()), features_top_k=5, **kw)
     for t, tt in zip(run, top):
         for arch, sae in saes.items():
-            x = t.activations(sae.site)[[1, 2].index(sae.layer)]
+            x = t.activations(sae.site, layer=sae.layer)
             x = x.reshape(x.shape[0], -1)
             want = reference_encode(x, sae_folders[arch])
             got = t.features(sae)
@@ -175,6 +175,28 @@ def test_feature_reads_are_checked_before_anything_runs(llama_session, tmp_path)
     t = s.trace("the cat", saes=[ok], sites=[], max_new_tokens=2)[0]
     assert t.features(ok).shape == (t.n_tokens, 96)
     assert t.read_keys == [f"resid_post:sae:{ok.id}"]
+
+
+@pytest.mark.engine
+def test_saes_are_held_in_a_bounded_cache_and_released(llama_session, tmp_path):
+    """A session keeps at most SAE_CACHE SAEs in the workers: reading with
+    more, the least recently used are released (vlens_drop_saes), and one
+    released is shipped again when a call names it."""
+    from vlens._runner import SAE_CACHE
+
+    s = llama_session
+    saes = [vlens.SAE.load(save_saelens(tmp_path / f"s{i}", "standard",
+                                        "blocks.1.hook_resid_post", seed=100 + i))
+            for i in range(SAE_CACHE + 3)]
+    start = s.status()["saes"]  # other sessions on this engine may hold some
+    first = s.trace("the cat", saes=saes[0], sites=[], max_new_tokens=1)[0].features(saes[0])
+    for sae in saes[1:]:
+        s.trace("the cat", saes=sae, sites=[], max_new_tokens=1)
+        assert s.status()["saes"] <= start + SAE_CACHE
+    held = s.status()["saes"]
+    again = s.trace("the cat", saes=saes[0], sites=[], max_new_tokens=1)[0].features(saes[0])
+    torch.testing.assert_close(again, first)
+    assert s.status()["saes"] == held
 
 
 # -- clamping -----------------------------------------------------------------------
@@ -240,9 +262,9 @@ def test_clamp_equals_a_hugging_face_hook_and_leaves_others_alone(llama_session,
         vlens.Clamp(saes[0], feature=96, value=1.0)
     # sweep over values: a clamp to 0 is a write (feature 7 off), not the baseline
     sw = s.sweep(prompts[1], steer=clamps[0], scales=[0.0, 8.0], max_new_tokens=3)
-    assert len(sw.runs) == 2 and all(t.steered_rows > 0 for t in sw.runs)
-    assert sw.baseline.steered_rows == 0
-    assert sw.runs[1].logprobs != sw.baseline.logprobs
+    assert len(sw.runs) == 2 and all(r[0].steered_rows > 0 for r in sw.runs)
+    assert sw.baseline[0].steered_rows == 0
+    assert sw.runs[1][0].logprobs != sw.baseline[0].logprobs
 
 
 def test_the_bundled_toyworld_sae_loads_and_fits_the_bundled_model():

@@ -26,6 +26,8 @@ import pytest
 import torch
 
 import vlens
+from vlens import calls
+from vlens.checks import rules
 from vlens.remote.wire import FRAME_TYPE, FrameReader, pack, params_to_wire
 
 pytestmark = pytest.mark.engine
@@ -139,11 +141,11 @@ def _workload(s, i: int, direction: torch.Tensor) -> dict:
     sweep = s.sweep(prompts[1], steer=vlens.Steer(direction, layer=2, scale=1.0),
                     scales=[0.0, 2.0, 5.0], max_new_tokens=5)
     return {
-        "texts": [t.text for t in run] + [steered[0].text] + [t.text for t in sweep.runs],
+        "texts": [t.text for t in run] + [steered[0].text] + [r[0].text for r in sweep.runs],
         "acts": [t.activations(site) for t in run for site in ("resid_post", "attn_out")]
         + [steered[0].activations()],
         "logprobs": [t.logprobs for t in run] + [steered[0].logprobs],
-        "kl": [k for k in sweep.kl],
+        "kl": [k[0] for k in sweep.kl],
         "steered_rows": steered[0].steered_rows,
     }
 
@@ -181,6 +183,39 @@ def _in_threads(fn, n: int) -> list:
     if errors:
         raise errors[0]
     return out
+
+
+def _served_rule_calls(server, rule: str) -> float:
+    """How often the server's process ran ``rule`` (its /metrics)."""
+    text = server.get("/metrics", "c3").text
+    line = next((x for x in text.splitlines()
+                 if x.startswith(f'vlens_rule_calls{{rule="{rule}"}}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_a_steer_meets_its_rule_once_per_call_on_each_side(server, toy_session, direction):
+    """A trace with one Steer on 8 prompts runs the Steer rule
+    (vlens.checks.rules.steer) once on the notebook side, and a connected
+    session's call once more on the server: not once per prompt, and not
+    again for each plan that names it."""
+    steer = vlens.Steer(direction, layer=1, scale=2.0)
+    prompts = (_prompts(0) * 4)[:8]
+    assert len(prompts) == 8
+    before = rules.CALLS["steer"]
+    local = toy_session.trace(prompts, steer=steer, max_new_tokens=2)
+    assert rules.CALLS["steer"] - before == 1
+    assert all(t.steered_rows > 0 for t in local)
+    s = server.connect("c3")
+    before, served = rules.CALLS["steer"], _served_rule_calls(server, "steer")
+    remote = s.trace(prompts, steer=steer, max_new_tokens=2)
+    assert rules.CALLS["steer"] - before == 1
+    assert _served_rule_calls(server, "steer") - served == 1
+    assert [t.text for t in remote] == [t.text for t in local]
+    # two different Steers: two checks on each side
+    before, served = rules.CALLS["steer"], _served_rule_calls(server, "steer")
+    s.trace(prompts, steer=[steer, vlens.Steer(direction, layer=2, scale=1.0)], max_new_tokens=2)
+    assert rules.CALLS["steer"] - before == 2
+    assert _served_rule_calls(server, "steer") - served == 2
 
 
 def test_eight_clients_equal_a_local_session_and_share_steps(server, toy_session, direction):
@@ -225,30 +260,30 @@ def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_sess
     """The methods that travel as data (head reads, Ablate, directional
     Ablate, patch) work remotely."""
     prompts = _prompts(3)
-    ablate = vlens.PerPrompt([[vlens.Ablate("z", 1, heads=[0]),
+    ablate = vlens.PerPrompt([[vlens.Ablate("z", 1, query_heads=[0]),
                                vlens.Ablate("resid_post", "all", direction=direction)],
                               vlens.Ablate("mlp_out", 2, kind="mean")])
     story = "one day, a {} bear lived in a blue cabin near the meadow. the sky was"
     clean, corrupt = story.format("happy"), story.format("lonely")
     with server.connect("c7") as s:
         results = [
-            s.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
+            s.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], query_heads=[0, 2],
                     max_new_tokens=4),
             s.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
         ]
-        grid = s.patch(clean, corrupt, layers=[0, 2], positions=[5, -1])
+        grid = s.patch(clean, corrupt, layers=[0, 2], span=[5, -1])
     want = [
-        toy_session.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
+        toy_session.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], query_heads=[0, 2],
                           max_new_tokens=4),
         toy_session.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
     ]
     for got_run, want_run in zip(results, want):
         for g, w in zip(got_run, want_run, strict=True):
             assert g.text == w.text
-            for site in [k for k in w.layers]:
+            for site in w.read_keys:
                 torch.testing.assert_close(g.activations(site), w.activations(site),
                                            atol=1e-5, rtol=0)
-    local = toy_session.patch(clean, corrupt, layers=[0, 2], positions=[5, -1])
+    local = toy_session.patch(clean, corrupt, layers=[0, 2], span=[5, -1])
     assert grid.answer == local.answer
     torch.testing.assert_close(grid.grid, local.grid, atol=1e-4, rtol=0)
 
@@ -273,7 +308,7 @@ def test_conversations_over_connect_equal_a_local_session(server, toy_session, d
             return (s.compare([conv, other], steer=st, max_new_tokens=5),
                     s.sweep(conv, steer=st, scales=[0.0, 3.0], max_new_tokens=4),
                     s.direction([conv], [other], layer=1),
-                    s.patch(clean, corrupt, layers=[0, 2], positions="user"))
+                    s.patch(clean, corrupt, layers=[0, 2], span="user"))
         finally:
             s.chat_template = None
 
@@ -284,7 +319,7 @@ def test_conversations_over_connect_equal_a_local_session(server, toy_session, d
     assert n_assistant >= 5 and want[0].steered[0].steered_rows == n_assistant
     for g, w in zip(got[0].steered, want[0].steered, strict=True):
         assert g.text == w.text and g.roles == w.roles and g.steered_rows == w.steered_rows
-    assert [t.text for t in got[1].runs] == [t.text for t in want[1].runs]
+    assert [r[0].text for r in got[1].runs] == [r[0].text for r in want[1].runs]
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=0)
     assert got[3].positions == want[3].positions and len(want[3].positions) >= 8
     torch.testing.assert_close(got[3].grid, want[3].grid, atol=1e-4, rtol=0)
@@ -349,7 +384,7 @@ def _frames(resp: httpx.Response) -> list[dict]:
     return FrameReader().feed(resp.content)
 
 
-def test_tokens_ids_and_edit_functions_are_refused(server, toy_session):
+def test_tokens_ids_and_edit_functions_are_refused(server, toy_session, monkeypatch):
     ids = toy_session.tokenize("the wind was")
     body = pack(_call_body(server, ids))
     steps = server.status()["steps_seen"]
@@ -366,9 +401,11 @@ def test_tokens_ids_and_edit_functions_are_refused(server, toy_session):
         vlens.connect(server.url, token="")
 
     # client c1 runs a call; c2 reuses c1's tag and asks for its records
+    made: list[str] = []  # the tag prefix of c1's call, as vlens.calls makes it
+    monkeypatch.setattr(calls, "new_tag", lambda real=calls.new_tag: made.append(real()) or made[-1])
     with server.connect("c1") as s:
         s.trace("the wind was", max_new_tokens=3, layers=[0])
-        tag = f"{s._runner._name}-0-0"
+        tag = f"{made[0]}-0"
     resp = server.post(pack(_call_body(server, ids, tag=tag)), "c2")
     done = _frames(resp)[-1]
     assert done["kind"] == "done"

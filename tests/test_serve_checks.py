@@ -158,7 +158,7 @@ def test_the_documented_schema_and_the_body_checks_agree():
     import re
     from pathlib import Path
 
-    from vlens.checks import body
+    from vlens.remote import body
     from vlens.remote.schema import AblateEntry, ClampEntry, SteerEntry, VlensBody
 
     assert set(SteerEntry.model_fields) == body._STEER

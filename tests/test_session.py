@@ -54,6 +54,29 @@ def test_bad_input_is_a_clear_error_and_the_engine_still_serves(llama_session, k
     _valid_call_works(llama_session)
 
 
+def test_old_and_misspelt_keywords_are_a_type_error_naming_the_real_one(llama_session):
+    """#39: each meaning has one name. An old keyword (or a misspelt one,
+    a sampling setting included) is a TypeError naming the keyword meant,
+    raised before anything runs."""
+    s = llama_session
+    clean, corrupt = "w1 w2 w3", "w1 w4 w3"
+    cases = [
+        (lambda: s.trace(clean, sites=["attn_pattern"], heads=[0]), "query_heads"),
+        (lambda: s.patch(clean, corrupt, positions=[0]), "span"),
+        (lambda: s.patch(clean, corrupt, site="z", heads=True), "per_head"),
+        (lambda: list(s.stream_patch(clean, corrupt, positions=[0])), "span"),
+        (lambda: s.direction(["w1 w2"], ["w3 w4"], layer=0, position="last"), "span"),
+        (lambda: s.trace(clean, layer=3), "layers"),
+        (lambda: s.trace(clean, temprature=0.5), "temperature"),
+    ]
+    before = s.engine.generate_calls
+    for call, new in cases:
+        with pytest.raises(TypeError, match=new):
+            call()
+    assert s.engine.generate_calls == before
+    _valid_call_works(s)
+
+
 def test_missing_model_folder_is_refused():
     with pytest.raises(VlensError, match="not a folder on this machine"):
         vlens.Session("/nonexistent/model")

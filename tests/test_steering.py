@@ -256,7 +256,7 @@ def test_compare_and_sweep_each_run_one_batch(llama_session, direction):
     before = engine.generate_calls
     sw = llama_session.sweep(PROMPTS[1], steer=st, scales=[-2, 0, 2, 4], max_new_tokens=6)
     assert engine.generate_calls == before + 1
-    zero = sw.runs[1]
+    zero = sw.runs[1][0]
     assert _close(zero, base[1])  # scale 0 is the baseline
     frame = sw.to_frame()
     assert frame.scale.tolist() == [-2, 0, 2, 4]

@@ -213,18 +213,19 @@ def _record(token_ids, start=0, steered_rows=0, restarts=0):
 def test_records_that_start_after_cached_rows_are_matched_and_checked():
     from vllm.outputs import CompletionOutput
 
-    from vlens._runner import Request, _match
+    from vlens._runner import _match
+    from vlens.calls import RequestSpec
     from vlens.protocol.plan import Add, Plan, Read
 
     comp = CompletionOutput(index=0, text="", token_ids=[7, 8, 9], cumulative_logprob=None,
                             logprobs=None)
     prompt = [1, 2, 3, 4]  # fed rows: 1 2 3 4 7 8
-    steer_only = Request(prompt, Plan("t", adds=(Add("resid_post", 1, "v", 1.0),)), None)
+    steer_only = RequestSpec(prompt, Plan("t", adds=(Add("resid_post", 1, "v", 1.0),)), 3)
     older = _record([9, 9])
     rec = _record([3, 4, 7, 8], start=2, restarts=1)
     records = [older, rec]
     assert _match(0, "p", steer_only, comp, records) is rec and records == [older]
-    reading = Request(prompt, Plan("t", reads=(Read("resid_post", (0,)),)), None)
+    reading = RequestSpec(prompt, Plan("t", reads=(Read("resid_post", (0,)),)), 3)
     with pytest.raises(EngineError, match="rows 0 to 1 came from the prefix cache"):
         _match(0, "p", reading, comp, [_record([3, 4, 7, 8], start=2)])
     with pytest.raises(EngineError, match="do not match the tokens vLLM processed"):

@@ -16,7 +16,7 @@ import torch
 import vlens
 from vlens import plots
 from vlens.plots._cells import colour_at, contrast_ratio, text_colour
-from vlens.results import Comparison, Sweep, run_label
+from vlens.results import Comparison, Sweep, kl_per_position, run_label
 from vlens.results.patching import Patching
 from vlens.testing import make_run, make_trace
 
@@ -176,7 +176,7 @@ def test_a_comparison_figure_names_its_divergence_and_its_edit():
 def test_run_label_says_what_the_edits_did():
     vec = torch.ones(8)
     assert run_label(vlens.Steer(vec, 1, 2.0)) == "steered"
-    assert run_label([vlens.Ablate("z", 1, heads=[0])]) == "ablated"
+    assert run_label([vlens.Ablate("z", 1, query_heads=[0])]) == "ablated"
     assert run_label(vlens.PerPrompt([None, vlens.Ablate("resid_post", 0)])) == "ablated"
     assert run_label([vlens.Steer(vec, 1, 2.0), vlens.Ablate("resid_post", 0)]) == "edited"
     from vlens.models import toyworld_sae_path
@@ -188,11 +188,14 @@ def test_run_label_says_what_the_edits_did():
 def test_every_result_a_view_draws_has_a_figure():
     cmp = _comparison([7, 8, 9], [7, 5, 9])
     assert "first divergence at position 4" in cmp.figure().layout.title.text
-    runs = make_run([make_trace([1, 2], [3, 4], logprobs=[None, -1.0, -0.5, -0.5]),
-                     make_trace([1, 2], [3, 5], logprobs=[None, -1.0, -0.5, -2.5])])
-    sweep = Sweep("p", [0.0, 4.0], runs, runs[0], kl=[torch.zeros(2), torch.tensor([0.0, 0.7])])
+    tables = torch.randn(2, 1, 3, 6, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    traces = [make_trace([1, 2], out, logprobs=lp, reads={"resid_post:vocab_logprobs": table})
+              for out, lp, table in zip(([3, 4], [3, 5]), ([None, -1.0, -0.5, -0.5],
+                                                            [None, -1.0, -0.5, -2.5]), tables)]
+    sweep = Sweep(["p"], [0.0, 4.0], [make_run([t]) for t in traces], make_run(traces[:1]))
     fig = sweep.figure("kl_mean")
-    assert list(fig.data[0].y) == pytest.approx([0.0, 0.35])
+    kl = kl_per_position(tables[0, 0, 1:], tables[1, 0, 1:])
+    assert len(fig.data) == 1 and list(fig.data[0].y) == pytest.approx([0.0, float(kl.mean())])
     assert "2 scales" in fig.layout.title.text and fig.layout.font.size >= 13
     grid = torch.tensor([[1.0, math.nan], [0.25, 0.0]])
     p = Patching("resid_post", [0, 1], [3, 4], None, [" duck", "\n"], (5, 6), (" duck", " cat"),

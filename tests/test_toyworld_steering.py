@@ -17,7 +17,7 @@ LAYER, SCALE, N = RECIPE["layer"], RECIPE["scale"], 100  # N prompts per directi
 
 def test_relative_steering_flips_sentiment_through_vlens(toy_session):
     happy, sad = world.sentiment_prompts()
-    d = toy_session.direction(happy, sad, layer=LAYER, position="last")
+    d = toy_session.direction(happy, sad, layer=LAYER, span="last")
     rates = {}
     for source, target, sign in ((world.SAD, world.HAPPY, 1.0), (world.HAPPY, world.SAD, -1.0)):
         prompts = world.steering_prompts(source, N)

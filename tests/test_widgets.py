@@ -860,7 +860,7 @@ def test_feature_view_token_feature_steer_and_clamp(toy_session, tmp_path):
     assert fv.value == measured["clamp"]["value"]
     fv.value = clamp
     fv.run_comparison()
-    ref = s.compare(sad, steer=vlens.Clamp(sae, feature=happy, value=clamp), max_new_tokens=12)
+    ref = s.compare(sad, clamp=vlens.Clamp(sae, feature=happy, value=clamp), max_new_tokens=12)
     assert fv.comparison.texts == ref.texts and "clamped" in fv._texts.value
 
     page = fv.snapshot(tmp_path / "features.html").read_text()

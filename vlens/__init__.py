@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from vlens.methods.sae import SAE, Clamp
     from vlens.results import Comparison, Sweep
     from vlens.widgets import FeatureView, explore
-    from vlens.remote.client import connect
-    from vlens._open import open_session
+    from vlens._open import connect, open_session
 
 __all__ = [
     "Ablate",
@@ -75,7 +74,7 @@ _LAZY = {
     "explore": "vlens.widgets",
     "FeatureView": "vlens.widgets",
     "CompareView": "vlens.widgets",
-    "connect": "vlens.remote.client",
+    "connect": "vlens._open",
     "open_session": "vlens._open",
     "supported_architectures": "vlens.protocol.architectures",
 }

@@ -1,5 +1,6 @@
 """``vlens.open_session``: one call that gives a notebook its Session, either
-an engine of its own or a connection to a workshop's ``vlens serve``.
+an engine of its own or a connection to a workshop's ``vlens serve``
+(``vlens.connect``).
 
 Notebooks end with the same code either way; only their parameters (or the
 environment a JupyterHub hands them) say which. Nothing here imports the
@@ -11,7 +12,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["open_session", "server_from_env"]
+from vlens.errors import VlensError
+from vlens.remote.client import RemoteEngine
+from vlens.session import Session
+
+__all__ = ["connect", "open_session", "server_from_env"]
 
 
 def server_from_env(server: str | None = None) -> str | None:
@@ -20,6 +25,27 @@ def server_from_env(server: str | None = None) -> str | None:
         server = os.environ.get("VLENS_SERVER")
     server = (server or "").strip()
     return server or None
+
+
+def connect(url: str = "http://127.0.0.1:8765", token: str | None = None, *,
+            timeout: float = 30.0):
+    """A :class:`~vlens.Session` on a ``vlens serve`` server: the same API,
+    with the server's model. ``token``: yours (default: ``$VLENS_TOKEN``).
+
+    Differences from a local Session: ``edit=`` functions are refused (code
+    does not cross the wire: use ``Steer``, ``Ablate`` or patching), and the
+    server's limits (read bytes per call, calls at once, prompt length)
+    apply; ``s.engine.limits`` shows them."""
+    token = token if token is not None else os.environ.get("VLENS_TOKEN")
+    if not token:
+        raise VlensError("vlens.connect needs token=... (or $VLENS_TOKEN): "
+                         "the server's operator gives each participant one")
+    token = token.strip()  # a token pasted or read from a file with its newline
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        raise VlensError("the token holds spaces, control or non-ASCII characters: copy it "
+                         "again exactly as the workshop's operator gave it (it is not shown "
+                         "here)")
+    return Session.on_engine(RemoteEngine(url, token, timeout=timeout))
 
 
 def open_session(model: Any = None, *, server: str | None = None, token: str | None = None,
@@ -34,9 +60,5 @@ def open_session(model: Any = None, *, server: str | None = None, token: str | N
     started with its own; ``s.model`` names it)."""
     url = server_from_env(server)
     if url is not None:
-        from vlens.remote.client import connect
-
         return connect(url, token)
-    from vlens.session import Session
-
     return Session(model, **engine_options)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vlens.errors import VlensError
+
 __all__ = ["Progress", "Stages", "progress_factory"]
 
 
@@ -57,8 +59,6 @@ def _checked(progress: Any) -> bool:
         return False
     if progress is True or callable(progress):
         return True
-    from vlens.errors import VlensError
-
     raise VlensError(
         f"progress must be True, False/None, or a function fn(done, total); got {progress!r}"
     )

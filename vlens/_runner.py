@@ -10,28 +10,30 @@ way out, an interrupt or a failure while assembling the results included.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
-import uuid
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vlens._progress import progress_factory
-from vlens.calls import Call
+from vlens.calls import Call, RequestSpec
 from vlens.protocol.tensors import decode_tensor
-from vlens.checks import ModelFacts, check_budget, check_plan
+from vlens.checks import ModelFacts, check_budget, check_plan_size
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
-from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
+from vlens.protocol.plan import PLAN_KEY, Add
 from vlens.results import Run, Trace
-from vlens.edits import Steer, engine_prompt
+from vlens.edits import engine_prompt
 from vlens.prompts import prompt_parts
 from vlens.tokens import TokenReader
 
-__all__ = ["Request", "Runner", "env_flag", "live_engines"]
+__all__ = ["Runner", "SAE_CACHE", "env_flag", "live_engines"]
+
+#: the most SAEs one session keeps in the workers between calls
+SAE_CACHE = 8
 
 _FALSY = {"", "0", "false", "no", "off"}
 
@@ -57,23 +59,8 @@ def live_engines() -> int:
     return len(_LIVE)
 
 
-@dataclass
-class Request:
-    """One engine request: prompt ids, its plan (None: untraced background
-    traffic), vLLM's SamplingParams, and the steering vectors it names."""
-
-    ids: list[int]
-    plan: Plan | None
-    params: Any
-    vectors: dict[str, Any] = field(default_factory=dict)
-    #: the normalised prompt (vlens.prompts.Prompt): roles, text, offsets
-    prompt: Any = None
-
-
 class Runner:
     """Owns one Session's share of a live engine and runs its calls."""
-
-    _ids = itertools.count()
 
     def __init__(self, model: str, llm_kwargs: dict[str, Any], *, reuse: bool,
                  engine: Any = None) -> None:
@@ -96,11 +83,10 @@ class Runner:
         self._shared = shared
         self.reused = shared.users > 1
         self.closed = False
-        self._name = f"s{next(Runner._ids)}-{uuid.uuid4().hex[:6]}"
-        self._calls = itertools.count()
         self._reader: TokenReader | None = None
-        #: the SAEs this session's calls read ({id: payload}, methods/sae.py)
-        self.saes: dict[str, dict[str, Any]] = {}
+        #: the SAEs the workers hold for this session's calls, least recently
+        #: used first (at most SAE_CACHE; the oldest no call uses are released)
+        self.saes: OrderedDict[str, Any] = OrderedDict()
         self._facts = ModelFacts.from_info(shared.engine.info)
 
     def _check_open(self) -> None:
@@ -156,23 +142,21 @@ class Runner:
         return self._reader
 
     # -- requests -------------------------------------------------------------
-    def next_call(self) -> str:
-        """A tag prefix no other call of any Session in this process uses."""
-        return f"{self._name}-{next(self._calls)}"
-
-    def sampling_params(self, max_new_tokens: int, logprobs: bool, plan: Plan | None,
-                        sampling: dict[str, Any], score: dict[str, Any] | None = None):
-        """vLLM's SamplingParams of one request. ``score``: vlens's own
-        settings over the logprob ones (patching asks for the top-k
-        (``logprobs=k``) or for given tokens (``logprob_token_ids``))."""
+    def sampling_params(self, spec: RequestSpec):
+        """vLLM's SamplingParams of one request: greedy unless its sampling
+        settings say otherwise; ``score``: vlens's own settings over the
+        logprob ones (patching asks for the top-k (``logprobs=k``) or for
+        given tokens (``logprob_token_ids``))."""
         from vllm import SamplingParams
 
-        args = {"temperature": 0.0, "logprobs": 0 if logprobs else None,
-                "prompt_logprobs": 0 if logprobs else None, **sampling, **(score or {})}
+        plan = spec.plan
+        args = {"temperature": 0.0, "logprobs": 0 if spec.logprobs else None,
+                "prompt_logprobs": 0 if spec.logprobs else None, **spec.sampling,
+                **(spec.score or {})}
         needs_rows = plan is not None and bool(plan.reads or plan.edits)
         try:
             return SamplingParams(
-                max_tokens=max_new_tokens,
+                max_tokens=spec.max_new_tokens,
                 # reads and edit functions need every prompt row; steer-only
                 # requests may reuse KV made under the same steers (their
                 # cache_salt)
@@ -181,114 +165,120 @@ class Runner:
                 **args,
             )
         except Exception as exc:  # vLLM's own validation errors vary by version
-            raise VlensError(f"bad sampling settings {sampling!r}: {exc}") from None
-
-    def request(self, tag: str, index: int, ids: list[int], *, max_new_tokens: int,
-                logprobs: bool, clone: bool, reads: Sequence[Read] = (),
-                steers: Sequence[Steer] = (), edits: Sequence[Edit] = (),
-                sets: Sequence[Set] = (), vectors: dict[str, Any] | None = None,
-                sampling: dict[str, Any] | None = None,
-                score: dict[str, Any] | None = None, source: Any = None) -> Request:
-        """One traced request. Every traced request carries a plan, even one
-        that reads and writes nothing, so its processed tokens are recorded.
-        ``sets`` (ablations, patched cells) name their vectors in ``vectors``
-        (``{id: tensor [width]}``). ``source``: the normalised prompt
-        (:class:`vlens.prompts.Prompt`) whose roles the Trace shows."""
-        adds = tuple(
-            Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
-                relative=st.relative, **self._clamp_of(st))
-            for st in steers
-        )
-        plan = Plan(tag=tag, reads=tuple(reads), adds=adds, sets=tuple(sets), edits=tuple(edits),
-                    clone=clone, prompt_len=len(ids), index=index)
-        vectors = {**{st.id: st.vector for st in steers}, **(vectors or {})}
-        # the very checks the server's guard runs on every plan it is sent
-        check_plan(plan, self.facts, {vid: (int(v.numel()), float(v.abs().max()) if v.numel()
-                                            else 0.0) for vid, v in vectors.items()},
-                   max_new_tokens)
-        params = self.sampling_params(max_new_tokens, logprobs, plan, sampling or {}, score)
-        return Request(ids, plan, params, vectors, prompt=source)
-
-    def _clamp_of(self, st: Steer) -> dict[str, Any]:
-        """A Clamp's plan fields (its SAE's encoder goes to the workers with
-        the call); nothing for a plain Steer."""
-        sae = getattr(st, "sae", None)
-        if sae is None:
-            return {}
-        if sae.id not in self.saes:
-            self.saes[sae.id] = sae.payload()
-        return {"sae": sae.id, "feature": st.feature}
-
-    def background(self, ids: list[int], max_new_tokens: int, sampling: dict[str, Any]) -> Request:
-        """An untraced request, as other users' traffic would be."""
-        return Request(ids, None, self.sampling_params(max_new_tokens, False, None, sampling))
+            raise VlensError(f"bad sampling settings {dict(spec.sampling)!r}: {exc}") from None
 
     # -- one run --------------------------------------------------------------
     def run(self, call: Call, *, budget: int, progress: Any = None) -> Any:
         """Run ``call.requests`` in ONE engine batch and return
-        ``call.assemble(vLLM outputs, records by tag)``.
+        ``call.assemble(vLLM outputs, records by tag, self)``; when that is
+        the call's next stage (a Call), run it too, and so on.
 
         Runs are serialised per engine (a widget's run in its thread and a
-        cell's call queue, they do not interleave). The vectors the requests name are held for
-        the call; the edit functions live in the workers only during it; if
-        anything fails, the engine aborts what is left and the workers forget
-        this call's records before the exception goes on."""
-        factory = progress_factory(progress)
-        params = [r.params for r in call.requests]
-        with self._calling(call.requests, budget, call.edit_fns) as running:
-            outputs = running.engine.generate(running.prompts, params, factory)
-            return running.finish(call.assemble, outputs)
+        cell's call queue, they do not interleave). The vectors the requests
+        name are held for the stage; the edit functions live in the workers
+        only during it; if anything fails, the engine aborts what is left and
+        the workers forget the stage's records before the exception goes on."""
+        closing: list[Callable[[], None]] = []
+        try:
+            while isinstance(call, Call):
+                call = self._whole_stage(call, budget, progress, closing)
+            return call
+        finally:
+            for close in closing:
+                close()
+
+    def _whole_stage(self, call: Call, budget: int, progress: Any,
+                     closing: list[Callable[[], None]]) -> Any:
+        """Run one stage in one batch: its result, or the next stage."""
+        if call.closing is not None:
+            closing.append(call.closing)
+        factory = progress_factory(progress if call.progress is None else call.progress)
+        with self._calling(call, budget) as running:
+            outputs = running.engine.generate(running.prompts, running.params, factory)
+            return running.finish(call.assemble, outputs, self)
 
     def stream(self, call: Call, *, budget: int, progress: Any = None) -> Iterator[Any]:
-        """Like :meth:`run`, step by step: after every engine step yield
-        ``call.partial(latest vLLM outputs)`` (None for a request with no
-        token yet), and last ``call.assemble(outputs, records)``. Closing
-        the iterator early aborts the requests as an interrupt does.
-        ``progress`` (checked now, not at the first step) as in :meth:`run`,
-        counting finished requests; raising in it ends the stream so too."""
-        if call.partial is None:
-            raise TypeError("a streamed call needs its partial= (what to yield each step)")
-        return self._stream(call, budget, progress_factory(progress))
+        """Like :meth:`run`, step by step: after every engine step of the
+        streamed stage yield ``call.partial(latest vLLM outputs, self)``
+        (None for a request with no token yet), and last the result. Stages
+        before it (no ``partial``) run whole first. Closing the iterator early
+        aborts the requests as an interrupt does. ``progress`` (checked now,
+        not at the first step) as in :meth:`run`, counting finished
+        requests; raising in it ends the stream so too."""
+        progress_factory(progress)  # a bad progress= is refused before the first step
+        return self._stream(call, budget, progress)
 
-    def _stream(self, call: Call, budget: int, factory: Any) -> Iterator[Any]:
-        with self._calling(call.requests, budget, call.edit_fns) as running:
-            outputs: list = []
-            steps = running.engine.stream(running.prompts, [r.params for r in call.requests])
-            bar = factory(total=len(call.requests)) if factory else None
-            try:
-                for outputs in steps:
-                    done = sum(1 for o in outputs if o is not None and o.finished)
-                    if bar is not None and done > bar.n:
-                        bar.update(done - bar.n)
-                    yield call.partial(outputs)
-            finally:
-                steps.close()  # closed early: the engine aborts what is left
-                if bar is not None:
-                    bar.close()
-            result = running.finish(call.assemble, outputs)
+    def _stream(self, call: Call, budget: int, progress: Any) -> Iterator[Any]:
+        closing: list[Callable[[], None]] = []
+        try:
+            while call.partial is None:  # a stage that prepares the streamed one
+                call = self._whole_stage(call, budget, progress, closing)
+                if not isinstance(call, Call):
+                    raise TypeError("a streamed call's last stage needs its partial=")
+            if call.closing is not None:
+                closing.append(call.closing)
+            factory = progress_factory(progress if call.progress is None else call.progress)
+            with self._calling(call, budget) as running:
+                outputs: list = []
+                steps = running.engine.stream(running.prompts, running.params)
+                bar = factory(total=len(call.requests)) if factory else None
+                try:
+                    for outputs in steps:
+                        done = sum(1 for o in outputs if o is not None and o.finished)
+                        if bar is not None and done > bar.n:
+                            bar.update(done - bar.n)
+                        yield call.partial(outputs, self)
+                finally:
+                    steps.close()  # closed early: the engine aborts what is left
+                    if bar is not None:
+                        bar.close()
+                result = running.finish(call.assemble, outputs, self)
+        finally:
+            for close in closing:
+                close()
         yield result
 
     @contextmanager
-    def _calling(self, requests: Sequence[Request], budget: int,
-                 edit_fns: dict[str, Any] | None) -> Iterator[_InFlight]:
-        """One call's set-up and clean-up around running its batch."""
+    def _calling(self, call: Call, budget: int) -> Iterator[_InFlight]:
+        """One stage's set-up and clean-up around running its batch: every
+        request's SamplingParams made (vLLM's own checks) and the reads
+        budgeted before anything is shipped."""
         engine = self.engine
-        check_budget([(len(r.ids), r.plan.reads, r.params.max_tokens, r.params.n)
+        requests = call.requests
+        params = [self.sampling_params(r) for r in requests]
+        for r in requests:
+            if r.plan is not None:
+                check_plan_size(r.plan)
+        check_budget([(len(r.ids), r.plan.reads, r.max_new_tokens, r.samples)
                       for r in requests if r.plan is not None], self.facts, budget)
         vectors = {vid: v for r in requests for vid, v in r.vectors.items()}
-        call = _InFlight(engine, [engine_prompt(r.ids, r.plan) for r in requests],
-                     [r.plan.tag for r in requests if r.plan is not None])
+        saes = {sid: sae for r in requests for sid, sae in r.saes.items()}
+        running = _InFlight(engine, [engine_prompt(r.ids, r.plan) for r in requests], params,
+                            [r.plan.tag for r in requests if r.plan is not None])
         try:
             with engine.lock, engine.hold_vectors(vectors):
-                saes = {r.sae for q in requests if q.plan
-                        for r in q.plan.reads + q.plan.adds if r.sae}
                 if saes:
-                    engine.hold_saes({sid: self.saes[sid] for sid in saes})
-                if edit_fns:
-                    engine.rpc("vlens_put_edits", edit_fns)
-                yield call
+                    self._hold_saes(engine, saes)
+                if call.edit_fns:
+                    engine.rpc("vlens_put_edits", call.edit_fns)
+                yield running
         finally:
-            self._forget(edit_fns, [] if call.done else call.tags)
+            self._forget(call.edit_fns, [] if running.done else running.tags)
+
+    def _hold_saes(self, engine: Any, saes: dict[str, Any]) -> None:
+        """The workers hold these SAEs' encoders for the call; this session's
+        least recently used ones past ``SAE_CACHE`` are released."""
+        engine.hold_saes({sid: sae.payload() for sid, sae in saes.items()
+                          if sid not in self.saes})
+        for sid, sae in saes.items():
+            self.saes[sid] = sae
+            self.saes.move_to_end(sid)
+        gone = list(self.saes)[:max(0, len(self.saes) - SAE_CACHE)]
+        gone = [sid for sid in gone if sid not in saes]
+        if gone:
+            engine.release_saes(gone)
+            for sid in gone:
+                del self.saes[sid]
 
     def _forget(self, edit_fns: dict[str, Any] | None, tags: list[str]) -> None:
         """Remove a call's edit functions and uncollected records from the
@@ -308,7 +298,7 @@ class Runner:
                         pass
 
     # -- results --------------------------------------------------------------
-    def partial_run(self, prompts: Sequence[str], requests: Sequence[Request],
+    def partial_run(self, prompts: Sequence[str], requests: Sequence[RequestSpec],
                     outputs: Sequence) -> Run:
         """What a streamed call has produced so far: one Trace per sample
         seen, with its tokens and text but no reads (those come with the
@@ -328,7 +318,7 @@ class Runner:
                 ))
         return Run(traces, prompts=list(prompts))
 
-    def build_run(self, prompts: Sequence[str], requests: Sequence[Request], outputs: Sequence,
+    def build_run(self, prompts: Sequence[str], requests: Sequence[RequestSpec], outputs: Sequence,
                   collected: dict[str, list[dict[str, Any]]], logprobs: bool) -> Run:
         """Match each completion to the record of the rows the workers saw
         (by token ids) and make a Trace of each."""
@@ -375,7 +365,7 @@ class Runner:
             positions=rec["positions"],
             logprobs=_token_logprobs(out, comp, req.ids) if logprobs else [],
             finish_reason=comp.finish_reason,
-            layers={key: p["layers"] for key, p in rec["reads"].items()},
+            _layers={key: p["layers"] for key, p in rec["reads"].items()},
             _reads=reads,
             copied_bytes=rec["copied_bytes"],
             steered_rows=steered,
@@ -393,17 +383,19 @@ class _InFlight:
 
     engine: Any
     prompts: list[dict[str, Any]]
+    params: list[Any]
     tags: list[str]
     done: bool = False
 
-    def finish(self, assemble: Callable[[list, dict], Any], outputs: list) -> Any:
+    def finish(self, assemble: Callable[[list, dict, Any], Any], outputs: list,
+               runs: Any) -> Any:
         collected = self.engine.rpc("vlens_collect", self.tags)[0] if self.tags else {}
-        result = assemble(outputs, collected)
+        result = assemble(outputs, collected, runs)
         self.done = True
         return result
 
 
-def _match(i: int, prompt: str, req: Request, comp: Any,
+def _match(i: int, prompt: str, req: RequestSpec, comp: Any,
            records: list[dict[str, Any]]) -> dict[str, Any]:
     """The record of completion ``comp`` of prompt ``i`` (removed from
     ``records``): the rows it fed through the model, from the first one the

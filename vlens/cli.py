@@ -11,12 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import vlens
+import vlens.models
+from vlens.models.world import example_prompts
+
 __all__ = ["main", "demo"]
 
 
 def _default_prompts() -> list[str]:
-    from vlens.models.world import example_prompts
-
     return example_prompts(4)
 
 
@@ -33,7 +35,8 @@ def _telling_position(trace) -> int:
 def demo(model: str | None = None, out: str | Path = "vlens-demo.html",
          prompts: list[str] | None = None, max_new_tokens: int = 12) -> Path:
     """Run the demo; return the report's path."""
-    import vlens
+    # torch and plotly: only the command that draws loads them (``vlens
+    # doctor`` runs where torch is missing or broken)
     from vlens.lens import LogitLens
     from vlens.plots import activation_heatmap, layer_profile, logit_lens_grid
 
@@ -108,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("name", choices=sorted(_BUNDLED))
     args = parser.parse_args(argv)
     if args.command == "path":
-        import vlens.models
-
         print(getattr(vlens.models, _BUNDLED[args.name])())
         return 0
     if args.command == "doctor":

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vlens.errors import VlensError
+from vlens.keywords import keywords
 
 __all__ = [
     "Ablate",
@@ -160,8 +161,8 @@ class Ablate:
     """Replace ``site`` at ``layer`` with zeros (``kind="zero"``) or a mean
     (``kind="mean"``) over ``span``, or project a direction out of it.
 
-    * ``heads``: for ``site="z"`` only, the head indices to knock out (the
-      other heads' dims are left alone); None: the whole row;
+    * ``query_heads``: for ``site="z"`` only, the query heads to knock out
+      (the other heads' dims are left alone); None: the whole row;
     * ``span``: ``"all"``, ``"prompt"``, ``"generated"`` or ``(start,
       stop)`` token positions, as for :class:`~vlens.Steer`;
     * ``mean``: with ``kind="mean"``, the replacement ``[width]`` (``z``:
@@ -177,7 +178,7 @@ class Ablate:
     site: str
     layer: int | str | tuple[int, ...]
     kind: str = "zero"
-    heads: Sequence[int] | None = None
+    query_heads: Sequence[int] | None = None
     span: str | tuple[int, int] = "all"
     mean: torch.Tensor | None = None
     direction: torch.Tensor | None = None
@@ -192,18 +193,18 @@ class Ablate:
         elif self.kind == "direction":
             raise VlensError("Ablate kind='direction' needs direction= (the vector to project out)")
         _check_layer(self)
-        if self.heads is not None:
-            heads = self.heads
+        if self.query_heads is not None:
+            heads = self.query_heads
             if (isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range))
                     or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
                                             and h >= 0 for h in heads)):
                 raise VlensError(
-                    f"Ablate heads must be a non-empty list of head indices (ints >= 0), "
+                    f"Ablate query_heads must be a non-empty list of head indices (ints >= 0), "
                     f"got {heads!r}"
                 )
             if len(set(heads)) != len(heads):
-                raise VlensError(f"Ablate heads {list(heads)} names a head twice")
-            object.__setattr__(self, "heads", tuple(sorted(int(h) for h in heads)))
+                raise VlensError(f"Ablate query_heads {list(heads)} names a head twice")
+            object.__setattr__(self, "query_heads", tuple(sorted(int(h) for h in heads)))
         object.__setattr__(self, "span", parse_span(self.span, "Ablate"))
         mean = self.mean
         if mean is not None:
@@ -224,13 +225,18 @@ class Ablate:
         return span_positions(self.span, prompt_len)
 
     def with_mean(self, mean: torch.Tensor) -> Ablate:
-        return Ablate(self.site, self.layer, "mean", self.heads, self.span, mean)
+        return Ablate(self.site, self.layer, "mean", self.query_heads, self.span, mean)
 
     def layers(self, n_layers: int) -> tuple[int, ...]:
         """The layers this Ablate writes, in a model of ``n_layers``."""
         if self.layer == "all":
             return tuple(range(n_layers))
         return self.layer if isinstance(self.layer, tuple) else (self.layer,)  # type: ignore[return-value]
+
+
+# an old keyword (heads=) is a TypeError naming its new name (query_heads=)
+Ablate.__init__ = keywords(Ablate.__init__)  # type: ignore[method-assign]
+Steer.__init__ = keywords(Steer.__init__)  # type: ignore[method-assign]
 
 
 def _check_layer(ab: Ablate) -> None:
@@ -265,7 +271,7 @@ def _check_direction(ab: Ablate) -> None:
     r = ab.direction
     extra = [name for name, bad in (("kind=" + repr(ab.kind), ab.kind not in ("zero", "direction")),
                                     ("mean=", ab.mean is not None),
-                                    ("heads=", ab.heads is not None)) if bad]
+                                    ("query_heads=", ab.query_heads is not None)) if bad]
     if extra:
         raise VlensError(
             f"Ablate direction= cannot go with {', '.join(extra)}: it projects one direction "

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from vlens.protocol.sites import lens_top
+from vlens.remote.client import connected_copy
 
 __all__ = ["LogitLens"]
 
@@ -34,8 +35,6 @@ class LogitLens:
         from safetensors import safe_open
 
         if str(path).startswith(("http://", "https://")):  # a connected session's model
-            from vlens.remote.client import connected_copy
-
             path = connected_copy(str(path))
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())

@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlens.edits import ROLE_SPANS, PerPrompt, per_prompt
+from vlens.edits import ROLE_SPANS
 from vlens.errors import VlensError
 from vlens.tokens import TokenReader
 
-__all__ = ["Prompt", "content_spans", "edits_each", "is_conversation", "normalise",
+__all__ = ["Prompt", "content_spans", "is_conversation", "normalise",
            "resolve_roles", "role_ranges"]
 
 
@@ -272,18 +272,6 @@ def resolve_roles(edits: Sequence[Any], prompt: Prompt, i: int,
         move = getattr(ed, "with_span", None) or (lambda r, ed=ed: dataclasses.replace(ed, span=r))
         out.extend(move(r) for r in ranges)
     return out
-
-
-def edits_each(value: Any, plist: Sequence[Prompt], kind: type, *,
-               resolve: bool = True, max_new_tokens: int | None = None) -> Any:
-    """``steer=`` / ``ablate=`` as one list per prompt (see
-    :func:`vlens.edits.per_prompt`), role spans resolved to positions
-    (a :class:`~vlens.edits.PerPrompt`; plain lists with ``resolve=False``)."""
-    each = per_prompt(value, len(plist), kind)
-    if not resolve:
-        return each
-    return PerPrompt([resolve_roles(e, p, i, max_new_tokens)
-                      for i, (e, p) in enumerate(zip(each, plist))])
 
 
 def prompt_parts(p: Prompt | None, n: int, fed: Sequence[int], start: int) -> dict[str, Any]:

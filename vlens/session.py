@@ -13,30 +13,28 @@ notebooks use only this API.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from vlens import checks
-from vlens.methods import ablation, directions, patching, sae
+from vlens import calls, checks
 from vlens._runner import Runner, env_flag, live_engines
+from vlens.calls import Call
+from vlens.edits import Steer
 from vlens.engine.engine import start_options
 from vlens.engine.quiet import start_line
 from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
-from vlens.protocol.plan import Edit, Read
-from vlens.results import Comparison, Run, Sweep, generated_kl, run_label
-from vlens.calls import Call, TraceParams
-from vlens.edits import Ablate, Steer
-from vlens.prompts import Prompt, edits_each, normalise, resolve_roles
-from vlens.methods.server_names import ServerNamed
+from vlens.keywords import keywords
+from vlens.methods import directions, patching, server_names, steering, traces
+from vlens.prompts import Prompt, normalise
+from vlens.results import Comparison, Run, Sweep
 
 __all__ = ["Session", "live_engines"]
 
 
-class Session(ServerNamed):
+class Session:
     """A live vLLM engine with vlens's hooks, from a notebook.
 
     ``Session()`` loads the bundled toy-world model; ``Session(path, **kw)``
@@ -61,7 +59,7 @@ class Session(ServerNamed):
         print(start_line(self.model, self.engine, self.reused), flush=True)
 
     @classmethod
-    def _attach(cls, engine: Any) -> Session:
+    def on_engine(cls, engine: Any) -> Session:
         """A Session on an engine made elsewhere (``vlens.connect``'s remote
         engine); the same API as one that starts its own."""
         self = cls.__new__(cls)
@@ -84,7 +82,7 @@ class Session(ServerNamed):
         """Prompts of any form (a string, a conversation, token ids, or a
         list of these) as :class:`~vlens.prompts.Prompt` objects: the ids the
         engine runs, the formatted text, offsets and per-token roles."""
-        return normalise(prompts, self.tokenizer, self._facts.max_model_len,
+        return normalise(prompts, self.tokenizer, self.facts.max_model_len,
                          reader=self._runner.reader, chat_template=self.chat_template,
                          chat_template_kwargs=self.chat_template_kwargs)
 
@@ -101,22 +99,24 @@ class Session(ServerNamed):
 
     @property
     def n_layers(self) -> int:
-        return self._facts.n_layers
+        return self.facts.n_layers
 
     @property
     def hidden_size(self) -> int:
-        return self._facts.hidden_size
+        return self.facts.hidden_size
 
     @property
     def sites(self) -> list[str]:
-        return list(self._facts.sites)
+        return list(self.facts.sites)
 
     @property
     def max_model_len(self) -> int:
-        return self._facts.max_model_len
+        return self.facts.max_model_len
 
     @property
-    def _facts(self) -> checks.ModelFacts:
+    def facts(self) -> checks.ModelFacts:
+        """What the model is (layers, sites and their widths, heads, vocabulary,
+        the write bounds), as the input checks see it."""
         return self._runner.facts
 
     @property
@@ -150,55 +150,45 @@ class Session(ServerNamed):
         self._clone_reads = value
 
     # -- tracing --------------------------------------------------------------
+    @keywords
     def trace(
         self, prompts: str | Sequence[str], *,
         layers: int | Sequence[int] | None = None,
         sites: str | Sequence[str] = ("resid_post",),
         max_new_tokens: int = 16,
         logprobs: bool = True, background: Sequence[str] = (),
-        steer: Any = None,
-        ablate: Any = None,
-        edit: Any = None,
-        edit_at: Sequence[tuple[str, int]] | None = None,
-        reduce: str = "full",
-        logit_lens: int = 0,
-        heads: int | Sequence[int] | None = None,
-        saes: Any = None,
-        features_top_k: int = 0,
-        clamp: Any = None,
+        steer: Any = None, ablate: Any = None, clamp: Any = None,
+        edit: Any = None, edit_at: Sequence[tuple[str, int]] | None = None,
+        reduce: str = "full", logit_lens: int = 0,
+        query_heads: int | Sequence[int] | None = None,
+        saes: Any = None, features_top_k: int = 0,
         progress: Any = None,
         **sampling: Any,
     ) -> Run:
         """Generate from each prompt and read ``sites`` at ``layers``.
 
         Greedy unless sampling settings (``temperature``, ``n`` …: vLLM's
-        ``SamplingParams``) say otherwise. One engine batch; each request
-        reads and writes only its own rows. A :class:`~vlens.results.Run`,
-        one trace per request (``n`` per prompt when ``n > 1``).
+        ``SamplingParams``, checked by name) say otherwise. One engine batch;
+        each request reads and writes only its own rows. A
+        :class:`~vlens.results.Run`, one trace per request (``n`` per prompt
+        when ``n > 1``); ``t.activations(site, layer=L)`` or ``t[site, L]``.
 
         * ``steer``: a :class:`~vlens.Steer` or a list of them (all on every
-          prompt), or ``vlens.PerPrompt([...])`` (one entry per prompt: a
-          Steer, a list of Steers, or None);
-        * ``ablate``: a :class:`~vlens.Ablate`, a list of them, or
-          ``vlens.PerPrompt([...])``: zero or mean-replace a site (or heads
-          of ``z``), batched like steering (see docs/methods.md);
+          prompt), or ``vlens.PerPrompt([...])`` (one entry per prompt);
+          ``ablate``: :class:`~vlens.Ablate` entries alike (zero, mean or a
+          direction); ``clamp``: :class:`~vlens.Clamp` entries (an SAE feature
+          set to a value); see docs/steering.md and docs/methods.md;
         * ``edit``: ``fn(rows, ctx) -> rows | None`` called with one
-          request's rows (``[n, hidden]`` or ``[1, n, hidden]``) at each
-          ``edit_at`` (site, layer) pair, every step; return the edited
-          tensor (an in-place change that is not returned is an error), or
-          None to only look. The rows are a copy when ``clone_reads`` is on,
-          else a view of engine memory valid only during the call. Runs in
-          the worker (in-process engines; see docs/steering.md);
-        * ``reduce``: ``"full"`` (default) or ``"norm"`` (the worker ships
-          only norms); ``logit_lens=k`` also reads the logit lens top-k of
-          ``resid_post`` at ``layers``, computed in the worker;
-        * ``heads``: the query heads an ``attn_pattern`` read computes (None:
-          all); the pattern costs ``heads x T x T`` floats per layer, so
-          pick heads (and layers) for long prompts;
-        * ``saes``: a :class:`~vlens.SAE` or a list: each encodes its site at
-          its layer in the worker (``t.features(sae)``, ``[T, d_sae]``);
-          ``features_top_k=k`` ships only each token's k largest; ``clamp``:
-          a :class:`~vlens.Clamp` (a list, or ``PerPrompt``) sets a feature;
+          request's rows at each ``edit_at`` (site, layer) pair, every step
+          (a copy when ``clone_reads`` is on, else a view valid only during
+          the call; in-process engines only);
+        * ``reduce``: ``"full"`` or ``"norm"`` (the worker ships only norms);
+          ``logit_lens=k`` also reads the logit lens top-k of ``resid_post``;
+        * ``query_heads``: the query heads an ``attn_pattern`` read computes
+          (None: all; it costs ``heads x T x T`` floats per layer);
+        * ``saes``: a :class:`~vlens.SAE` or a list, encoded in the worker
+          (``t.features(sae)``); ``features_top_k=k`` ships each token's k
+          largest;
         * ``background``: prompts run in the same batch with no plan, as
           other users' traffic would (``run.background_texts``);
         * ``progress``: True for a progress bar, or ``fn(done, total)``
@@ -208,218 +198,176 @@ class Session(ServerNamed):
         at its first token) is recorded (``steered_rows == 0``) with a
         :class:`~vlens.errors.VlensWarning` naming the prompts.
         """
-        params = TraceParams(
-            layers=layers, sites=sites, max_new_tokens=max_new_tokens, logprobs=logprobs,
-            background=background, steer=steer, ablate=ablate, edit=edit, edit_at=edit_at,
-            reduce=reduce, logit_lens=logit_lens, heads=heads, saes=saes,
-            features_top_k=features_top_k, clamp=clamp, sampling=sampling)
-        return self._runner.run(self._trace_call(prompts, params), budget=self.read_budget,
+        return self._runner.run(self._trace_call(locals()), budget=self.read_budget,
                                 progress=progress)
 
-    def stream(self, prompts: str | Sequence[str], *, progress: Any = None,
-               **options: Any) -> Iterator[Run]:
+    @keywords
+    def stream(
+        self, prompts: str | Sequence[str], *,
+        layers: int | Sequence[int] | None = None,
+        sites: str | Sequence[str] = ("resid_post",),
+        max_new_tokens: int = 16,
+        logprobs: bool = True, background: Sequence[str] = (),
+        steer: Any = None, ablate: Any = None, clamp: Any = None,
+        edit: Any = None, edit_at: Sequence[tuple[str, int]] | None = None,
+        reduce: str = "full", logit_lens: int = 0,
+        query_heads: int | Sequence[int] | None = None,
+        saes: Any = None, features_top_k: int = 0,
+        progress: Any = None,
+        **sampling: Any,
+    ) -> Iterator[Run]:
         """``trace``, token by token, with the same keywords: after every
         engine step a partial Run (tokens and text so far, no reads), last
         the finished Run exactly as ``trace`` returns it. Closing the
         iterator early aborts the requests and leaves the engine clean."""
-        return self._runner.stream(self._trace_call(prompts, TraceParams.of(**options)),
-                                   budget=self.read_budget, progress=progress)
+        return self._runner.stream(self._trace_call(locals()), budget=self.read_budget,
+                                   progress=progress)
 
-    def _trace_call(self, prompts: str | Sequence[str], params: TraceParams) -> Call:
-        """Check a trace's arguments and build its call (which streams too)."""
-        facts = self._facts
-        layers, sites, max_new_tokens = params.layers, params.sites, params.max_new_tokens
-        logprobs, sampling, m = params.logprobs, params.sampling, params.max_new_tokens
-        plist = self.prompts(prompts)
-        prompts, prompt_ids = [p.label for p in plist], [p.ids for p in plist]
-        layers = checks.check_layers(layers, facts)
-        sites = checks.check_sites(sites, facts)
-        reads = checks.check_reads(sites, layers, params.reduce, params.logit_lens, facts,
-                                   checks.check_heads(params.heads, sites, facts))
-        reads += sae.feature_reads(params.saes, params.features_top_k, facts, self._runner)
-        checks.check_generation(max_new_tokens, sampling, facts)
-        lens = [len(ids) for ids in prompt_ids]
-        steers_each = sae.with_clamps(
-            checks.check_steers(edits_each(params.steer, plist, Steer, max_new_tokens=m), lens,
-                                m, facts), params.clamp,
-            checks.check_steers(edits_each(params.clamp, plist, Steer, max_new_tokens=m), lens,
-                                m, facts))
-        ablates = edits_each(params.ablate, plist, Ablate, resolve=False)
-        ablates = ablation.check_ablates(ablates, facts, lens, max_new_tokens)
-        pairs = checks.check_edit(params.edit, params.edit_at, facts,
-                                  can_ship=self._runner.can_ship_functions,
-                                  remote=self._runner.remote)
-        bg_ids = []
-        if params.background:
-            bg_ids = [p.ids for p in self.prompts(list(params.background))]
-        ablates = ablation.fill_means(self, [p.source for p in plist], ablates)  # may read once
-        ablates = [resolve_roles(a, p, i, m) for i, (a, p) in enumerate(zip(ablates, plist))]
-        fid = f"fn-{uuid.uuid4().hex[:12]}"
-        edits = [Edit(site, layer, fid) for site, layer in pairs]
-        call = self._runner.next_call()
-        requests = [
-            self._runner.request(f"{call}-{i}", i, ids, reads=reads, steers=steers, edits=edits,
-                                 max_new_tokens=max_new_tokens, logprobs=logprobs,
-                                 sampling=sampling, clone=self.clone_reads,
-                                 source=p, **ablation.plan_parts(abl, len(ids), facts.head_dim))
-            for i, (ids, steers, abl, p)
-            in enumerate(zip(prompt_ids, steers_each, ablates, plist))
-        ]
-        requests += [self._runner.background(ids, max_new_tokens, sampling) for ids in bg_ids]
-        n = len(prompts)
+    def _trace_call(self, args: dict[str, Any]) -> Call:
+        """A trace's keywords (its ``locals()``) as its one call."""
+        args = {k: v for k, v in args.items() if k not in ("self", "progress", "__class__")}
+        plist, background = self.prompts(args.pop("prompts")), args.pop("background")
+        spec = traces.TraceSpec(
+            prompts=tuple(plist), facts=self.facts,
+            background=tuple(self.prompts(list(background))) if background else (),
+            clone=self.clone_reads, can_ship=self._runner.can_ship_functions,
+            remote=self._runner.remote, **args)
+        return traces.trace_call(spec)
 
-        def assemble(outputs: list, collected: dict) -> Run:
-            run = self._runner.build_run(prompts, requests[:n], outputs[:n], collected, logprobs)
-            run.background_texts = [o.outputs[0].text for o in outputs[n:]]
-            return run
-
-        return Call(requests, assemble,
-                    partial=lambda outs: self._runner.partial_run(prompts, requests[:n], outs[:n]),
-                    edit_fns={fid: params.edit} if edits else {})
-
+    @keywords
     def generate(self, prompts: str | Sequence[str], *, max_new_tokens: int = 16,
                  **sampling: Any) -> list[str]:
         """Plain generation with no plan (the hooks stay idle): the texts."""
         plist = self.prompts(prompts)
-        checks.check_generation(max_new_tokens, sampling, self._facts)
-        requests = [self._runner.background(p.ids, max_new_tokens, sampling) for p in plist]
-        return self._runner.run(Call(requests, lambda outs, _: [o.outputs[0].text for o in outs]),
+        checks.check_generation(max_new_tokens, sampling, self.facts)
+        requests = [calls.background(p.ids, max_new_tokens, sampling) for p in plist]
+        return self._runner.run(Call(requests, lambda outs, _, __: [o.outputs[0].text
+                                                                    for o in outs]),
                                 budget=self.read_budget)
 
     # -- steering workflows ---------------------------------------------------
+    @keywords
     def direction(self, positive: Sequence[str], negative: Sequence[str], *, layer: int,
-                  site: str = "resid_post", position: str = "last",
+                  site: str = "resid_post", span: Any = "last",
                   progress: Any = None) -> torch.Tensor:
         """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
         at ``layer``, ``[hidden]`` float32 (at ``z``: ``[heads * head_dim]``,
-        flat, as a Steer there takes it). ``position="last"`` takes each
-        prompt's last token, ``"mean"`` the mean over its tokens (the BOS row,
-        the same for every prompt, left out)."""
-        return directions.difference_of_means(self, self._facts, positive, negative,
-                                              layer=layer, site=site, position=position,
-                                              progress=progress)
+        flat, as a Steer there takes it). Each prompt's rows of ``span`` are
+        averaged first: ``"last"`` its last token, ``"prompt"`` every token
+        but BOS (the same for every prompt), ``"all"``, a role, a slice or
+        positions."""
+        return directions.difference_of_means(self, positive, negative, layer=layer,
+                                              site=site, span=span, progress=progress)
 
-    def compare(self, prompts: str | Sequence[str], *, steer: Any, max_new_tokens: int = 16,
-                progress: Any = None, **sampling: Any) -> Comparison:
-        """Baseline and steered generations of the same prompts in ONE engine
+    @keywords
+    def compare(self, prompts: str | Sequence[str], *, steer: Any = None, ablate: Any = None,
+                clamp: Any = None, max_new_tokens: int = 16, progress: Any = None,
+                **sampling: Any) -> Comparison:
+        """Baseline and edited generations of the same prompts in ONE engine
         batch: both texts, per-token logprobs, KL per position, first
-        divergence. ``steer`` takes the same forms as in ``trace``."""
-        plist, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
-        call = self._steering_call(plist, arms, max_new_tokens, sampling)
-        runs = self._runner.run(call, budget=self.read_budget, progress=progress)
-        return _comparison(*runs, steer)
+        divergence. ``steer``, ``ablate`` and ``clamp`` take the same forms
+        as in ``trace`` (at least one)."""
+        call = steering.compare_call(self.prompts(prompts), self.facts, steer=steer,
+                                     ablate=ablate, clamp=clamp, max_new_tokens=max_new_tokens,
+                                     sampling=sampling, clone=self.clone_reads)
+        return self._runner.run(call, budget=self.read_budget, progress=progress)
 
-    def stream_compare(self, prompts: str | Sequence[str], *, steer: Any,
-                       max_new_tokens: int = 16, progress: Any = None,
-                       **sampling: Any) -> Iterator[Any]:
+    @keywords
+    def stream_compare(self, prompts: str | Sequence[str], *, steer: Any = None,
+                       ablate: Any = None, clamp: Any = None, max_new_tokens: int = 16,
+                       progress: Any = None, **sampling: Any) -> Iterator[Any]:
         """``compare``, token by token: after every engine step a pair of
-        partial Runs ``(baseline, steered)`` (tokens and text so far), and
+        partial Runs ``(baseline, edited)`` (tokens and text so far), and
         last the finished :class:`~vlens.results.Comparison`, exactly as
         ``compare`` returns it. Closing the iterator early aborts the run."""
-        plist, arms = self._compare_arms(prompts, steer, max_new_tokens, sampling)
-        call = self._steering_call(plist, arms, max_new_tokens, sampling)
-        assemble = call.assemble
-        call.assemble = lambda outs, got: _comparison(*assemble(outs, got), steer)
+        call = steering.compare_call(self.prompts(prompts), self.facts, steer=steer,
+                                     ablate=ablate, clamp=clamp, max_new_tokens=max_new_tokens,
+                                     sampling=sampling, clone=self.clone_reads)
         return self._runner.stream(call, budget=self.read_budget, progress=progress)
 
-    def _compare_arms(self, prompts, steer, max_new_tokens, sampling):
-        facts = self._facts
-        plist = self.prompts(prompts)
-        checks.check_generation(max_new_tokens, sampling, facts)
-        steers_each = checks.check_steers(edits_each(steer, plist, Steer),
-                                          [len(p.ids) for p in plist], max_new_tokens, facts)
-        if not any(steers_each):
-            raise VlensError("compare needs a steer= (nothing would differ)")
-        return plist, [("b", [[] for _ in plist]), ("s", steers_each)]
+    @keywords
+    def sweep(self, prompts: str | Sequence[str], *, steer: Steer, scales: Sequence[float],
+              ablate: Any = None, clamp: Any = None, max_new_tokens: int = 16,
+              progress: Any = None, **sampling: Any) -> Sweep:
+        """``steer`` (a Steer, or a Clamp over values) at each of ``scales``
+        on every prompt, all in ONE batch, plus an unedited baseline when 0
+        is not among the scales. ``ablate`` and ``clamp`` hold on every arm,
+        the baseline included."""
+        call = steering.sweep_call(self.prompts(prompts), self.facts, steer=steer,
+                                   scales=scales, ablate=ablate, clamp=clamp,
+                                   max_new_tokens=max_new_tokens, sampling=sampling,
+                                   clone=self.clone_reads)
+        return self._runner.run(call, budget=self.read_budget, progress=progress)
 
-    def sweep(self, prompt: str, *, steer: Steer, scales: Sequence[float],
-              max_new_tokens: int = 16, progress: Any = None, **sampling: Any) -> Sweep:
-        """``steer`` at each of ``scales`` on one prompt, all in ONE batch
-        (plus an unsteered baseline when 0 is not among the scales)."""
-        plist = self.prompts(prompt)
-        if len(plist) != 1:
-            raise VlensError(f"sweep takes one prompt, got a batch of {len(plist)}")
-        if not isinstance(steer, Steer):
-            raise VlensError("sweep takes one vlens.Steer as steer=")
-        if not isinstance(scales, (list, tuple)) or not scales:
-            raise VlensError("scales must be a non-empty list of numbers")
-        bad = [x for x in scales if isinstance(x, bool) or not isinstance(x, (int, float))]
-        if bad:
-            raise VlensError(f"scales must be numbers; {bad[0]!r} is not")
-        scales = [float(x) for x in scales]
-        variants = [steer.with_scale(x) for x in scales]  # validates each
-        facts = self._facts
-        checks.check_generation(max_new_tokens, sampling, facts)
-        variants = [resolve_roles([st], plist[0], 0, max_new_tokens) for st in variants]
-        for st in variants[0]:
-            checks.check_steer(st, facts, len(plist[0].ids), max_new_tokens)
-        plain = getattr(steer, "sae", None) is None  # a Clamp to 0 writes: not the baseline
-        arms = [(str(j), [[] if plain and sts[0].scale == 0 else sts])
-                for j, sts in enumerate(variants)]
-        if not plain or 0.0 not in scales:
-            arms.append(("base", [[]]))
-        call = self._steering_call(plist, arms, max_new_tokens, sampling)
-        prompt = plist[0].label
-        runs = self._runner.run(call, budget=self.read_budget, progress=progress)
-        traces = [run[0] for run in runs]
-        baseline = traces[scales.index(0.0)] if plain and 0.0 in scales else traces[-1]
-        steered = Run(traces[: len(scales)], prompts=[prompt] * len(scales))
-        return Sweep(prompt, scales, steered, baseline,
-                     [generated_kl(baseline, t) for t in steered])
-
-    def _steering_call(self, plist: list[Prompt],
-                       arms: list[tuple[str, list[list[Steer]]]], max_new_tokens: int,
-                       sampling: dict[str, Any]) -> Call:
-        """Every arm (a name and the steers of each prompt) over ``prompts``
-        for ONE batch, each request reading the last layer's logprobs: its
-        assemble makes one Run per arm, its partial one partial Run per arm."""
-        reads = [Read("resid_post", (self.n_layers - 1,), "logprobs")]
-        prompts = [p.label for p in plist]
-        call = self._runner.next_call()
-        requests = [
-            self._runner.request(f"{call}-{arm}{i}", i, p.ids, reads=reads, steers=steers,
-                                 max_new_tokens=max_new_tokens, logprobs=True,
-                                 sampling=sampling, clone=self.clone_reads, source=p)
-            for arm, arm_steers in arms
-            for i, (p, steers) in enumerate(zip(plist, arm_steers))
-        ]
-        n = len(prompts)
-
-        def assemble(outputs: list, collected: dict) -> list[Run]:
-            return [self._runner.build_run(prompts, requests[k:k + n], outputs[k:k + n],
-                                           collected, True)
-                    for k in range(0, len(requests), n)]
-
-        def partial(outputs: list) -> tuple[Run, ...]:
-            return tuple(self._runner.partial_run(prompts, requests[k:k + n], outputs[k:k + n])
-                         for k in range(0, len(requests), n))
-
-        return Call(requests, assemble, partial=partial)
+    @keywords
+    def stream_sweep(self, prompts: str | Sequence[str], *, steer: Steer,
+                     scales: Sequence[float], ablate: Any = None, clamp: Any = None,
+                     max_new_tokens: int = 16, progress: Any = None,
+                     **sampling: Any) -> Iterator[Any]:
+        """``sweep``, token by token: after every engine step a tuple of
+        partial Runs, one per scale (and the baseline last when it is its
+        own arm), and last the finished :class:`~vlens.results.Sweep`."""
+        call = steering.sweep_call(self.prompts(prompts), self.facts, steer=steer,
+                                   scales=scales, ablate=ablate, clamp=clamp,
+                                   max_new_tokens=max_new_tokens, sampling=sampling,
+                                   clone=self.clone_reads)
+        return self._runner.stream(call, budget=self.read_budget, progress=progress)
 
     # -- methods: patching ---------------------------------------------------
+    @keywords
     def patch(self, clean: str, corrupt: str, *, site: str = "resid_post", layers: Any = None,
-              positions: Any = None, answer: Any = None, heads: bool = False,
+              span: Any = None, answer: Any = None, per_head: bool = False,
               progress: Any = None) -> patching.Patching:
         """Activation patching: for every (layer, position) cell, the clean
         run's ``site`` row written into the corrupt run; ``.grid``
         ``[layers, positions]`` of the normalised logit difference (1: the
-        clean answer restored, 0: the corrupt run's). ``answer=(clean,
-        corrupt)`` token texts or ids; None: each run's top next token.
-        ``site="z", heads=True``: one cell per (layer, head) over all
-        ``positions`` (``[layers, heads]``). Two engine calls: one reads
-        the clean and corrupt runs, one runs every cell as its own request
-        (see docs/methods.md); ``progress`` counts the requests of both."""
-        return patching.run_patch(self, clean, corrupt, site, layers, positions, answer, heads,
-                                  progress=progress)
+        clean answer restored, 0: the corrupt run's). ``span``: the clean
+        prompt's positions (None: all; a role, a slice or positions);
+        ``answer=(clean, corrupt)`` token texts or ids (None: each run's top
+        next token). ``site="z", per_head=True``: one cell per (layer, head)
+        over all of ``span`` (``[layers, heads]``). One call in two engine
+        batches (see docs/methods.md); ``progress`` counts both."""
+        call = patching.patch_call(self, clean, corrupt, site, layers, span, answer, per_head,
+                                   progress)
+        return self._runner.run(call, budget=self.read_budget)
 
+    @keywords
     def stream_patch(self, clean: str, corrupt: str, *, site: str = "resid_post",
-                     layers: Any = None, positions: Any = None, answer: Any = None,
-                     heads: bool = False, progress: Any = None
+                     layers: Any = None, span: Any = None, answer: Any = None,
+                     per_head: bool = False, progress: Any = None
                      ) -> Iterator[patching.Patching]:
         """``patch``, filling in: after every engine step a Patching with NaN
         where a cell has not finished; the last item equals ``patch``'s."""
-        return patching.stream_patch(self, clean, corrupt, site, layers, positions, answer,
-                                     heads, progress=progress)
+        call = patching.patch_call(self, clean, corrupt, site, layers, span, answer, per_head,
+                                   progress)
+        return self._runner.stream(call, budget=self.read_budget)
+
+    # -- SAEs, and names on a server ----------------------------------------
+    def sae(self, name: str) -> Any:
+        """An SAE as a :class:`~vlens.SAE`: on a connected session the
+        server's ``name`` (``vlens serve --sae NAME=PATH``); locally a path
+        or ``"toyworld-sae"``. Read its features (``saes=``), steer
+        (``sae.steer(i)``) and clamp (``vlens.Clamp``) with it."""
+        if self._runner.remote:
+            return self.engine.sae(name)
+        return server_names.local_sae(name, self.model)
+
+    def register_vector(self, name: str, vector: Any) -> int:
+        """Keep ``vector`` ``[width]`` on the server as ``name``, for calls
+        made with this session's token only (OpenAI-style bodies name it).
+        Registering a name again replaces its vector. Returns how many you
+        hold. (Connected sessions only.)"""
+        return server_names.server(self.engine, "s.register_vector").register_vector(
+            name, vector)
+
+    def register_preset(self, name: str, body: dict[str, Any]) -> str:
+        """Keep ``body``, a ``vlens`` object (``{"steer": [...]}``), as preset
+        ``name`` for this session's token, and return the base URL that
+        applies it to every OpenAI call (docs/openai.md). (Connected
+        sessions only.)"""
+        engine = server_names.server(self.engine, "s.register_preset")
+        engine.register_preset(name, body)
+        return f"{engine.url}/presets/{name}/v1"
 
     # -- state and lifecycle --------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -443,7 +391,3 @@ class Session(ServerNamed):
         state = "closed" if self.closed else f"{self.n_layers} layers, {self.info['impl']}"
         return f"Session({self.model!r}, {state})"
 
-
-def _comparison(base: Run, steered: Run, edits: Any) -> Comparison:
-    kl, label = [generated_kl(b, s) for b, s in zip(base, steered)], run_label(edits)
-    return Comparison(base, steered, kl, label=label)

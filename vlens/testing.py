@@ -12,6 +12,10 @@ produced, so code tried on them meets what a real run hands it::
     t = make_trace([0, 5, 6], [7, 8], reads={"resid_post": torch.randn(4, 3, 16)})
     run = make_run([t])
     run[0].activations("resid_post")     # [4 layers, 3 tokens, 16]
+    run[0]["resid_post", 2]              # layer 2: [3 tokens, 16]
+
+:func:`hf_steering_hook` is the one Hugging Face steering hook the tests'
+reference, the benchmarks and the training scripts share.
 
 Nothing here imports vLLM.
 """
@@ -25,7 +29,7 @@ import torch
 
 from vlens.results import Comparison, Run, Sweep, Trace, generated_kl
 
-__all__ = ["make_comparison", "make_run", "make_sweep", "make_trace"]
+__all__ = ["hf_steering_hook", "make_comparison", "make_run", "make_sweep", "make_trace"]
 
 #: a full or reduced read ``[layers, tokens, ...]``, or the logit lens's
 #: ``(ids, probs)``, each ``[layers, tokens, k]``
@@ -57,8 +61,9 @@ def make_trace(
     first two dimensions are ``[n_layers_read, n_tokens]`` (``n_tokens`` is
     the prompt plus every generated token but the last): ``"resid_post"``
     ``[L, T, hidden]``, ``"resid_post:norm"`` ``[L, T]``,
-    ``"resid_post:logprobs"`` ``[L, T, vocab]`` (log-probabilities), and
-    ``"resid_post:logit_lens"`` an ``(ids, probs)`` pair of ``[L, T, k]``.
+    ``"resid_post:vocab_logprobs"`` ``[L, T, vocab]`` (log-probabilities), and
+    ``"resid_post:logit_lens"`` an ``(ids, probs)`` pair of ``[L, T, k]``,
+    ``"attn_pattern"`` ``[L, heads, T, T]``.
     ``layers`` names the layers read: one list for every read, a mapping per
     key, or ``None`` for ``0 … L-1``. ``token_strings`` turns ids into the
     token texts (a Session's ``s.token_strings`` gives the real ones).
@@ -80,8 +85,12 @@ def make_trace(
     read_layers: dict[str, list[int]] = {}
     for key, value in (reads or {}).items():
         parts = dict(zip(("ids", "probs"), value)) if isinstance(value, tuple) else {"value": value}
+        pattern = key == "attn_pattern"  # [layers, heads, T, T]
         for part, tensor in parts.items():
-            if tensor.dim() < 2 or tensor.shape[1] != n:
+            if pattern and (tensor.dim() != 4 or tensor.shape[2:] != (n, n)):
+                raise ValueError(f"read 'attn_pattern' has shape {list(tensor.shape)}; "
+                                 f"expected [n_layers_read, heads, {n}, {n}]")
+            if not pattern and (tensor.dim() < 2 or tensor.shape[1] != n):
                 raise ValueError(
                     f"read {key!r} ({part}) has shape {list(tensor.shape)}; expected "
                     f"[n_layers_read, {n} tokens, ...]"
@@ -109,7 +118,7 @@ def make_trace(
         positions=list(range(n)),
         logprobs=logprobs,
         finish_reason="length",
-        layers=read_layers,
+        _layers=read_layers,
         _reads=stored,
         copied_bytes=copied_bytes,
         steered_rows=steered_rows,
@@ -127,7 +136,7 @@ def make_run(traces: Sequence[Trace], *, prompts: Sequence[str] | None = None) -
 
 def make_comparison(baseline: Run, steered: Run) -> Comparison:
     """A Comparison of two runs of the same prompts. Each trace must hold the
-    ``"resid_post:logprobs"`` read at the last layer, as a Session's does: the
+    ``"resid_post:vocab_logprobs"`` read at the last layer, as a Session's does: the
     KL per generated position is computed from it."""
     if len(baseline) != len(steered):
         raise ValueError(f"{len(baseline)} baseline traces but {len(steered)} steered ones")
@@ -135,17 +144,64 @@ def make_comparison(baseline: Run, steered: Run) -> Comparison:
 
 
 def make_sweep(
-    prompt: str, scales: Sequence[float], traces: Sequence[Trace], *, baseline: Trace | None = None
+    prompts: str | Sequence[str],
+    scales: Sequence[float],
+    traces: Sequence[Trace] | Sequence[Sequence[Trace]],
+    *,
+    baseline: Trace | Sequence[Trace] | None = None,
+    label: str = "",
 ) -> Sweep:
-    """A Sweep of one prompt: ``traces[i]`` ran at ``scales[i]``. ``baseline``
-    (the unsteered trace) defaults to the trace at scale 0. Traces hold the
-    ``"resid_post:logprobs"`` read, as in :func:`make_comparison`."""
+    """A Sweep of ``prompts`` (one prompt: a string) at ``scales``:
+    ``traces[j]`` ran at ``scales[j]`` -- a list with one trace per prompt
+    (a single trace when there is one prompt). ``baseline`` (the unsteered
+    traces, one per prompt) defaults to the traces at scale 0. Traces hold
+    the ``"resid_post:vocab_logprobs"`` read, as in :func:`make_comparison`."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     scales = [float(x) for x in scales]
     if len(scales) != len(traces):
         raise ValueError(f"{len(scales)} scales but {len(traces)} traces")
+    per_scale = [[t] if isinstance(t, Trace) else list(t) for t in traces]
+    if any(len(ts) != len(prompts) for ts in per_scale):
+        raise ValueError(f"each scale needs one trace per prompt ({len(prompts)})")
     if baseline is None:
         if 0.0 not in scales:
-            raise ValueError("no scale is 0: pass baseline= (the unsteered trace)")
-        baseline = traces[scales.index(0.0)]
-    runs = Run(list(traces), prompts=[prompt] * len(traces))
-    return Sweep(prompt, scales, runs, baseline, [generated_kl(baseline, t) for t in traces])
+            raise ValueError("no scale is 0: pass baseline= (the unsteered traces)")
+        base = per_scale[scales.index(0.0)]
+    else:
+        base = [baseline] if isinstance(baseline, Trace) else list(baseline)
+    runs = [Run(ts, prompts=list(prompts)) for ts in per_scale]
+    return Sweep(prompts, scales, runs, Run(base, prompts=list(prompts)), label=label)
+
+
+def hf_steering_hook(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *,
+                     pre: bool = False) -> torch.utils.hooks.RemovableHandle:
+    """Steer a Hugging Face module: a forward hook that replaces the module's
+    output (``pre=True``: its input) ``x`` by ``fn(x)``, in place.
+
+    The output's first element when it is a tuple (decoder layers of older
+    transformers), the ``hidden_states`` argument when the input is passed
+    by keyword. ``fn`` gets a copy and returns the new rows; for a decoder
+    layer this is vlens's ``resid_post`` (``pre=True``: ``resid_pre``), so
+    ``hf_steering_hook(model.model.layers[L], lambda x: x + scale * v)`` is
+    what ``vlens.Steer(v, layer=L, scale=scale)`` does. Returns the handle
+    (``.remove()`` takes the hook off)::
+
+        handle = hf_steering_hook(model.model.layers[3], lambda x: x + 4.0 * v)
+        try:
+            model.generate(...)
+        finally:
+            handle.remove()
+    """
+    def _change(x: torch.Tensor) -> None:
+        x.copy_(fn(x.clone()))
+
+    if pre:
+        def hook(mod, args, kwargs):  # noqa: ANN001, ANN202
+            _change(args[0] if args else kwargs["hidden_states"])
+
+        return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def post(mod, args, kwargs, out):  # noqa: ANN001, ANN202
+        _change(out[0] if isinstance(out, (tuple, list)) else out)
+
+    return module.register_forward_hook(post, with_kwargs=True)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vlens.tiny import make_tiny_model
+
 __all__ = ["CHAT_TEMPLATES", "TOKENIZER_KINDS", "make_chat_model", "make_chat_tokenizer"]
 
 TOKENIZER_KINDS = ("byte_level", "metaspace")
@@ -116,8 +118,6 @@ def make_chat_model(path: str | Path, kind: str = "byte_level", template: str = 
     """A random-weight model of ``arch`` (see :func:`vlens.tiny.make_tiny_model`)
     whose tokenizer is :func:`make_chat_tokenizer` ``(kind, template)``.
     Idempotent like ``make_tiny_model``."""
-    from vlens.tiny import make_tiny_model
-
     path = Path(path)
     done = (path / "tokenizer.json").exists() and (path / "vlens_chat.json").exists()
     tok = None if done else make_chat_tokenizer(kind, template)

@@ -25,8 +25,17 @@ from vlens.checks.facts import (
     is_int,
     write_bound,
 )
-from vlens.checks.plans import LENS_K_MAX, LENS_SITES, PLAN_MAX, REDUCES, check_plan, check_read
-from vlens.edits import Steer, per_prompt
+from vlens.checks import rules
+from vlens.checks.plans import (
+    LENS_K_MAX,
+    LENS_SITES,
+    PLAN_MAX,
+    REDUCES,
+    check_plan,
+    check_plan_size,
+    check_read,
+)
+from vlens.edits import Steer
 from vlens.errors import VlensError
 from vlens.protocol.plan import Read
 
@@ -38,12 +47,13 @@ __all__ = [
     "check_heads",
     "check_layers",
     "check_plan",
+    "check_plan_size",
+    "check_steer_fits",
     "check_read",
     "check_write_size",
     "check_reads",
     "check_sites",
     "check_steer",
-    "check_steers",
     "write_bound",
     "check_set_values",
     "check_span_fits",
@@ -116,14 +126,14 @@ def check_heads(heads: Any, sites: list[str], facts: ModelFacts) -> tuple[int, .
     if heads is None:
         return ()
     if "attn_pattern" not in sites:
-        raise VlensError("heads= selects heads of the attn_pattern read: add 'attn_pattern' "
-                         "to sites=, or leave heads out")
+        raise VlensError("query_heads= selects heads of the attn_pattern read: add "
+                         "'attn_pattern' to sites=, or leave query_heads out")
     if is_int(heads):
         heads = [heads]
     if isinstance(heads, range):
         heads = list(heads)
     if not isinstance(heads, (list, tuple)) or not heads or not all(is_int(h) for h in heads):
-        raise VlensError(f"heads must be None (all), an int or a non-empty list of ints, "
+        raise VlensError(f"query_heads must be None (all), an int or a non-empty list of ints, "
                          f"got {heads!r}")
     bad = [h for h in heads if not 0 <= h < facts.n_heads]
     if bad:
@@ -157,38 +167,22 @@ def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
 
 
 def check_steer(st: Any, facts: ModelFacts, prompt_len: int, max_new_tokens: int) -> Steer:
-    """A Steer that fits this model and can land on the request
-    (``prompt_len`` prompt tokens, ``max_new_tokens`` generated)."""
-    if not isinstance(st, Steer):
-        raise VlensError(f"steer entries must be vlens.Steer objects, got {type(st).__name__}")
-    check_write_site("Steer", st.site, st.layer, facts)
-    width = facts.width(st.site)
-    if st.vector.shape[0] != width:
-        if st.site == "z":
-            raise VlensError(
-                f"a Steer at z needs a vector of heads * head_dim = {facts.n_heads} * "
-                f"{facts.head_dim} = {width} elements (one slice per head), got "
-                f"{st.vector.shape[0]}"
-            )
-        raise VlensError(
-            f"Steer vector has {st.vector.shape[0]} elements but this model's hidden size "
-            f"is {facts.hidden_size}: compute it on this model (s.direction)"
-        )
+    """A Steer that fits this model (:func:`vlens.checks.rules.steer`) and
+    can land on the request (``prompt_len`` prompt tokens,
+    ``max_new_tokens`` generated)."""
+    check_steer_fits(st, facts)
     check_span_fits("Steer", st.span, prompt_len, max_new_tokens)
-    check_write_size(f"Steer (layer {st.layer}, {st.site})", float(st.vector.abs().max()),
-                     float(st.scale), st.relative, facts)
     return st
 
 
-def check_steers(steer: Any, prompt_lens: Sequence[int], max_new_tokens: int,
-                 facts: ModelFacts) -> list[list[Steer]]:
-    """``steer=`` as the checked Steers of each prompt (see
-    :func:`vlens.edits.per_prompt`); ``prompt_lens``: each prompt's length."""
-    steers_each = per_prompt(steer, len(prompt_lens), Steer)
-    for n, steers in zip(prompt_lens, steers_each):
-        for st in steers:
-            check_steer(st, facts, n, max_new_tokens)
-    return steers_each
+def check_steer_fits(st: Any, facts: ModelFacts) -> None:
+    """One Steer (a Clamp among them) against the model, by the one rule."""
+    if not isinstance(st, Steer):
+        raise VlensError(f"steer entries must be vlens.Steer objects, got {type(st).__name__}")
+    feature = st.feature if getattr(st, "sae", None) is not None else None
+    rules.steer(f"Steer (layer {st.layer}, {st.site})", st.site, st.layer,
+                int(st.vector.shape[0]), float(st.vector.abs().max()), st.scale, st.relative,
+                facts, feature=feature)
 
 
 REMOTE_EDIT = (
@@ -240,7 +234,7 @@ def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
     """Refuse a call whose reads would exceed ``budget`` bytes, with the
     estimate and how to shrink it. ``requests``: per request
     ``(prompt length, reads, max_new_tokens, n samples)``."""
-    width = {"norm": 1, "logprobs": facts.vocab_size}
+    width = {"norm": 1, "vocab_logprobs": facts.vocab_size}
     total = 0
     biggest = ""
     for prompt_len, reads, max_new_tokens, n in requests:
@@ -266,7 +260,7 @@ def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
             f"this call would read about {total / 2**30:.2f} GiB of activations, over the "
             f"session's read budget of {budget / 2**30:.2f} GiB. Reduce it: reduce='norm' "
             "(the worker ships one number per token), fewer layers=, fewer sites=, fewer "
-            "or shorter prompts, smaller max_new_tokens=, heads= for attn_pattern (it "
+            "or shorter prompts, smaller max_new_tokens=, query_heads= for attn_pattern (it "
             "grows with the square of the tokens); or raise s.read_budget (bytes)"
             + (f" (most of it is the full {biggest} reads)" if biggest else "")
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlens.errors import VlensError
+from vlens.protocol.site_names import HEAD_WRITABLE, WRITABLE
 
 #: the largest finite value of each dtype a model may run in
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
@@ -69,8 +70,6 @@ class ModelFacts:
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> ModelFacts:
         """From ``Engine.info``."""
-        from vlens.protocol.sites import HEAD_WRITABLE, WRITABLE
-
         sites = tuple(info["sites"])
         return cls(
             n_layers=int(info["n_layers"]),

@@ -8,13 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vlens.checks.facts import (
-    ModelFacts,
-    check_set_values,
-    check_write_site,
-    check_write_size,
-    is_int,
-)
+from vlens.checks import rules
+from vlens.checks.facts import ModelFacts, check_set_values, check_write_site, is_int
 from vlens.errors import VlensError
 from vlens.protocol.plan import Plan, Read
 
@@ -30,7 +25,7 @@ DIRECTION_MIN = 1e-3
 
 #: the reductions a read may ask for, and where: the logit lens and the full
 #: log-probabilities unembed the residual stream after the last norm
-REDUCES = ("full", "norm", "logit_lens", "logprobs")
+REDUCES = ("full", "norm", "logit_lens", "vocab_logprobs")
 
 #: the reductions of a feature read (an SAE's encoder, named by ``read.sae``):
 #: every feature (``k``: the SAE's width) or each row's ``k`` largest
@@ -52,12 +47,15 @@ def check_read(read: Read, facts: ModelFacts) -> None:
     and heads exist, ``k`` suits the reduction."""
     if read.site not in facts.sites:
         raise facts.no_such_site(read.site, "read site")
+    if read.reduce == "logprobs":
+        raise VlensError("read reduce 'logprobs' is now 'vocab_logprobs' (the log-probabilities "
+                         "over the vocabulary; a trace's logprobs=True are the tokens' own)")
     if read.reduce not in REDUCES + FEATURE_REDUCES:
         raise VlensError(f"read reduce {read.reduce!r:.40} is not one of "
                          f"{list(REDUCES + FEATURE_REDUCES)}")
     if read.site in ("attn_pattern", "positions") and read.reduce != "full":
         raise VlensError(f"{read.site} is read in full only, not with reduce={read.reduce!r}")
-    if read.reduce in ("logit_lens", "logprobs") and read.site not in LENS_SITES:
+    if read.reduce in ("logit_lens", "vocab_logprobs") and read.site not in LENS_SITES:
         raise VlensError(f"the {read.reduce} reduction reads {', '.join(LENS_SITES)} only, "
                          f"not {read.site!r}")
     layers = read.layers
@@ -109,28 +107,39 @@ def _write_at(kind: str, label: str, entry: Any, facts: ModelFacts, total: int) 
     return what
 
 
-def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, float]],
-               max_tokens: int) -> None:
-    """Every read and write of one request's plan, before it is shipped:
-    the same checks on a Session's own plans and, in the server's guard, on
-    a plan a client made by hand. ``vectors``: the vectors the call sends,
-    ``{id: (width, largest |value|)}``; ``max_tokens``: the request's."""
+def check_plan_size(plan: Plan) -> None:
+    """At most ``PLAN_MAX`` reads, adds and sets in one request's plan."""
     for part, limit in PLAN_MAX.items():
         n = len(getattr(plan, part))
         if n > limit:
             raise VlensError(f"a plan holds at most {limit} {part}, this one {n}: split the "
                              "call, or read fewer sites")
+
+
+def check_plan(plan: Plan, facts: ModelFacts, vectors: Mapping[str, tuple[int, float]],
+               max_tokens: int, seen: set | None = None) -> None:
+    """Every read and write of one request's plan, before it is shipped:
+    the same checks on a Session's own plans and, in the server's guard, on
+    a plan a client made by hand. ``vectors``: the vectors the call sends,
+    ``{id: (width, largest |value|)}``; ``max_tokens``: the request's;
+    ``seen``: the steering writes already checked in this call (the plans
+    of one call share it: each distinct write meets the Steer rule once)."""
+    check_plan_size(plan)
     total = plan.prompt_len + max_tokens - 1
     for read in plan.reads:
         check_read(read, facts)
+    seen = set() if seen is None else seen
     for a in plan.adds:
-        what = _write_at("Steer", "steering add", a, facts, total)
-        width, peak = _vector_of(what, a.vec, a.site, vectors, facts)
-        if isinstance(a.scale, bool) or not isinstance(a.scale, (int, float)):
-            raise VlensError(f"{what}: the scale must be a number")
-        check_write_size(what, peak, float(a.scale), bool(a.relative), facts)
-        if a.sae and (a.relative or not is_int(a.feature) or a.feature < 0):
-            raise VlensError(f"{what}: a clamp names a feature (an int >= 0) and is not relative")
+        what = f"steering add (layer {a.layer!r:.10}, {a.site!r:.40})"
+        key = (a.site, a.layer, a.vec, a.scale, a.relative, a.sae, a.feature)
+        if key not in seen:
+            got = vectors.get(a.vec)
+            if got is None:
+                raise VlensError(f"{what}: vector {a.vec!r:.60} was not sent with this call")
+            rules.steer(what, a.site, a.layer, got[0], got[1], a.scale, bool(a.relative), facts,
+                        feature=a.feature if a.sae else None)
+            seen.add(key)
+        _span_ok(what, a.start, a.stop, total)
     for w in plan.sets:
         what = _write_at("Ablate", "ablation/patching set", w, facts, total)
         width = facts.width(w.site)

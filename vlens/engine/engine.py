@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from pathlib import Path
@@ -64,7 +64,17 @@ class Engine:
     it; by default (``VLENS_VERBOSE`` unset) the engine starts and runs
     quietly, errors only (``quiet.py``). Never passed on to vLLM.
     ``started_in``: seconds the start took, vLLM's import included.
+
+    Implements :class:`vlens.backend.EngineAPI`, the interface the runner uses.
     """
+
+    remote = False  # vLLM in this process's reach, not a ``vlens serve`` server
+    info: dict[str, Any]
+    tokenizer: Any
+    lock: Any
+    model: str
+    compiled: bool
+    generate_calls: int
 
     def __init__(self, model: str | Path, *, verbose: bool | None = None,
                  **llm_kwargs: Any) -> None:
@@ -224,12 +234,22 @@ class Engine:
 
     def hold_saes(self, payloads: Mapping[str, dict[str, Any]]) -> None:
         """Make sure the workers hold these SAEs' encoders (``{id: payload}``,
-        ``methods/sae.py``), shipping only the missing ones; they stay."""
+        ``methods/sae.py``), shipping only the missing ones; they stay until
+        :meth:`release_saes`."""
         with self.lock:
             new = {sid: p for sid, p in payloads.items() if sid not in self._saes}
             if new:
                 self.rpc("vlens_put_saes", new)
                 self._saes.update(new)
+
+    def release_saes(self, ids: Iterable[str]) -> None:
+        """Drop the SAEs ``ids`` from the workers (those not held: nothing to
+        do); a later :meth:`hold_saes` ships them again."""
+        with self.lock:
+            gone = [sid for sid in dict.fromkeys(ids) if sid in self._saes]
+            if gone and not self._closed:
+                self.rpc("vlens_drop_saes", gone)
+            self._saes.difference_update(gone)
 
     def _evict_vectors(self) -> None:
         excess = len(self._vectors) - self.vector_cache

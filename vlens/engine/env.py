@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import os
 
+from vlens.errors import VlensError
+
 __all__ = ["CPU_DEFAULTS", "COMMON_DEFAULTS", "apply_env_defaults", "has_gpu", "serve_threads"]
 
 COMMON_DEFAULTS = {
@@ -75,8 +77,6 @@ def apply_env_defaults(engine_kwargs: dict | None = None) -> dict[str, str]:
     string (which vLLM cannot parse) counts as unset. Raises
     :class:`~vlens.VlensError` when the user set both a variable and the
     engine argument it would override."""
-    from vlens.errors import VlensError
-
     engine_kwargs = engine_kwargs or {}
     defaults = dict(COMMON_DEFAULTS)
     if not has_gpu():

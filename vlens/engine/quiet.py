@@ -51,6 +51,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+from vlens.errors import VlensWarning
+
 __all__ = ["QUIET_LEVEL", "quiet_calls", "quiet_engine_args", "quiet_start", "start_line",
            "summary_line", "verbose_default"]
 
@@ -154,8 +156,6 @@ def quiet_start(*, single_process: bool) -> Iterator[None]:
     recorded (vlens's own shown after). ``single_process`` (the start makes
     no other process): fd 2 captured (shown after all if the start fails or
     it holds an error); else the quiet variables for the processes it makes."""
-    from vlens.errors import VlensWarning
-
     previous = logging.root.manager.disable
     stderr = _StderrCapture(single_process)
     failed = False

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from vlens.errors import VlensError
+from vlens.models import toyworld_path
+from vlens.protocol.architectures import check_model_config
 
 __all__ = ["EXTENSION", "Checkpoint", "engine_info", "resolve_model"]
 
@@ -30,8 +32,6 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     """The model folder, absolute (None: the bundled toy-world model).
     vlens loads local models only: anything else is refused."""
     if model is None:
-        from vlens.models import toyworld_path
-
         return str(toyworld_path())
     path = Path(model).expanduser()
     if path.exists():
@@ -69,8 +69,6 @@ class Checkpoint:
         config = saved_config(model)
         arch = None
         if config is not None:
-            from vlens.protocol.architectures import check_model_config
-
             arch = check_model_config(config, model_impl)
         return cls(model, config, arch)
 

@@ -16,23 +16,26 @@ it names (``layer="all"``: every layer), all naming the one unit vector
 ``kind="mean"`` with ``mean=None`` replaces the rows with the site's mean
 over every prompt token of the call's own prompts (all prompts pooled, BOS
 included), read from the unedited model in one extra engine call first.
-Nothing here touches the engine; :func:`fill_means` asks the Session.
+Nothing here touches the engine: :func:`means_first` makes that pass the
+first stage of the call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from vlens import calls
+from vlens.calls import Call
 from vlens.checks import check_set_values, check_span_fits, check_write_site
 from vlens.edits import Ablate, vector_id
 from vlens.errors import VlensError
-from vlens.protocol.plan import Set
+from vlens.protocol.plan import Read, Set
 
-__all__ = ["check_ablates", "fill_means", "per_layer", "plan_parts", "to_sets"]
+__all__ = ["check_ablates", "means_first", "per_layer", "plan_parts", "to_sets"]
 
 
 def per_layer(ab: Ablate, facts: Any) -> list[Ablate]:
@@ -53,16 +56,16 @@ def per_layer(ab: Ablate, facts: Any) -> list[Ablate]:
 def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -> None:
     """An Ablate that fits this model and can land on the request."""
     check_write_site("Ablate", ab.site, ab.layer, facts)
-    if ab.heads is not None:
+    if ab.query_heads is not None:
         if ab.site != "z":
             raise VlensError(
-                f"Ablate heads= is for site 'z' (each head's output before o_proj); site "
-                f"{ab.site!r} mixes the heads: use site='z', or drop heads= to ablate the row"
+                f"Ablate query_heads= is for site 'z' (each head's output before o_proj); site "
+                f"{ab.site!r} mixes the heads: use site='z', or drop query_heads= to ablate the row"
             )
         n_heads = facts.n_heads
-        if max(ab.heads) >= n_heads:
+        if max(ab.query_heads) >= n_heads:
             raise VlensError(
-                f"Ablate heads {list(ab.heads)}: this model has {n_heads} heads, numbered "
+                f"Ablate heads {list(ab.query_heads)}: this model has {n_heads} heads, numbered "
                 f"0 to {n_heads - 1}"
             )
     width = facts.width(ab.site)  # z: heads * head_dim; the others: hidden
@@ -93,39 +96,48 @@ def check_ablates(per_prompt: list[list[Ablate]], facts: Any, prompt_lens: Seque
         out.append(ablates)
         for ab in ablates:
             check_ablate(ab, facts, n, max_new_tokens)
-            heads = set(ab.heads) if ab.heads is not None else {"all"}
+            heads = set(ab.query_heads) if ab.query_heads is not None else {"all"}
             taken = seen.setdefault((ab.site, ab.layer), set())
             if taken & heads or (taken and "all" in heads | taken):
                 raise VlensError(
                     f"prompt {i}: two Ablates write site {ab.site!r} at layer {ab.layer} over "
                     "the same dims; give each (site, layer) once (list several heads in one "
-                    "Ablate's heads=)"
+                    "Ablate's query_heads=)"
                 )
             taken |= heads
     return out
 
 
-def fill_means(session: Any, prompts: list[str], per_prompt: list[list[Ablate]]
-               ) -> list[list[Ablate]]:
-    """Ablates with ``kind="mean"`` and no mean get the site's mean over
-    every prompt token of ``prompts`` (one read pass of the unedited model
-    over all of them, reading each such (site, layer) once)."""
+def means_first(plist: Sequence[Any], per_prompt: list[list[Ablate]],
+                build: Callable[[list[list[Ablate]]], Call]) -> Call:
+    """The call that runs ``build(ablates)``; when Ablates with
+    ``kind="mean"`` bring no mean, a stage before it reads each such (site,
+    layer)'s mean over every prompt token of ``plist`` (the unedited model,
+    all prompts pooled, BOS included) and fills them in."""
     wanted = sorted({(ab.site, ab.layer) for abs_ in per_prompt for ab in abs_
                      if ab.kind == "mean" and ab.mean is None})
     if not wanted:
-        return per_prompt
+        return build(per_prompt)
     sites = sorted({s for s, _ in wanted})
-    layers = sorted({layer for _, layer in wanted})
-    run = session.trace(prompts, layers=layers, sites=sites, max_new_tokens=1, logprobs=False)
-    means = {}
-    for site, layer in wanted:
-        k = layers.index(layer)
-        rows = [t.activations(site)[k] for t in run]  # each [T, ...]
-        flat = torch.cat([r.reshape(r.shape[0], -1) for r in rows])  # [all tokens, width]
-        means[(site, layer)] = flat.mean(0)
-    return [[ab.with_mean(means[(ab.site, ab.layer)])
-             if ab.kind == "mean" and ab.mean is None else ab for ab in abs_]
-            for abs_ in per_prompt]
+    layers = tuple(sorted({layer for _, layer in wanted}))
+    tag = calls.new_tag()
+    requests = [calls.request(f"{tag}-mean{i}", i, p.ids, reads=[Read(s, layers, "full")
+                                                                 for s in sites],
+                              max_new_tokens=1, logprobs=False, clone=False, source=p)
+                for i, p in enumerate(plist)]
+
+    def assemble(outputs: list, collected: dict, runs: Any) -> Call:
+        run = runs.build_run([p.label for p in plist], requests, outputs, collected, False)
+        means = {}
+        for site, layer in wanted:
+            rows = [t.activations(site, layer=layer) for t in run]  # each [T, ...]
+            flat = torch.cat([r.reshape(r.shape[0], -1) for r in rows])  # [all tokens, width]
+            means[(site, layer)] = flat.mean(0)
+        return build([[ab.with_mean(means[(ab.site, ab.layer)])
+                       if ab.kind == "mean" and ab.mean is None else ab for ab in abs_]
+                      for abs_ in per_prompt])
+
+    return Call(requests, assemble, progress=False)
 
 
 def to_sets(ablates: Sequence[Ablate], prompt_len: int, head_dim: int
@@ -147,7 +159,7 @@ def to_sets(ablates: Sequence[Ablate], prompt_len: int, head_dim: int
             vid = vector_id(ab.mean)
             vectors[vid] = ab.mean
         start, stop = ab.positions(prompt_len)
-        for lo, hi in _dim_ranges(ab.heads, head_dim):
+        for lo, hi in _dim_ranges(ab.query_heads, head_dim):
             sets.append(Set(ab.site, ab.layer, vid, lo, hi, start, stop))
     return sets, vectors
 
@@ -167,7 +179,7 @@ def _dim_ranges(heads: Sequence[int] | None, hd: int) -> list[tuple[int, int]]:
 
 
 def plan_parts(ablates: Sequence[Ablate], prompt_len: int, head_dim: int) -> dict[str, Any]:
-    """``Runner.request`` keywords for a prompt's Ablates."""
+    """``calls.request`` keywords for a prompt's Ablates."""
     if not ablates:
         return {}
     sets, vectors = to_sets(ablates, prompt_len, head_dim)

@@ -30,13 +30,13 @@ outside that set that a cell would rank high is not listed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vlens import checks
+from vlens import calls, checks
 from vlens._progress import Stages
 from vlens.calls import Call
 from vlens.errors import EngineError, VlensError
@@ -54,26 +54,26 @@ TOP_K = 10
 
 @dataclass(frozen=True)
 class _Span:
-    """A role span of patching ``positions`` (as vlens.prompts resolves it)."""
+    """A role span of a patch's ``span=`` (as vlens.prompts resolves it)."""
 
     span: Any
-    what = "patch positions="
+    what = "patch span="
 
 def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
-                positions: Any, heads: Any) -> tuple[list[list[int]], list[int], list[int]]:
-    facts = session._facts
+                span: Any, per_head: Any) -> tuple[list[list[int]], list[int], list[int]]:
+    facts = session.facts
     if not isinstance(site, str) or site not in facts.sites:
         raise facts.no_such_site(site, "patch site")
     if site not in facts.writable:
         raise VlensError(
             f"patch site {site!r} cannot be written: use one of {', '.join(facts.writable)}"
         )
-    if not isinstance(heads, bool):
-        raise VlensError(f"heads must be True or False, got {heads!r}")
-    if heads and site != "z":
+    if not isinstance(per_head, bool):
+        raise VlensError(f"per_head must be True or False, got {per_head!r}")
+    if per_head and site != "z":
         raise VlensError(
-            f"heads=True patches each head's output, which only site 'z' holds separately; "
-            f"use site='z' with heads=True, or heads=False for site {site!r}"
+            f"per_head=True patches each head's output, which only site 'z' holds "
+            f"separately; use site='z' with per_head=True, or per_head=False for site {site!r}"
         )
     pair = [session.prompts(p) for p in (clean, corrupt)]
     if any(len(p) != 1 for p in pair):
@@ -87,28 +87,38 @@ def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
             "change the corrupt prompt word for word (s.tokenize shows the tokens)"
         )
     layers = checks.check_layers(layers, facts)
-    n = len(ids[0])
-    if positions is None:
-        positions = list(range(n))
-    if isinstance(positions, str) and positions in ROLE_SPANS:  # the clean prompt's role
-        ranges = resolve_roles([_Span(positions)], pair[0][0], 0, max_new_tokens=0)
-        positions = [k for r in ranges for k in range(*r.span)]
-    if isinstance(positions, int) and not isinstance(positions, bool):
-        positions = [positions]
-    if isinstance(positions, range):
-        positions = list(positions)
-    if (not isinstance(positions, (list, tuple)) or not positions
-            or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions)):
-        raise VlensError(f"positions must be None (all), an int or a list of ints, got {positions!r}")
-    bad = [p for p in positions if not -n <= p < n]
+    return ids, layers, _positions(span, pair[0][0], len(ids[0]))
+
+
+def _positions(span: Any, clean: Any, n: int) -> list[int]:
+    """``span=`` of a patch as the clean prompt's positions: None, "all" or
+    "prompt" (every one), a role, a slice, a position or a list of them."""
+    if span is None or span in ("all", "prompt"):
+        return list(range(n))
+    if span == "generated":
+        raise VlensError("patch span='generated' names no prompt token: patching writes the "
+                         "prompt's rows (span=None, 'prompt', a role, a slice or positions)")
+    if isinstance(span, str) and span in ROLE_SPANS:  # the clean prompt's role
+        ranges = resolve_roles([_Span(span)], clean, 0, max_new_tokens=0)
+        span = [k for r in ranges for k in range(*r.span)]
+    if isinstance(span, slice):
+        span = list(range(n))[span]
+    if isinstance(span, int) and not isinstance(span, bool):
+        span = [span]
+    if isinstance(span, range):
+        span = list(span)
+    if (not isinstance(span, (list, tuple)) or not span
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in span)):
+        raise VlensError(f"patch span must be None (all), 'prompt', a role, a slice, a position "
+                         f"or a list of positions, got {span!r:.60}")
+    bad = [p for p in span if not -n <= p < n]
     if bad:
         raise VlensError(f"position {bad[0]} is outside the prompt: it has {n} tokens, 0 to {n - 1}")
-    positions = list(dict.fromkeys(p % n for p in positions))
-    return ids, layers, positions
+    return list(dict.fromkeys(p % n for p in span))
 
 
 def _answer_id(session: Any, x: Any, which: str) -> int:
-    vocab = session._facts.vocab_size
+    vocab = session.facts.vocab_size
     if isinstance(x, int) and not isinstance(x, bool):
         if not 0 <= x < vocab:
             raise VlensError(f"{which} answer id {x} is outside the vocabulary (0 to {vocab - 1})")
@@ -136,49 +146,46 @@ def _check_records(requests: Sequence[Any], collected: dict[str, list[dict]]) ->
                 raise EngineError(f"patching request {req.plan.tag}: " + "; ".join(rec["errors"]))
 
 
-def _read_pass(session: Any, ids: list[list[int]], site: str, layers: list[int],
-               progress: Any = None):
-    """Clean and corrupt in one batch: their activations ``[layers, T,
-    width]`` and their first next-token top-``TOP_K`` log-probabilities."""
-    runner = session._runner
-    call = runner.next_call()
+def _read_stage(ids: list[list[int]], site: str, layers: list[int], then: Any,
+                progress: Any) -> Call:
+    """Clean and corrupt in one batch: ``then(activations, tops)`` with
+    their activations ``[layers, T, width]`` and their first next-token
+    top-``TOP_K`` log-probabilities gives the next stage."""
+    tag = calls.new_tag()
     reads = [Read(site, tuple(layers), "full")]
-    requests = [runner.request(f"{call}-{name}", i, row, reads=reads, max_new_tokens=1,
-                               logprobs=False, clone=False, score={"logprobs": TOP_K})
+    requests = [calls.request(f"{tag}-{name}", i, row, reads=reads, max_new_tokens=1,
+                              logprobs=False, clone=False, score={"logprobs": TOP_K})
                 for i, (name, row) in enumerate(zip(("clean", "corrupt"), ids))]
 
-    def assemble(outputs, collected):
-        run = runner.build_run(["clean", "corrupt"], requests, outputs, collected, False)
+    def assemble(outputs: list, collected: dict, runs: calls.Assembler) -> Call:
+        run = runs.build_run(["clean", "corrupt"], requests, outputs, collected, False)
         acts = [t.activations(site) for t in run]
         acts = [a.reshape(a.shape[0], a.shape[1], -1) for a in acts]  # z: [L, T, heads*hd]
-        return acts, [_top(o.outputs[0]) for o in outputs]
+        return then(acts, [_top(o.outputs[0]) for o in outputs])
 
-    return runner.run(Call(requests, assemble), budget=session.read_budget, progress=progress)
+    return Call(requests, assemble, progress=progress)
 
 
 @dataclass
-class _PatchCall:
+class _Cells:
     """The cell batch of one patch call and how to read its outputs."""
 
-    session: Any
     requests: list[Any]
     cells: list[tuple[int, int]]  # (row, column) of the grid, in request order after 2
     empty: Patching
-    #: the ``progress=`` of both engine calls (the cell batch: ``stages.at(2)``)
-    stages: Stages
 
-    def result(self, outputs: Sequence[Any]) -> Patching:
+    def result(self, outputs: Sequence[Any], runs: calls.Assembler) -> Patching:
         """The Patching of these vLLM outputs (None or unfinished: NaN)."""
         p = self.empty
         clean_id, corrupt_id = p.answer
-        names = self.session._runner.token_strings
 
         def read(out) -> tuple[float, Dist] | None:
             if out is None or not out.finished:
                 return None
             lps = _top(out.outputs[0])
             order = sorted(lps, key=lambda t: -lps[t])
-            return lps[clean_id] - lps[corrupt_id], (names(order), [lps[t] for t in order])
+            return lps[clean_id] - lps[corrupt_id], (runs.token_strings(order),
+                                                     [lps[t] for t in order])
 
         grid = torch.full_like(p.grid, math.nan)
         diffs = torch.full_like(p.grid, math.nan)
@@ -206,23 +213,20 @@ class _PatchCall:
             base[0][1] if base[0] else None, base[1][1] if base[1] else None,
         )
 
-    def assemble(self, outputs: list, collected: dict) -> Patching:
+    def assemble(self, outputs: list, collected: dict, runs: calls.Assembler) -> Patching:
         _check_records(self.requests, collected)
-        return self.result(outputs)
-
-    def call(self) -> Call:
-        """The cell batch as the runner takes it (streamed: NaN where a cell
-        has not finished)."""
-        return Call(self.requests, self.assemble, partial=self.result)
+        return self.result(outputs, runs)
 
 
 def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
-               layers: Any = None, positions: Any = None, answer: Any = None,
-               heads: bool = False, progress: Any = None) -> _PatchCall:
-    """Check the arguments, read the clean and corrupt runs (one engine
-    call), and build every cell's request for the second call. ``progress``
-    counts the requests of both calls."""
-    ids, layers, positions = _check_args(session, clean, corrupt, site, layers, positions, heads)
+               layers: Any = None, span: Any = None, answer: Any = None,
+               per_head: bool = False, progress: Any = None) -> Call:
+    """Check the arguments, and make the patch as one call in two stages:
+    the clean and corrupt runs read, then every cell's request (streamed:
+    NaN where a cell has not finished). ``progress`` counts the requests of
+    both stages."""
+    ids, layers, positions = _check_args(session, clean, corrupt, site, layers, span, per_head)
+    facts = session.facts
     if answer is not None:  # checked before anything runs
         if not isinstance(answer, (list, tuple)) or len(answer) != 2:
             raise VlensError(f"answer must be (clean_token, corrupt_token), got {answer!r}")
@@ -230,33 +234,42 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                   _answer_id(session, answer[1], "corrupt"))
         if answer[0] == answer[1]:
             raise VlensError("answer names the same token twice: give two different tokens")
-    # clean and corrupt, read; then every cell beside a clean and a corrupt run (made
-    # after the checks above, and closed on a failure below: no bar is left behind)
-    n_cells = len(layers) * (session._facts.n_heads if heads else len(positions))
+    # one progress over both stages (made after the checks above; closed when the call
+    # ends, whichever way: no bar is left behind)
+    n_cells = len(layers) * (facts.n_heads if per_head else len(positions))
     stages = Stages(progress, 2 + n_cells + 2)
-    try:
-        acts, tops = _read_pass(session, ids, site, layers, stages.at(0))
-        if answer is None:
-            answer = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
-            if answer[0] == answer[1]:
-                text = session.token_strings([answer[0]])[0]
+
+    def cells(acts: list[torch.Tensor], tops: list[dict[int, float]]) -> Call:
+        chosen = answer
+        if chosen is None:
+            chosen = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
+            if chosen[0] == chosen[1]:
+                text = session.token_strings([chosen[0]])[0]
                 raise VlensError(
                     f"the clean and corrupt prompts both predict {text!r} next, so there is "
                     "no difference to patch; pass answer=(clean_token, corrupt_token) with "
                     "the two tokens whose logit difference to measure"
                 )
-    except BaseException:
-        stages.close()
-        raise
+        pc = _cell_batch(session, ids, site, layers, positions, per_head, chosen, acts, tops)
+        return Call(pc.requests, pc.assemble, partial=pc.result, progress=stages.at(2))
+
+    first = _read_stage(ids, site, layers, cells, stages.at(0))
+    first.closing = stages.close
+    return first
+
+
+def _cell_batch(session: Any, ids: list[list[int]], site: str, layers: list[int],
+                positions: list[int], per_head: bool, answer: tuple[int, int],
+                acts: list[torch.Tensor], tops: list[dict[int, float]]) -> _Cells:
+    """Every cell's request beside an unpatched clean and corrupt run."""
+    facts = session.facts
     cands = list(dict.fromkeys([*answer, *(sorted(tops[0], key=lambda t: -tops[0][t])),
                                 *(sorted(tops[1], key=lambda t: -tops[1][t]))]))
     score = {"logprob_token_ids": cands}
-    facts = session._facts
-    runner = session._runner
-    call = runner.next_call()
+    tag = calls.new_tag()
     corrupt_ids = ids[1]
-    requests = [runner.request(f"{call}-{name}", i, row, max_new_tokens=1, logprobs=False,
-                               clone=False, score=score)
+    requests = [calls.request(f"{tag}-{name}", i, row, max_new_tokens=1, logprobs=False,
+                              clone=False, score=score)
                 for i, (name, row) in enumerate(zip(("clean", "corrupt"), ids))]
     cells: list[tuple[int, int]] = []
     vecs = {}  # (layer row, position) -> (vector id, clean row)
@@ -264,41 +277,26 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
         for p in positions:
             row = acts[0][i, p]
             vecs[(i, p)] = (vector_id(row), row)
-    columns: list[Any] = positions if not heads else list(range(facts.n_heads))
+    columns: list[Any] = positions if not per_head else list(range(facts.n_heads))
     hd = facts.head_dim
     for i, layer in enumerate(layers):
         for j, col in enumerate(columns):
-            if heads:
+            if per_head:
                 sets = [Set(site, layer, vecs[(i, p)][0], col * hd, (col + 1) * hd, p, p + 1)
                         for p in positions]
                 used = {vecs[(i, p)][0]: vecs[(i, p)][1] for p in positions}
             else:
                 vid, row = vecs[(i, col)]
                 sets, used = [Set(site, layer, vid, 0, -1, col, col + 1)], {vid: row}
-            requests.append(runner.request(
-                f"{call}-{i}.{j}", len(requests), corrupt_ids, max_new_tokens=1, logprobs=False,
+            requests.append(calls.request(
+                f"{tag}-{i}.{j}", len(requests), corrupt_ids, max_new_tokens=1, logprobs=False,
                 clone=False, sets=sets, vectors=used, score=score))
             cells.append((i, j))
     shape = (len(layers), len(columns))
     toks = session.token_strings([ids[0][p] for p in positions])
     empty = Patching(
-        site, layers, positions, columns if heads else None, toks, answer,
+        site, layers, positions, columns if per_head else None, toks, answer,
         tuple(session.token_strings(list(answer))), torch.full(shape, math.nan),
         torch.full(shape, math.nan),
     )
-    return _PatchCall(session, requests, cells, empty, stages)
-
-
-def run_patch(session: Any, *args: Any, **kwargs: Any) -> Patching:
-    pc = patch_call(session, *args, **kwargs)
-    try:
-        return session._runner.run(pc.call(), budget=session.read_budget,
-                                   progress=pc.stages.at(2))
-    finally:
-        pc.stages.close()
-
-
-def stream_patch(session: Any, *args: Any, **kwargs: Any) -> Iterator[Patching]:
-    pc = patch_call(session, *args, **kwargs)  # a bar (progress=True) closes when dropped
-    return session._runner.stream(pc.call(), budget=session.read_budget,
-                                  progress=pc.stages.at(2))
+    return _Cells(requests, cells, empty)

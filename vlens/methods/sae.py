@@ -22,11 +22,12 @@ import torch
 
 from vlens.edits import Steer
 from vlens.errors import VlensError
+from vlens.keywords import keywords
 from vlens.protocol.features import ARCHITECTURES, FeatureSpec, encode
 from vlens.protocol.plan import Read
 from vlens.protocol.tensors import encode_tensor
 
-__all__ = ["CLAMP_MAX", "Clamp", "SAE", "feature_reads", "hook_site", "with_clamps"]
+__all__ = ["CLAMP_MAX", "Clamp", "SAE", "feature_reads", "hook_site"]
 
 #: the largest ``|value|`` a Clamp may set a feature to: the write is
 #: ``(value - f(x)) * W_dec[i]``, and it must stay finite in any dtype
@@ -235,11 +236,11 @@ def _spec_of(cfg: dict[str, Any], path: Path) -> FeatureSpec:
                        bool(cfg.get("apply_b_dec_to_input", True)))
 
 
-def feature_reads(saes: Any, top_k: Any, facts: Any, runner: Any) -> list[Read]:
-    """The reads of ``trace(saes=..., features_top_k=k)``, checked; the
-    runner learns the SAEs' payloads (shipped to the workers once)."""
+def feature_reads(saes: Any, top_k: Any, facts: Any) -> tuple[list[Read], list[SAE]]:
+    """The reads of ``trace(saes=..., features_top_k=k)``, checked, and the
+    SAEs they name (the runner ships their encoders to the workers)."""
     if saes is None or (isinstance(saes, (list, tuple)) and not saes):
-        return []
+        return [], []
     if isinstance(saes, SAE):
         saes = [saes]
     if not isinstance(saes, (list, tuple)) or not all(isinstance(x, SAE) for x in saes):
@@ -249,13 +250,11 @@ def feature_reads(saes: Any, top_k: Any, facts: Any, runner: Any) -> list[Read]:
     reads = {}
     for sae in saes:
         sae.check(facts)
-        if sae.id not in runner.saes:
-            runner.saes[sae.id] = sae.payload()
         if top_k:
             reads[sae.id] = Read(sae.site, (sae.layer,), "sae_top", min(top_k, sae.d_sae), sae=sae.id)
         else:
             reads[sae.id] = Read(sae.site, (sae.layer,), "sae", sae.d_sae, sae=sae.id)
-    return list(reads.values())
+    return list(reads.values()), list(saes)
 
 
 class Clamp(Steer):
@@ -267,6 +266,7 @@ class Clamp(Steer):
     Pass it as ``s.trace(..., clamp=...)`` (one, a list, or ``PerPrompt``),
     or as ``steer=`` to ``compare`` and ``sweep`` (over values)."""
 
+    @keywords
     def __init__(self, sae: SAE, feature: int, value: float, span: str | tuple[int, int] = "all"
                  ) -> None:
         if not isinstance(sae, SAE):
@@ -293,17 +293,3 @@ class Clamp(Steer):
     def with_span(self, span: str | tuple[int, int]) -> Clamp:
         """The same clamp over other positions (a role span, resolved)."""
         return Clamp(self.sae, self.feature, self.scale, span)
-
-
-def with_clamps(steers_each: list[list[Steer]], clamp: Any, checked: list[list[Steer]]
-                ) -> list[list[Steer]]:
-    """``trace``'s steers of each prompt plus its clamps (``checked``: the
-    ``clamp=`` value as checked Steers per prompt, each a Clamp)."""
-    if clamp is None:
-        return steers_each
-    for entries in checked:
-        for c in entries:
-            if not isinstance(c, Clamp):
-                raise VlensError(f"clamp= takes vlens.Clamp entries, got {type(c).__name__}: "
-                                 "pass a Steer as steer=")
-    return [a + b for a, b in zip(steers_each, checked)]

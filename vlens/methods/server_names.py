@@ -6,43 +6,40 @@ the same token can then name (``docs/openai.md``)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from vlens.errors import VlensError
+from vlens.methods.sae import SAE
+from vlens.models import toyworld_sae_path
 
-__all__ = ["ServerNamed"]
+__all__ = ["local_sae", "server"]
 
 
-class ServerNamed:
-    """Methods of :class:`vlens.Session` for a connected session."""
+def server(engine: Any, what: str) -> Any:
+    """``engine`` when it is a ``vlens serve`` server, else a clear error."""
+    if not getattr(engine, "remote", False):
+        raise VlensError(f"{what} is for a session on a vlens serve server "
+                         "(vlens.connect); here, use the object itself")
+    return engine
 
-    def _server(self, what: str) -> Any:
-        engine = self.engine  # type: ignore[attr-defined]
-        if not getattr(engine, "remote", False):
-            raise VlensError(f"{what} is for a session on a vlens serve server "
-                             "(vlens.connect); here, use the object itself")
-        return engine
 
-    def sae(self, name: str) -> Any:
-        """The server's SAE ``name`` (``vlens serve --sae NAME=PATH``) as a
-        :class:`~vlens.SAE`: read its features (``saes=``), steer
-        (``sae.steer(i)``) and clamp (``vlens.Clamp``) with it as with a
-        local one. ``s.engine.saes`` lists them."""
-        return self._server("s.sae(name)").sae(name)
-
-    def register_vector(self, name: str, vector: Any) -> int:
-        """Keep ``vector`` ``[width]`` on the server as ``name``, for calls
-        made with this session's token only (OpenAI-style bodies name it:
-        ``{"vlens": {"steer": [{"vector": name, ...}]}}``). Registering a
-        name again replaces its vector. Returns how many you hold."""
-        return self._server("s.register_vector").register_vector(name, vector)
-
-    def register_preset(self, name: str, body: dict[str, Any]) -> str:
-        """Keep ``body``, a ``vlens`` object (``{"steer": [...]}``, as in an
-        OpenAI body), as preset ``name`` for this session's token, and return
-        the base URL that applies it to every OpenAI call: give it to a client
-        that can set only ``base_url`` and a key (``lm_eval``, a chat UI).
-        Vectors it names are looked up when each call runs."""
-        engine = self._server("s.register_preset")
-        engine.register_preset(name, body)
-        return f"{engine.url}/presets/{name}/v1"
+def local_sae(name: Any, model: str) -> Any:
+    """The SAE ``name`` of a local session: a path to an SAE folder or file
+    (SAELens's layout or vlens's ``.npz``), ``"toyworld-sae"`` (the bundled
+    one, as ``vlens path`` names it), or the name of an SAE kept with the
+    session's model (a folder ``saes/NAME`` beside its weights)."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise VlensError(f"s.sae takes an SAE's name or path, got {type(name).__name__}")
+    path = toyworld_sae_path() if name == "toyworld-sae" else Path(name)
+    bundled = Path(model) / "saes" / str(name)
+    if not path.exists() and bundled.exists():
+        path = bundled
+    if not path.exists():
+        have = sorted(p.name for p in (Path(model) / "saes").glob("*")) if (
+            Path(model) / "saes").is_dir() else []
+        raise VlensError(f"no SAE {str(name)!r}: give a path to an SAE (vlens path "
+                         f"toyworld-sae for the bundled one)"
+                         + (f", or one of this model's: {have}" if have else ""))
+    return SAE.load(path)

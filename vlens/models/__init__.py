@@ -17,7 +17,7 @@ __all__ = ["CHAT_RECIPE", "COPY_HEAD", "RECIPE", "toychat_path", "toyworld_path"
 #: The bundled model's sentiment-steering recipe, as data, for the docs, the
 #: notebooks, the demo and the steering widget's defaults (docs/toyworld.md).
 #: The direction is ``session.direction(*world.sentiment_prompts(),
-#: layer=RECIPE["layer"], position=RECIPE["position"])`` (happy minus sad); to
+#: layer=RECIPE["layer"], span=RECIPE["direction_span"])`` (happy minus sad); to
 #: steer, ``vlens.Steer(d, layer=RECIPE["layer"], scale=RECIPE["scale"],
 #: site=RECIPE["site"], relative=RECIPE["relative"])`` (``-d`` turns happy
 #: stories sad). ``window`` is the range of scales over which this direction
@@ -29,7 +29,7 @@ RECIPE: dict[str, Any] = {
     "scale": 0.75,
     "relative": True,
     "site": "resid_post",
-    "position": "last",
+    "direction_span": "last",
     "prompts": "world.sentiment_prompts",
     "window": (0.5, 1.25),
 }
@@ -50,7 +50,7 @@ COPY_HEAD: tuple[int, int] = (0, 5)
 CHAT_RECIPE: dict[str, Any] = {
     "layer": 3,
     "site": "resid_post",
-    "position": "last",
+    "direction_span": "last",
     "pairs": 64,
     "add_scale": 1.5,
     "add_span": "prompt",

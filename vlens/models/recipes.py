@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlens.models import toyworld_path, world
+import vlens
+from vlens.models import RECIPE, toyworld_path, world
 
 __all__ = ["SteeringRecipe", "is_toyworld", "steering_recipe", "toyworld_recipe"]
 
@@ -26,7 +27,7 @@ class SteeringRecipe:
 
     Turn it into a steer with ``d = s.direction(recipe.positive,
     recipe.negative, layer=recipe.layer, site=recipe.site,
-    position=recipe.position)`` and ``vlens.Steer(d, layer=recipe.layer,
+    span=recipe.direction_span)`` and ``vlens.Steer(d, layer=recipe.layer,
     scale=recipe.scale, site=recipe.site, span=recipe.span,
     relative=recipe.relative)`` (:meth:`steer` does both).
 
@@ -48,7 +49,8 @@ class SteeringRecipe:
     relative: bool
     site: str
     span: str
-    position: str
+    #: the tokens the direction's means are taken over (``direction(span=)``)
+    direction_span: str
     positive: tuple[str, ...]
     negative: tuple[str, ...]
     example: str
@@ -64,10 +66,8 @@ class SteeringRecipe:
 
     def steer(self, session: Any, scale: float | None = None) -> Any:
         """The recipe's :class:`vlens.Steer` on ``session`` (one direction call)."""
-        import vlens
-
         d = session.direction(list(self.positive), list(self.negative), layer=self.layer,
-                              site=self.site, position=self.position)
+                              site=self.site, span=self.direction_span)
         return vlens.Steer(d, layer=self.layer, scale=self.scale if scale is None else scale,
                            site=self.site, span=self.span, relative=self.relative)
 
@@ -76,8 +76,7 @@ def toyworld_recipe() -> SteeringRecipe:
     """Sentiment steering on the bundled toyworld model: the difference of
     means of :func:`~vlens.models.world.sentiment_prompts` at a middle
     layer, added relative to each token's norm (docs/toyworld.md)."""
-    from vlens.models import RECIPE  # the measured values (scripts/eval_toyworld.py)
-
+    # RECIPE: the measured values (scripts/eval_toyworld.py)
     happy, sad = world.sentiment_prompts(64)
     return SteeringRecipe(
         name="toyworld sentiment",
@@ -86,7 +85,7 @@ def toyworld_recipe() -> SteeringRecipe:
         relative=RECIPE["relative"],
         site=RECIPE["site"],
         span="all",
-        position=RECIPE["position"],
+        direction_span=RECIPE["direction_span"],
         positive=tuple(happy),
         negative=tuple(sad),
         example=world.steering_prompts(world.SAD, 1)[0],

@@ -10,7 +10,7 @@ cell's colour (``_cells``), and token sequences as rows of cells that wrap
 like text (``_token_rows``).
 
 A few small reductions live here too (:func:`activation_values`,
-:func:`pca_2d`, :func:`token_set_metric`, :func:`first_divergence`): they
+:func:`pca_2d`, :func:`token_set_metric`): they
 turn what a run holds into the arrays a builder takes, and are pure in the
 same way.
 """
@@ -42,7 +42,6 @@ from vlens.plots._lens import lens_token_values, logit_lens_grid, logit_lens_tra
 from vlens.plots._reductions import (
     QUANTITIES,
     activation_values,
-    first_divergence,
     pca_2d,
     token_set_metric,
 )
@@ -63,7 +62,6 @@ __all__ = [
     "feature_contexts",
     "feature_histogram",
     "feature_logits",
-    "first_divergence",
     "layer_profile",
     "lens_token_values",
     "logit_lens_grid",

@@ -106,8 +106,8 @@ def activation_heatmap(
         )
     )
     shapes = span_shape(span, len(tokens)) + prompt_boundary(n_prompt, len(tokens))
-    if layer is not None and layer in list(layers):
-        row = list(layers).index(layer)
+    row = next((r for r, x in enumerate(layers) if x == layer), None)  # the figure's row
+    if layer is not None and row is not None:
         shapes.append(
             {
                 "type": "rect",

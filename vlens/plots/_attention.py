@@ -84,8 +84,11 @@ def attention_heads(
         row_titles=[f"layer {x}" for x in layers],
         column_titles=[f"head {h}" for h in heads],
     )
+    picked = None  # the thumbnail of ``selected``: its subplot number
     for r, layer in enumerate(layers):
         for c, h in enumerate(heads):
+            if selected is not None and (int(selected[0]), int(selected[1])) == (int(layer), h):
+                picked = picked or r * n_heads + c + 1
             fig.add_trace(
                 go.Heatmap(
                     z=_causal(small[r, c]), zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
@@ -97,11 +100,8 @@ def attention_heads(
     fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
     fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
     shapes = []
-    if selected is not None and int(selected[0]) in [int(x) for x in layers] \
-            and int(selected[1]) in heads:
-        n = ([int(x) for x in layers].index(int(selected[0])) * n_heads
-             + heads.index(int(selected[1])) + 1)
-        axis = "" if n == 1 else str(n)
+    if picked is not None:
+        axis = "" if picked == 1 else str(picked)
         shapes.append({"type": "rect", "xref": f"x{axis} domain", "yref": f"y{axis} domain",
                        "x0": -0.02, "x1": 1.02, "y0": -0.02, "y1": 1.02, "line": OUTLINE,
                        "name": "selected"})

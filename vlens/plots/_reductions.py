@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 from vlens.plots._common import as_float
-from vlens.tokens import first_divergence
 
-__all__ = ["QUANTITIES", "activation_values", "first_divergence", "pca_2d", "token_set_metric"]
+__all__ = ["QUANTITIES", "activation_values", "pca_2d", "token_set_metric"]
 
 #: what :func:`activation_values` can compute per token
 QUANTITIES = ("norm", "projection", "cosine", "neuron")
@@ -92,14 +91,17 @@ def pca_2d(points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def token_set_metric(sweep: Any, token_ids: Sequence[int]) -> list[float]:
-    """How much the model says any of ``token_ids``, one number per scale of
-    ``sweep`` (a :class:`~vlens.results.Sweep`): the mean over generated
+    """How much the model says any of ``token_ids``, one number per row of
+    ``sweep.to_frame()`` (a :class:`~vlens.results.Sweep`: prompt by
+    prompt, each prompt's scales in order): the mean over generated
     positions of P(next token in the set), from the output distribution the
     sweep read at the last layer (``trace.vocab_logprobs()``)."""
     ids = sorted({int(i) for i in token_ids})
     values = []
-    for t in sweep.runs:
-        start = len(t.prompt_token_ids) - 1  # the row that chose the first new token
-        probs = t.vocab_logprobs()[-1, start:].exp()  # [generated, vocab]
-        values.append(float(probs[:, ids].sum(-1).mean()))
+    for i in range(len(sweep.prompts)):
+        for run in sweep.runs:
+            t = run[i]
+            start = len(t.prompt_token_ids) - 1  # the row that chose the first new token
+            probs = t.vocab_logprobs()[-1, start:].exp()  # [generated, vocab]
+            values.append(float(probs[:, ids].sum(-1).mean()))
     return values

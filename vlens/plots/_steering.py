@@ -10,7 +10,6 @@ import plotly.graph_objects as go
 
 from vlens.plots._cells import readable
 from vlens.plots._common import nan_list, plain_text
-from vlens.plots._reductions import first_divergence
 from vlens.plots._token_rows import (
     GAP_PX,
     PER_LINE,
@@ -20,7 +19,7 @@ from vlens.plots._token_rows import (
     cell_lines,
     named_scale,
 )
-from vlens.tokens import visible
+from vlens.tokens import first_divergence, visible
 
 __all__ = ["baseline_vs_steered", "dose_response"]
 

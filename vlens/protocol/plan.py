@@ -53,7 +53,7 @@ class Read:
     ``reduce`` says what the worker hands back per row: ``"full"`` (the
     activation, ``[n, hidden]``), ``"norm"`` (its L2 norm, ``[n]``),
     ``"logit_lens"`` (top-``k`` ids and probabilities of the model's own
-    final norm + unembedding, ``[n, k]`` each) or ``"logprobs"`` (the logit
+    final norm + unembedding, ``[n, k]`` each) or ``"vocab_logprobs"`` (the logit
     lens over the whole vocabulary, ``[n, vocab]``). ``heads``: for
     ``attn_pattern``, the query heads to compute (empty: all)."""
 

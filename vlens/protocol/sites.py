@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlens.protocol.architectures import Architecture, Layout, find_architecture
+from vlens.protocol.architectures import (Architecture, Layout, check_model_config,
+                                          find_architecture)
 from vlens.errors import VlensError
 from vlens.protocol.head_tap import attach_taps
 from vlens.protocol.site_names import HEAD_SITES, HEAD_WRITABLE, SITES, WRITABLE
@@ -334,8 +335,6 @@ def resolve_sites(model: nn.Module) -> ModelSites:
     names = _architectures_of(model)
     arch = find_architecture(names)
     if arch is None or impl not in arch.routes:
-        from vlens.protocol.architectures import check_model_config
-
         # raises the same VlensError the client gives before starting an engine
         check_model_config({"architectures": names[:1]}, "vllm" if impl == "native" else impl)
         raise VlensError(f"vlens does not support {names[0]} with vLLM's {impl} backend")

@@ -1,9 +1,11 @@
-"""``vlens.connect``: a Session whose engine is a ``vlens serve`` server.
+"""The engine of ``vlens.connect``'s Session: a ``vlens serve`` server.
 
 :class:`RemoteEngine` gives the Session's runner the same small interface a
-local :class:`~vlens.engine.Engine` gives it (``info``, ``tokenizer``,
-``lock``, ``hold_vectors``, ``generate``, ``stream``, ``rpc``), over HTTP, so
-every Session method and widget works unchanged on a connected session.
+local :class:`~vlens.engine.Engine` gives it (:class:`vlens.backend.EngineAPI`:
+``info``, ``tokenizer``, ``lock``, ``hold_vectors``, ``generate``, ``stream``,
+``rpc``, ...), over HTTP, so every Session method and widget works unchanged
+on a connected session. ``vlens.connect`` (``vlens/_open.py``) makes the
+Session; nothing here imports the session module.
 
 A call is one POST: the requests (token ids, sampling settings, plans) and
 the steering vectors they name go up in one frame; per-step outputs (when
@@ -15,20 +17,25 @@ frames. The server keeps nothing of the call afterwards, so the runner's
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vlens.protocol.tensors import encode_tensor
 from vlens.checks import REMOTE_EDIT
+from vlens.edits import vector_id
 from vlens.errors import ClosedError, EngineError, VlensError
+from vlens.methods.sae import SAE
+from vlens.models import toychat_path, toyworld_path
+from vlens.protocol.features import FeatureSpec
+from vlens.protocol.tensors import decode_tensor, encode_tensor
+from vlens.remote.wire import (FRAME_TYPE, FrameReader, merge_delta, output_from_wire, pack,
+                               params_to_wire, unpack_one)
 
-__all__ = ["RemoteEngine", "connect"]
+__all__ = ["RemoteEngine", "connected_copy"]
 
 
 #: the live connections by their ``model`` (``URL/FOLDER``), for LogitLens
@@ -40,11 +47,17 @@ class ServerGone(VlensError):
 
 
 class RemoteEngine:
-    """The runner's engine interface, answered by a ``vlens serve`` server."""
+    """The runner's engine interface (:class:`vlens.backend.EngineAPI`),
+    answered by a ``vlens serve`` server."""
 
     remote = True
     in_process = False
     compiled = False
+    info: dict[str, Any]
+    tokenizer: Any
+    lock: Any
+    model: str
+    generate_calls: int
 
     def __init__(self, url: str, token: str, *, timeout: float = 30.0) -> None:
         import httpx
@@ -74,8 +87,6 @@ class RemoteEngine:
         """The folder of this server's model when it is one of the models
         bundled with vlens (same folder name and shape), for what reads the
         checkpoint itself (``LogitLens.from_pretrained(s.model)``)."""
-        from vlens.models import toychat_path, toyworld_path
-
         for bundled in (toyworld_path, toychat_path):
             try:
                 folder = bundled()
@@ -129,8 +140,6 @@ class RemoteEngine:
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        from vlens.remote.wire import unpack_one
-
         resp = self._send("GET", "/v1/tokenizer")
         self._raise_for(resp)
         files = unpack_one(resp.content)["files"]
@@ -175,13 +184,11 @@ class RemoteEngine:
                     f"use the server's, s.sae(name) (it has {sorted(self.saes) or 'none'}; "
                     "vlens serve --sae NAME=PATH loads more)")
 
+    def release_saes(self, ids: Iterable[str]) -> None:
+        """Nothing to release: the server's SAEs are its own, held for all its clients."""
+
     def sae(self, name: str) -> Any:
         """The server's SAE ``name``, rebuilt here from its weights (fetched once)."""
-        from vlens.methods.sae import SAE
-        from vlens.protocol.features import FeatureSpec
-        from vlens.protocol.tensors import decode_tensor
-        from vlens.remote.wire import unpack_one
-
         if name in self._sae_cache:
             return self._sae_cache[name]
         if name not in self.saes:
@@ -200,9 +207,6 @@ class RemoteEngine:
     def register_vector(self, name: str, vector: Any) -> int:
         """Keep ``vector`` on the server as ``name``, for this token's calls only."""
         import torch
-
-        from vlens.edits import vector_id
-        from vlens.remote.wire import FRAME_TYPE, pack
 
         if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or (
                 not vector.is_floating_point()):
@@ -246,8 +250,6 @@ class RemoteEngine:
         most_vectors = int(self.limits.get("vectors") or len(self._held) or 1)
         if len(prompts) <= most and len(self._held) <= most_vectors:
             return [(0, len(prompts), dict(self._held))]
-        from vlens.remote.wire import params_to_wire
-
         slices: list[tuple[int, int, dict[str, Any]]] = []
         start, named = 0, set()
         for i, sp in enumerate(params):
@@ -265,8 +267,6 @@ class RemoteEngine:
         generator early closes the connection, and the server then aborts
         the call's requests and drops its records."""
         import httpx
-
-        from vlens.remote.wire import FRAME_TYPE, FrameReader, pack, params_to_wire
 
         self.check_open()
         self.generate_calls += 1
@@ -299,8 +299,6 @@ class RemoteEngine:
         return ServerGone(f"the vlens server at {self.url} ended the call without results")
 
     def generate(self, prompts: list[Any], params: list[Any], progress: Any = None) -> list[Any]:
-        from vlens.remote.wire import output_from_wire
-
         bar = progress(total=len(prompts)) if progress else None
         outputs: list[Any] = []
         records: dict[str, list] = {}
@@ -330,8 +328,6 @@ class RemoteEngine:
         return outputs
 
     def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
-        from vlens.remote.wire import merge_delta, output_from_wire
-
         finished: list[Any] = []  # the outputs of the slices already answered
         records: dict[str, list] = {}
         for start, stop, vectors in self._slices(prompts, params):
@@ -365,28 +361,6 @@ def _held_names(value: Any, held: Mapping[str, Any]) -> Iterator[str]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _held_names(item, held)
-
-def connect(url: str = "http://127.0.0.1:8765", token: str | None = None, *,
-            timeout: float = 30.0):
-    """A :class:`~vlens.Session` on a ``vlens serve`` server: the same API,
-    with the server's model. ``token``: yours (default: ``$VLENS_TOKEN``).
-
-    Differences from a local Session: ``edit=`` functions are refused (code
-    does not cross the wire: use ``Steer``, ``Ablate`` or patching), and the
-    server's limits (read bytes per call, calls at once, prompt length)
-    apply; ``s.engine.limits`` shows them."""
-    from vlens.session import Session
-
-    token = token if token is not None else os.environ.get("VLENS_TOKEN")
-    if not token:
-        raise VlensError("vlens.connect needs token=... (or $VLENS_TOKEN): "
-                         "the server's operator gives each participant one")
-    token = token.strip()  # a token pasted or read from a file with its newline
-    if not token or not token.isascii() or not token.isprintable() or " " in token:
-        raise VlensError("the token holds spaces, control or non-ASCII characters: copy it "
-                         "again exactly as the workshop's operator gave it (it is not shown "
-                         "here)")
-    return Session._attach(RemoteEngine(url, token, timeout=timeout))
 
 
 def connected_copy(model: str) -> Path:

@@ -16,10 +16,12 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vlens.checks import REMOTE_EDIT, ModelFacts, check_budget
+from vlens.checks import PLAN_MAX, REMOTE_EDIT, ModelFacts, check_budget
 from vlens.checks import check_plan as check_plan_rules
+from vlens.edits import vector_id
 from vlens.errors import VlensError
 from vlens.protocol.plan import PLAN_KEY, Plan, parse_plan
+from vlens.protocol.tensors import decode_tensor
 from vlens.remote.wire import PARAM_FIELDS
 
 __all__ = ["Refused", "Limits", "Checked", "check_call"]
@@ -72,8 +74,6 @@ class Limits:
     stall_seconds: float = 30.0  # a stream's reader may stop reading this long
 
     def public(self) -> dict[str, Any]:
-        from vlens.checks import PLAN_MAX
-
         return {**self.__dict__, **{f"plan_{k}": v for k, v in PLAN_MAX.items()}}
 
 
@@ -116,11 +116,7 @@ def check_vector(vid: Any, payload: Any, widths: set[int]) -> tuple[dict[str, An
     data = payload["data"]
     if not isinstance(data, bytes) or len(data) != shape[0] * size:
         raise _bad(f"vector {vid}: data must be {shape[0] * size} bytes")
-    import torch
-
-    from vlens.protocol.tensors import decode_tensor
-
-    from vlens.edits import vector_id
+    import torch  # a server process has it; kept out of `import vlens.remote.guard`
 
     values = decode_tensor(payload).float()
     if not torch.isfinite(values).all():
@@ -135,7 +131,7 @@ def check_vector(vid: Any, payload: Any, widths: set[int]) -> tuple[dict[str, An
 
 def check_plan(raw: Any, ids: list[int], facts: ModelFacts,
                vectors: dict[str, tuple[int, float]], client: str, max_tokens: int,
-               saes: Any = None) -> Plan:
+               saes: Any = None, seen: set | None = None) -> Plan:
     """Parse and check a client's plan with the Session's own checks
     (:func:`vlens.checks.check_plan`); return it with the tag and vector ids
     prefixed by ``client``. ``vectors``: ``{id: (width, largest |value|)}``;
@@ -157,7 +153,7 @@ def check_plan(raw: Any, ids: list[int], facts: ModelFacts,
         raise _bad(f"plan prompt_len {plan.prompt_len} != the prompt's {len(ids)} tokens")
     _int(plan.index, "plan index", 0, 1 << 20)
     try:
-        check_plan_rules(plan, facts, vectors, max_tokens)
+        check_plan_rules(plan, facts, vectors, max_tokens, seen)
         if saes is not None:
             saes(plan)
         elif any(r.sae for r in plan.reads + plan.adds):
@@ -185,9 +181,10 @@ assert set(_KINDS) == set(PARAM_FIELDS)
 
 
 def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
-                 vectors: dict[str, tuple[int, float]], client: str, saes: Any = None
-                 ) -> tuple[Any, Plan | None]:
-    """A whitelisted params dict -> (vLLM SamplingParams, checked plan)."""
+                 vectors: dict[str, tuple[int, float]], client: str, saes: Any = None,
+                 seen: set | None = None) -> tuple[Any, Plan | None]:
+    """A whitelisted params dict -> (vLLM SamplingParams, checked plan);
+    ``seen``: the call's steering writes checked so far (each once)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -238,7 +235,7 @@ def check_params(raw: Any, ids: list[int], facts: ModelFacts, limits: Limits,
     if extra is not None:
         if not isinstance(extra, dict) or set(extra) != {PLAN_KEY}:
             raise _bad(f"extra_args may hold only {{{PLAN_KEY!r}: plan}}")
-        plan = check_plan(extra[PLAN_KEY], ids, facts, vectors, client, max_tokens, saes)
+        plan = check_plan(extra[PLAN_KEY], ids, facts, vectors, client, max_tokens, saes, seen)
         args["extra_args"] = {PLAN_KEY: plan.to_wire()}
     try:
         sp = SamplingParams(**args)
@@ -275,6 +272,7 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str,
     vectors = {vid: p for vid, (p, _) in checked.items()}
     sizes_of = {vid: (p["shape"][0], peak) for vid, (p, peak) in checked.items()}
     ids_all, params, tags, sizes = [], [], [], []
+    seen: set = set()  # the steering writes checked so far: one call checks each once
     for i, req in enumerate(reqs):
         if not isinstance(req, dict) or set(req) != {"ids", "params"}:
             raise _bad(f"request {i} must be {{ids, params}}")
@@ -287,7 +285,7 @@ def check_call(body: Any, facts: ModelFacts, limits: Limits, client: str,
         for t in ids:
             _int(t, f"request {i} token id", 0, facts.vocab_size - 1)
         sp, plan = check_params(req["params"], ids, facts, limits, sizes_of,
-                                f"{client}/{call}" if call else client, saes)
+                                f"{client}/{call}" if call else client, saes, seen)
         ids_all.append(ids)
         params.append(sp)
         tags.append(plan.tag if plan else None)

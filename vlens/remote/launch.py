@@ -11,7 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vlens.checks import ModelFacts
+from vlens.errors import VlensError
+from vlens.models.recipes import is_toyworld
+from vlens.remote.body import parse_body
 from vlens.remote.guard import Limits
+from vlens.remote.names import ServerNames, parse_named
+from vlens.remote.openai_routes import OpenAIRoutes
+from vlens.remote.presets import Presets, load_presets
+from vlens.remote.routes import install_docs
 from vlens.remote.server import Server, make_app
 from vlens.remote.tokens import load_tokens
 
@@ -71,7 +79,6 @@ def _compiled(args: Any, argv: list[str]) -> bool:
     before the model is traced) and, on a GPU, its operators cut out of the
     CUDA graphs (engine.compiled_settings)."""
     from vlens.engine.engine import compiled_settings
-    from vlens.errors import VlensError
 
     if args.enforce_eager:
         return False
@@ -95,7 +102,6 @@ async def _serve(args: Any, argv: list[str]) -> None:
 
     from vlens.engine.env import apply_env_defaults, has_gpu, serve_threads
     from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, resolve_model
-    from vlens.errors import VlensError
 
     if any(a.startswith("--worker-extension-cls") or a.startswith("--worker-cls")
            for a in argv):
@@ -118,8 +124,6 @@ async def _serve(args: Any, argv: list[str]) -> None:
         setup = (await llm.collective_rpc("vlens_setup"))[0]
         info = engine_info(setup, llm.model_config, llm.vllm_config, compiled=compiled,
                            checkpoint=checkpoint)
-        from vlens.models.recipes import is_toyworld
-
         info["toyworld"] = is_toyworld(args.model)  # the widgets' tested recipe applies
         limits = Limits(
             read_bytes=int(args.max_read_mb * 2**20), concurrent=args.max_concurrent,
@@ -127,13 +131,6 @@ async def _serve(args: Any, argv: list[str]) -> None:
             prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
             requests=args.max_requests, body_bytes=int(args.max_body_mb * 2**20),
             body_seconds=args.body_timeout, stall_seconds=args.stall_timeout)
-        from vlens.checks import ModelFacts
-        from vlens.remote.names import ServerNames, parse_named
-        from vlens.checks.body import parse_body
-        from vlens.remote.openai_routes import OpenAIRoutes
-        from vlens.remote.presets import Presets, load_presets
-        from vlens.remote.routes import install_docs
-
         facts = ModelFacts.from_info(info)
         names = ServerNames.load(parse_named(args.vector, "--vector"),
                                  parse_named(args.sae, "--sae"), facts, limits.vectors)
@@ -184,8 +181,6 @@ def is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vlens.errors import VlensError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:

@@ -1,13 +1,16 @@
 """``GET /metrics`` of ``vlens serve``: Prometheus text, vLLM's engine
 metrics (its registry, as ``vllm serve`` exposes them) followed by
 vlens's own: requests by edit kind, refusals by reason, calls running and
-waiting, and the hook time of the workers' steps."""
+waiting, the hook time of the workers' steps, and how often each input
+rule ran."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from vlens.checks import rules
 
 __all__ = ["Metrics"]
 
@@ -36,6 +39,9 @@ class Metrics:
                                    registry=self.registry)
         self.hook_seconds = Gauge("vlens_hook_seconds", "Seconds spent in vlens's hooks, "
                                   "all steps", registry=self.registry)
+        self.rule_calls = Gauge("vlens_rule_calls", "Times each input rule ran in this "
+                                "process (vlens.checks.rules: one run per edit per call)",
+                                ["rule"], registry=self.registry)
         self.hook_per_step = Gauge("vlens_hook_seconds_per_step",
                                    "vlens's hook time per planned step (mean)",
                                    registry=self.registry)
@@ -63,4 +69,6 @@ class Metrics:
         seconds = worker.get("hook_ns", 0) / 1e9
         self.hook_seconds.set(seconds)
         self.hook_per_step.set(seconds / planned if planned else 0.0)
+        for rule, n in rules.CALLS.items():
+            self.rule_calls.labels(rule).set(n)
         return generate_latest(get_prometheus_registry()) + generate_latest(self.registry)

@@ -18,8 +18,11 @@ from typing import Any
 
 import torch
 
-from vlens.checks.body import NAME
+from vlens.edits import vector_id
 from vlens.errors import VlensError
+from vlens.methods.sae import CLAMP_MAX, SAE
+from vlens.protocol.tensors import encode_tensor
+from vlens.remote.body import NAME
 
 __all__ = ["ServerNames", "load_vector", "parse_named"]
 
@@ -90,8 +93,6 @@ class ServerNames:
     def load(cls, vector_files: dict[str, str], sae_paths: dict[str, str], facts: Any,
              per_client: int = 64) -> ServerNames:
         """Load and check every ``--vector`` and ``--sae`` against the model."""
-        from vlens.methods.sae import SAE
-
         widths = {facts.width(site) for site in facts.writable}
         vectors = {}
         for name, path in vector_files.items():
@@ -143,8 +144,6 @@ class ServerNames:
 
     def sae_payload(self, name: str) -> dict[str, Any] | None:
         """What a connected session rebuilds a served SAE from."""
-        from vlens.protocol.tensors import encode_tensor
-
         sae = self.saes.get(name)
         if sae is None:
             return None
@@ -162,9 +161,6 @@ class ServerNames:
     def check_plan_saes(self, plan: Any) -> None:
         """Every SAE a plan names is one this server loaded, read or written
         where it was trained, with a feature it has and its own decoder row."""
-        from vlens.edits import vector_id
-        from vlens.methods.sae import CLAMP_MAX
-
         for r in plan.reads:
             if not r.sae:
                 continue

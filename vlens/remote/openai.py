@@ -13,7 +13,7 @@ is the engine they call: :class:`SteeredEngine` is the AsyncLLM with
 ``generate`` wrapped. When vLLM hands it a request (token ids known,
 template applied), it builds that request's vlens plan from the body's
 ``vlens`` object (checked before vLLM sees the request,
-:mod:`vlens.checks.body`), re-checks the plan with the rules every plan
+:mod:`vlens.remote.body`), re-checks the plan with the rules every plan
 passes (:func:`vlens.checks.check_plan`), holds the vectors it names in
 the workers under the participant's prefix, and runs it exactly as a
 ``vlens.connect`` call runs: the plan in ``extra_args``, the edits'
@@ -32,8 +32,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from vlens.checks.body import BodyEdits
+from vlens.checks import check_plan, check_span_fits
+from vlens.edits import ROLE_SPANS, engine_prompt
 from vlens.errors import VlensError
+from vlens.methods.ablation import check_ablates, to_sets
+from vlens.prompts import normalise, resolve_roles
+from vlens.protocol.plan import PLAN_KEY, Add, Plan
+from vlens.protocol.tensors import encode_tensor
+from vlens.remote.body import BodyEdits
 from vlens.remote.guard import Refused
 
 __all__ = ["BadBody", "PENDING", "Pending", "SteeredEngine", "error_json"]
@@ -87,8 +93,6 @@ class SteeredEngine:
     def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kw: Any) -> Any:
         """Checked here, before the request exists: a refusal is raised out
         of vLLM's handler (the route answers it), not streamed."""
-        from vlens.protocol.plan import PLAN_KEY
-
         pending = PENDING.get()
         server = self._server
         if pending is None:  # a route of vLLM's that vlens does not serve
@@ -108,8 +112,6 @@ class SteeredEngine:
             return self._llm.generate(prompt, sampling_params, request_id, **kw)
         plan, vectors = self._plan(pending, ids, sampling_params.max_tokens)
         sampling_params.extra_args = {PLAN_KEY: plan.to_wire()}
-        from vlens.edits import engine_prompt
-
         salt = engine_prompt(ids, plan).get("cache_salt")
         prompt = dict(prompt)
         prompt["cache_salt"] = f"{prompt['cache_salt']}|{salt}" if prompt.get(
@@ -122,7 +124,7 @@ class SteeredEngine:
         import anyio
 
         server = self._server
-        await server._hold(client, vectors)
+        await server.hold_vectors(client, vectors)
         finished = False
         try:
             async for out in self._llm.generate(prompt, sp, rid, **kw):
@@ -146,7 +148,7 @@ class SteeredEngine:
             if not finished:
                 await self._llm.abort([rid])
         finally:
-            await self._server._release(client, vectors)
+            await self._server.release_vectors(client, vectors)
         self._to_drop.append(tag)
         if self._dropping is None:
             self._dropping = asyncio.ensure_future(self._drop_plans())
@@ -162,13 +164,6 @@ class SteeredEngine:
     def _plan(self, pending: Pending, ids: list[int], max_tokens: int):
         """The request's plan over its token ids, and the vectors it names
         (``{participant/id: encoded}``)."""
-        from vlens.checks import check_plan, check_span_fits
-        from vlens.edits import ROLE_SPANS
-        from vlens.methods.ablation import check_ablates, to_sets
-        from vlens.prompts import resolve_roles
-        from vlens.protocol.plan import Add, Plan
-        from vlens.protocol.tensors import encode_tensor
-
         server, edits = self._server, pending.edits
         facts, n = server.facts, len(ids)
         owner = pending.client.name
@@ -217,8 +212,6 @@ class SteeredEngine:
     def _roles(self, pending: Pending, ids: list[int], field: str) -> Any:
         """The conversation normalised as a local Session does it, for its
         roles; its ids must be the ones vLLM rendered."""
-        from vlens.prompts import normalise
-
         req = pending.chat
         if req is None:
             raise VlensError("a role span needs a chat completion (a completion's prompt has "

@@ -22,13 +22,14 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
-from vlens.checks.body import BodyError, parse_body
 from vlens.errors import VlensError
+from vlens.remote.bodies import drain, read_body
+from vlens.remote.body import BodyError, parse_body
 from vlens.remote.errors import vllm_error, vllm_validation_error
 from vlens.remote.guard import Refused
 from vlens.remote.openai import PENDING, BadBody, Pending, SteeredEngine, error_json
 from vlens.remote.presets import merge
-from vlens.remote.bodies import drain, read_body
+from vlens.remote.schema import ChatBody, CompletionBody, PresetBody
 
 __all__ = ["OpenAIRoutes"]
 
@@ -64,8 +65,6 @@ class OpenAIRoutes:
 
     def install(self, app: Any) -> None:
         from fastapi.responses import JSONResponse
-
-        from vlens.remote.schema import ChatBody, CompletionBody, PresetBody
 
         server = self.server
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
-from vlens.checks.body import BODY_KEYS, NAME
+from vlens.remote.body import BODY_KEYS, NAME
 from vlens.errors import VlensError
 
 __all__ = ["Presets", "load_presets", "merge"]

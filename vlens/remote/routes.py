@@ -12,6 +12,8 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
+import vlens
+
 __all__ = ["install_routes", "install_docs"]
 
 #: seconds /health waits for the engine to answer
@@ -32,8 +34,6 @@ def install_routes(app: Any, server: Any, metrics_public: bool) -> None:
 
     async def version(request: Request):
         import vllm
-
-        import vlens
 
         return JSONResponse({"version": vllm.__version__, "vlens": vlens.__version__})
 
@@ -95,7 +95,5 @@ def install_docs(app: Any, bodies: dict[str, Any]) -> None:
 
 
 def _version() -> str:
-    import vlens
-
     return getattr(vlens, "__version__", "0")
 

@@ -2,7 +2,7 @@
 ``/openapi.json`` and ``/docs``: what a client may send, field by field.
 
 These describe the body; the checks themselves are
-:func:`vlens.checks.body.parse_body` (ranges against the served model,
+:func:`vlens.remote.body.parse_body` (ranges against the served model,
 names, spans, bounds on every write), which every request passes and whose
 refusals name the field (``vlens.steer[0].layer``). A test checks that the
 two agree on the documented examples and on the keys each entry takes.

@@ -27,12 +27,19 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI reads the routes' annotations here
 
+import vlens
+from vlens.checks import ModelFacts
+from vlens.edits import engine_prompt
 from vlens.errors import VlensError
+from vlens.protocol.plan import PLAN_KEY, parse_plan
+from vlens.protocol.tensors import decode_tensor
 from vlens.remote.bodies import drain, read_body
 from vlens.remote.errors import install as install_errors
-from vlens.remote.guard import Checked, Limits, Refused, check_call
+from vlens.remote.guard import Checked, Limits, Refused, check_call, check_vector
 from vlens.remote.metrics import Metrics
+from vlens.remote.names import ServerNames
 from vlens.remote.presets import Presets
+from vlens.remote.routes import install_routes
 from vlens.remote.slots import Slots, Waiting
 from vlens.remote.tokens import TokenFile
 from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
@@ -62,9 +69,6 @@ class Server:
     def __init__(self, llm: Any, info: dict[str, Any], tokens: dict[str, str], limits: Limits,
                  model_dir: str, max_calls: int, token_file: str | None = None,
                  names: Any = None, presets: Presets | None = None) -> None:
-        from vlens.checks import ModelFacts
-        from vlens.remote.names import ServerNames
-
         self.llm = llm
         self.info = info
         self.facts = ModelFacts.from_info(info)
@@ -102,7 +106,8 @@ class Server:
         return self.clients[found]
 
     # -- steering vectors, cached per client -------------------------------------
-    async def _hold(self, client: _Client, vectors: dict[str, Any]) -> None:
+    async def hold_vectors(self, client: _Client, vectors: dict[str, Any]) -> None:
+        """Make sure the workers hold ``vectors`` for the client's call (pinned)."""
         async with self._vector_lock:
             missing = {k: v for k, v in vectors.items() if k not in client.vectors}
             if missing:
@@ -111,7 +116,8 @@ class Server:
                 client.vectors[k] = client.vectors.get(k, 0) + 1
                 client.vectors.move_to_end(k)
 
-    async def _release(self, client: _Client, vectors: dict[str, Any]) -> None:
+    async def release_vectors(self, client: _Client, vectors: dict[str, Any]) -> None:
+        """Unpin a call's vectors; past the client's cap, drop its unpinned ones."""
         async with self._vector_lock:
             for k in vectors:
                 if k in client.vectors:
@@ -122,6 +128,17 @@ class Server:
                 await self.llm.collective_rpc("vlens_drop_vectors", args=(gone,))
                 for k in gone:
                     del client.vectors[k]
+
+    def tokenizer_frame(self) -> bytes:
+        """The model folder's tokenizer files, packed (read once: the folder
+        does not change)."""
+        if self._tokenizer is None:
+            folder = Path(self.model_dir)
+            files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+                     if p.is_file() and _TOKENIZER_FILES.match(p.name)
+                     and p.stat().st_size < 64 * 2**20} if folder.is_dir() else {}
+            self._tokenizer = pack({"files": files})
+        return self._tokenizer
 
     # -- one call ---------------------------------------------------------------
     @property
@@ -140,9 +157,6 @@ class Server:
 
     async def run(self, client: _Client, call: Checked, stream: bool):
         """The frames of one admitted call (an async iterator of bytes)."""
-        from vlens.edits import engine_prompt
-        from vlens.protocol.plan import PLAN_KEY, parse_plan
-
         n = len(call.ids)
         rids = [f"{client.name}-{uuid.uuid4().hex[:12]}-{i}" for i in range(n)]
         tags = sorted({t for t in call.tags if t is not None})
@@ -191,7 +205,7 @@ class Server:
                     "outputs": outs, **({"delta": True} if delta else {})}
 
         try:
-            await self._hold(client, call.vectors)
+            await self.hold_vectors(client, call.vectors)
             tasks = [asyncio.create_task(pump(i)) for i in range(n)]
             live = n
             while live:
@@ -234,7 +248,7 @@ class Server:
                     await self.llm.abort(rids)
                     if tags:
                         await self.llm.collective_rpc("vlens_drop", args=(tags,))
-                    await self._release(client, call.vectors)
+                    await self.release_vectors(client, call.vectors)
                 finally:
                     self.release(client)
 
@@ -276,8 +290,6 @@ def _stream_class():
         Starlette's own part stays: a client that goes away cancels it."""
 
         def __init__(self, frames: Any, server: Server, client: _Client, stall: float) -> None:
-            from vlens.remote.wire import FRAME_TYPE
-
             super().__init__(frames, media_type=FRAME_TYPE)
             self.frames = frames
             self.server = server
@@ -328,14 +340,10 @@ def _named_routes(app: Any, server: Server, who: Any) -> None:
             body = unpack_one(raw, max_containers=16)
             if not isinstance(body, dict) or set(body) != {"name", "vector"}:
                 raise Refused(400, "send {name, vector}")
-            from vlens.remote.guard import check_vector
-
             vid = body["vector"].get("id") if isinstance(body["vector"], dict) else None
             payload = {k: v for k, v in body["vector"].items() if k != "id"} if vid else None
             widths = {server.facts.width(site) for site in server.facts.writable}
             check_vector(vid, payload, widths)
-            from vlens.protocol.tensors import decode_tensor
-
             held = server.names.register(client.name, body["name"], decode_tensor(payload),
                                          server.facts)
         except Refused:
@@ -350,8 +358,6 @@ def _named_routes(app: Any, server: Server, who: Any) -> None:
 def make_app(server: Server, metrics_public: bool = False):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
-
-    from vlens.remote.routes import install_routes
 
     app = FastAPI(title="vlens serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_errors(app)
@@ -369,8 +375,6 @@ def make_app(server: Server, metrics_public: bool = False):
     @app.get("/v1/info")
     async def info(request: Request):
         who(request)
-        import vlens
-
         return {"model": server.info, "model_name": Path(server.model_dir).name,
                 "limits": server.limits.public(), "server": server.instance,
                 **server.names.public(),
@@ -379,13 +383,7 @@ def make_app(server: Server, metrics_public: bool = False):
     @app.get("/v1/tokenizer")
     async def tokenizer(request: Request):
         who(request)
-        if server._tokenizer is None:  # read once: the model folder does not change
-            folder = Path(server.model_dir)
-            files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-                     if p.is_file() and _TOKENIZER_FILES.match(p.name)
-                     and p.stat().st_size < 64 * 2**20} if folder.is_dir() else {}
-            server._tokenizer = pack({"files": files})
-        return Response(server._tokenizer, media_type=FRAME_TYPE)
+        return Response(server.tokenizer_frame(), media_type=FRAME_TYPE)
 
     @app.get("/v1/status")
     async def status(request: Request):

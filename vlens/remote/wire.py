@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlens.errors import VlensError
+
 __all__ = ["FRAME_TYPE", "WireError", "pack", "unpack", "FrameReader", "PARAM_FIELDS",
            "params_to_wire", "logprobs_to_wire", "output_from_wire", "merge_delta", "RemoteOutput",
            "RemoteCompletion", "Logprob"]
@@ -159,8 +161,6 @@ def params_to_wire(sp: Any) -> dict[str, Any]:
     """A vLLM ``SamplingParams`` -> its whitelisted fields. A setting outside
     the list that differs from vLLM's default is refused (it would be lost)."""
     from vllm import SamplingParams
-
-    from vlens.errors import VlensError
 
     default = SamplingParams()
     for name in getattr(type(sp), "__struct_fields__", ()):

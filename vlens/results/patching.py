@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlens.plots import patching_heatmap
 from vlens.tokens import visible
 
 __all__ = ["Dist", "Patching"]
@@ -78,8 +79,6 @@ class Patching:
     def figure(self, cell: tuple[int, int] | None = None):
         """A plotly heatmap of the grid (layers down, positions or heads
         across; unfinished cells empty)."""
-        from vlens.plots import patching_heatmap
-
         return patching_heatmap(
             self.grid, self.layers, self.columns, cell=cell,
             column_title="head" if self.heads is not None else "position",

@@ -16,9 +16,13 @@ from typing import Any
 
 import torch
 
+from vlens.errors import VlensError
 from vlens.protocol.plan import read_key
 
-__all__ = ["Run", "Trace"]
+__all__ = ["Run", "Trace", "stack_index"]
+
+#: the sites held per head, ``[..., heads, head_dim]``
+SPLIT_SITES = ("q", "k", "v", "z")
 
 
 @dataclass
@@ -37,10 +41,16 @@ class Trace:
       ``attn_pattern`` ``[layers, heads, n_tokens, n_tokens]`` (row i: where
       token i attends, summing to 1 over tokens 0..i, zero above the
       diagonal; only the heads asked for with ``heads=``);
-    * ``attention(layer)`` / ``heads(site, layer)`` -- one layer of those;
+    * ``layers_read(site)`` -- the layer NUMBERS of that stack, in order;
+    * ``activations(site, layer=L)`` / ``t[site, L]`` -- layer number L alone
+      (``[n_tokens, hidden]``; ``split_heads=True``: ``[n_tokens, heads,
+      head_dim]`` of a head site); ``t[site]`` -- the stack; ``attention(L)``
+      -- ``[heads, n_tokens, n_tokens]`` of layer L; a layer not read is a
+      VlensError naming the layers read;
     * ``norms(site)`` -- ``[n_layers_read, n_tokens]`` (head sites: per head,
-      ``[layers, n_tokens, heads]``);
-    * ``logit_lens()`` -- top-k ids and probabilities, ``[layers, tokens, k]``;
+      ``[layers, n_tokens, heads]``); ``layer=L`` as above;
+    * ``logit_lens()`` -- top-k ids and probabilities, ``[layers, tokens, k]``
+      (``layer=L``: ``[tokens, k]``);
     * ``read_keys`` -- what was read: ``"resid_post"``, ``"resid_post:norm"`` …
     * ``steered_rows`` -- rows a Steer added to (one count per Steer per row);
     * ``cached_tokens`` -- prompt rows served from vLLM's prefix cache, which
@@ -69,7 +79,8 @@ class Trace:
     positions: list[int]
     logprobs: list[float | None]
     finish_reason: str | None
-    layers: dict[str, list[int]] = field(default_factory=dict)
+    #: read key -> the layer numbers of its stack (``layers_read``)
+    _layers: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _reads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     copied_bytes: int = 0
     steered_rows: int = 0
@@ -106,28 +117,75 @@ class Trace:
                 f"Pass {hint} to trace()."
             ) from None
 
-    def activations(self, site: str = "resid_post") -> torch.Tensor:
-        """``[n_layers_read, n_tokens, hidden]`` for ``site`` (float32, CPU)."""
-        return self._get(site)
+    def layers_read(self, site: str = "resid_post") -> list[int]:
+        """The layer numbers of ``site``'s stack, in order: row ``i`` of
+        ``activations(site)`` (``norms``, ``logit_lens`` …) is layer
+        ``layers_read(site)[i]``. ``site`` may be a read key
+        (``"resid_post:norm"``); a plain site names its full read, else the
+        first reduced read of it."""
+        return list(self._layers[self._key_of(site)])
 
-    def norms(self, site: str = "resid_post") -> torch.Tensor:
-        """``[n_layers_read, n_tokens]`` L2 norms (read reduced, or computed)."""
+    def _key_of(self, site: str) -> str:
+        if site in self._layers:
+            return site
+        keys = [k for k in self._layers if k.partition(":")[0] == site]
+        if not keys:
+            self._get(site)  # the error that says what was read
+        return keys[0]
+
+    def _stack(self, key: str, layer: int | None, part: str = "value") -> torch.Tensor:
+        """``key``'s stack ``[layers_read, ...]``, or its row of ``layer``."""
+        stack = self._get(key, part)
+        if layer is None:
+            return stack
+        return stack[stack_index(self._layers.get(key, []), layer, key)]
+
+    def activations(self, site: str = "resid_post", layer: int | None = None, *,
+                    split_heads: bool = False) -> torch.Tensor:
+        """``site``'s activations (float32, CPU): ``[layers_read, n_tokens,
+        hidden]``, or with ``layer=L`` (a layer NUMBER) that layer's
+        ``[n_tokens, hidden]``. Head sites hold their heads apart:
+        ``[..., n_tokens, heads, head_dim]``; ``split_heads=True`` asks for
+        that form and refuses a site without heads."""
+        if split_heads and site not in SPLIT_SITES:
+            raise VlensError(f"split_heads=True takes a head site ({', '.join(SPLIT_SITES)}), "
+                             f"got {site!r}")
+        return self._stack(site, layer)
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        """``t["resid_post"]`` -- the stack ``[layers_read, n_tokens, ...]``;
+        ``t["resid_post", 3]`` -- layer 3 (as TransformerLens's
+        ActivationCache reads), the same as ``t.activations(site, layer=3)``."""
+        if isinstance(key, str):
+            return self.activations(key)
+        if (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
+                and isinstance(key[1], int) and not isinstance(key[1], bool)):
+            return self.activations(key[0], layer=key[1])
+        raise VlensError(f"a trace is read as t[site] or t[site, layer] (a site name and a "
+                         f"layer number, e.g. t['resid_post', 3]), not t[{key!r}]")
+
+    def norms(self, site: str = "resid_post", layer: int | None = None) -> torch.Tensor:
+        """``[layers_read, n_tokens]`` L2 norms (read reduced, or computed;
+        head sites: per head, ``[..., heads]``); ``layer=L``: that layer's."""
         key = read_key(site, "norm")
         if key in self._reads:
-            return self._reads[key]["value"]
-        return self.activations(site).norm(dim=-1)
+            return self._stack(key, layer)
+        return self.activations(site, layer).norm(dim=-1)
 
-    def logit_lens(self, site: str = "resid_post") -> tuple[torch.Tensor, torch.Tensor]:
+    def logit_lens(self, site: str = "resid_post", layer: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """The logit lens read with ``trace(logit_lens=k)`` (computed in the
         worker with the model's own final norm and unembedding): top-k token
-        ids (int64) and probabilities, each ``[n_layers_read, n_tokens, k]``."""
+        ids (int64) and probabilities, each ``[layers_read, n_tokens, k]``,
+        or ``[n_tokens, k]`` of layer number ``layer``."""
         key = read_key(site, "logit_lens")
-        return self._get(key, "ids"), self._get(key, "probs")
+        return self._stack(key, layer, "ids"), self._stack(key, layer, "probs")
 
     def features(self, sae: Any) -> torch.Tensor:
         """``[n_tokens, d_sae]`` float32 feature activations of ``sae`` (a
-        :class:`~vlens.SAE`) read with ``trace(saes=[sae])``; read with
-        ``features_top_k=k``, each token's k largest and zeros elsewhere."""
+        :class:`~vlens.SAE`, one layer: ``sae.layer``) read with
+        ``trace(saes=[sae])``; read with ``features_top_k=k``, each token's k
+        largest and zeros elsewhere."""
         dense = f"{sae.site}:sae:{sae.id}"
         if dense in self._reads:
             return self._reads[dense]["value"][0]
@@ -135,31 +193,43 @@ class Trace:
         ids, values = self._get(key, "ids")[0].long(), self._get(key, "values")[0]
         return torch.zeros(ids.shape[0], sae.d_sae).scatter_(1, ids, values)
 
-    def vocab_logprobs(self, site: str = "resid_post") -> torch.Tensor:
-        """Logit-lens log-probabilities over the vocabulary, ``[layers, tokens, vocab]``."""
-        return self._get(read_key(site, "logprobs"))
+    def vocab_logprobs(self, site: str = "resid_post", layer: int | None = None) -> torch.Tensor:
+        """Logit-lens log-probabilities over the vocabulary, ``[layers_read,
+        tokens, vocab]``, or ``[tokens, vocab]`` of layer number ``layer``."""
+        return self._stack(read_key(site, "vocab_logprobs"), layer)
 
     def attention(self, layer: int) -> torch.Tensor:
-        """``[heads, n_tokens, n_tokens]`` attention probabilities of one
-        layer (read with ``sites=["attn_pattern"]``): entry ``[h, i, j]`` is
-        how much head h at token i attends to token j."""
-        return self.layer("attn_pattern", layer)
+        """``[heads, n_tokens, n_tokens]`` attention probabilities of layer
+        number ``layer`` (read with ``sites=["attn_pattern"]``): entry
+        ``[h, i, j]`` is how much head h at token i attends to token j."""
+        return self.activations("attn_pattern", layer=layer)
 
-    def heads(self, site: str, layer: int) -> torch.Tensor:
-        """``[n_tokens, heads, head_dim]`` of a head site (q, k, v, z) at one layer."""
-        if site not in ("q", "k", "v", "z"):
-            raise KeyError(f"heads() takes a head site ('q', 'k', 'v' or 'z'), got {site!r}")
-        return self.layer(site, layer)
+    @property
+    def layers(self) -> Any:
+        raise TypeError("Trace.layers is gone: t.layers_read(site) gives the layer numbers "
+                        "of a site's stack, in order")
 
-    def layer(self, site: str, layer: int) -> torch.Tensor:
-        """``[n_tokens, hidden]`` of one layer (head sites: as in
-        ``activations``, without the layer axis)."""
-        if site not in self.layers:
-            self._get(site)  # the error that says what was read
-        layers = self.layers[site]
-        if layer not in layers:
-            raise KeyError(f"layer {layer} of {site!r} was not read; read layers: {layers}")
-        return self.activations(site)[layers.index(layer)]
+    def layer(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("Trace.layer(site, L) is gone: use t.activations(site, layer=L) "
+                        "or t[site, L]")
+
+    def heads(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("Trace.heads(site, L) is gone: use "
+                        "t.activations(site, layer=L, split_heads=True)")
+
+
+def stack_index(read: Sequence[int], layer: int, what: str = "") -> int:
+    """Where layer NUMBER ``layer`` sits in a stack that read ``read`` (the
+    layer numbers, in order): the one lookup of layer -> stack row."""
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise VlensError(f"layer must be a layer number (an int), got {layer!r}")
+    for i, x in enumerate(read):
+        if x == layer:
+            return i
+    of = f" of {what!r}" if what else ""
+    raise VlensError(f"layer {layer}{of} was not read: the layers read are {list(read)}; "
+                     f"read it with trace(..., layers={sorted({*read, layer})}) "
+                     "(layers=None reads every layer)")
 
 
 class Run(Sequence[Trace]):
@@ -213,7 +283,7 @@ class Run(Sequence[Trace]):
                 norms = t.norms(site)
                 if norms.dim() == 3:  # per head: the norm of all heads together
                     norms = norms.norm(dim=-1)
-                for li, layer in enumerate(t.layers[key]):
+                for li, layer in enumerate(t.layers_read(key)):
                     n = t.n_tokens
                     cols["request"] += [t.index] * n
                     cols["sample"] += [t.sample] * n

@@ -1,7 +1,7 @@
 """What ``Session.compare`` and ``Session.sweep`` return.
 
 ``Comparison`` holds baseline and steered runs of the same prompts,
-``Sweep`` one prompt at several scales; both turn into tidy frames. The
+``Sweep`` prompts at several scales; both turn into tidy frames. The
 KL between two log-probability tables (``kl_per_position``) is the one the
 Session and :mod:`vlens.testing` both use. Nothing here touches the engine.
 """
@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from vlens.errors import VlensError
+from vlens.plots import baseline_vs_steered, dose_response
 from vlens.results.run import Run
 from vlens.tokens import first_divergence
 
-__all__ = ["Comparison", "Sweep", "first_divergence", "generated_kl", "kl_per_position",
-           "run_label"]
+__all__ = ["Comparison", "Sweep", "generated_kl", "kl_per_position", "run_label"]
 
 #: what a run's edits made of it, as its row in a figure is labelled
 _LABELS = (("Clamp", "clamped"), ("Ablate", "ablated"), ("Steer", "steered"))
@@ -122,8 +123,6 @@ class Comparison:
         :attr:`label`), wrapped, with the first divergence outlined. The
         title gives that position (or says there is none), after ``what``
         (the settings, in words) when given."""
-        from vlens.plots import baseline_vs_steered
-
         if not 0 <= prompt < len(self.baseline):
             raise IndexError(f"prompt {prompt} of a comparison of {len(self.baseline)}")
         frame = self.to_frame()
@@ -149,43 +148,73 @@ class Comparison:
 
 @dataclass
 class Sweep:
-    """One prompt steered at several scales, all in one batch."""
+    """Prompts steered at several scales, all in one batch.
 
-    prompt: str
+    ``runs[j]`` is the Run at ``scales[j]`` (its trace ``i``: prompt ``i``);
+    ``baseline`` the unsteered Run (one trace per prompt), as on
+    :class:`Comparison`. ``kl[j][i]``: KL(baseline || steered) at each
+    generated position of prompt ``i`` at scale ``j`` (computed here, with
+    :func:`generated_kl`). ``label``: what the scales scale, in words (the
+    figure's title starts with it when given).
+    """
+
+    prompts: list[str]
     scales: list[float]
-    runs: Run  # one trace per scale, in ``scales`` order
-    baseline: Any  # the Trace at scale 0 (run alongside when 0 is not a scale)
-    kl: list[torch.Tensor] = field(default_factory=list)
+    runs: list[Run]
+    baseline: Run
+    label: str = ""
+    kl: list[list[torch.Tensor]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        if len(self.runs) != len(self.scales):
+            raise VlensError(f"{len(self.scales)} scales but {len(self.runs)} runs")
+        if len(self.baseline) != n or any(len(r) != n for r in self.runs):
+            raise VlensError(f"the baseline and each run need one trace per prompt ({n})")
+        self.kl = [[generated_kl(b, t) for b, t in zip(self.baseline, run)] for run in self.runs]
 
     def to_frame(self):
-        """Tidy: one row per scale with the text, the mean logprob of the
-        generated tokens, mean and first-position KL from the baseline, and
-        the first generated position that differs from it."""
+        """Tidy: one row per (prompt, scale) -- ``prompt`` (its index),
+        ``scale``, the text, the mean logprob of the generated tokens, mean
+        and first-position KL from the baseline, and the first generated
+        position that differs from it. Rows go prompt by prompt, scales in
+        order within each."""
         import pandas as pd
 
         rows = []
-        for scale, t, kl in zip(self.scales, self.runs, self.kl):
-            n = len(t.prompt_token_ids)
-            gen = [x for x in t.logprobs[n:] if x is not None]
-            rows.append({
-                "scale": scale,
-                "text": t.text,
-                "n_generated": len(t.output_token_ids),
-                "mean_logprob": sum(gen) / len(gen) if gen else float("nan"),
-                "kl_first": float(kl[0]) if len(kl) else float("nan"),
-                "kl_mean": float(kl.mean()) if len(kl) else float("nan"),
-                "first_divergence": first_divergence(
-                    self.baseline.output_token_ids, t.output_token_ids
-                ),
-            })
+        for i, base in enumerate(self.baseline):
+            for j, scale in enumerate(self.scales):
+                t, kl = self.runs[j][i], self.kl[j][i]
+                n = len(t.prompt_token_ids)
+                gen = [x for x in t.logprobs[n:] if x is not None]
+                rows.append({
+                    "prompt": i,
+                    "scale": scale,
+                    "text": t.text,
+                    "n_generated": len(t.output_token_ids),
+                    "mean_logprob": sum(gen) / len(gen) if gen else float("nan"),
+                    "kl_first": float(kl[0]) if len(kl) else float("nan"),
+                    "kl_mean": float(kl.mean()) if len(kl) else float("nan"),
+                    "first_divergence": first_divergence(base.output_token_ids,
+                                                         t.output_token_ids),
+                })
         return pd.DataFrame(rows)
 
-    def figure(self, metric: str = "kl_mean"):
+    def figure(self, metric: str = "kl_mean", prompt: int | None = None):
         """``metric`` (a column of :meth:`to_frame`: ``kl_mean``,
         ``kl_first``, ``mean_logprob`` …) against scale, as
-        :func:`vlens.plots.dose_response` draws it; the hover has each
-        scale's text."""
-        from vlens.plots import dose_response
-
-        return dose_response(self.to_frame(), metric,
-                             title=f"{metric} against scale ({len(self.scales)} scales)")
+        :func:`vlens.plots.dose_response` draws it: one line per prompt
+        (``prompt=None``) or the line of prompt index ``prompt``; the hover
+        has each scale's text."""
+        frame = self.to_frame()
+        n = len(self.prompts)
+        what = f"{self.label}: " if self.label else ""
+        if prompt is not None:
+            if isinstance(prompt, bool) or not isinstance(prompt, int) or not 0 <= prompt < n:
+                raise VlensError(f"prompt= is a prompt index, 0 to {n - 1}, got {prompt!r}")
+            frame = frame[frame["prompt"] == prompt]
+        title = f"{what}{metric} against scale ({len(self.scales)} scales"
+        if prompt is None and n > 1:
+            return dose_response(frame, metric, by="prompt", title=f"{title}, {n} prompts)")
+        return dose_response(frame, metric,
+                             title=title + (f", prompt {prompt})" if n > 1 else ")"))

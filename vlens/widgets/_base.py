@@ -107,7 +107,7 @@ class Panel(widgets.VBox):
         )
         # one save button per page: a panel inside this one is saved with it
         for inner in self._inner_panels():
-            inner._save_row.layout.display = "none"
+            inner.hide_save_button()
 
     def snapshot(self, path: Any, *, title: str | None = None) -> Any:
         """Save what this widget shows now to one self-contained HTML file
@@ -194,10 +194,22 @@ class Panel(widgets.VBox):
             panels = [self, *self._inner_panels()]
             for panel in panels:
                 left = None if end is None else max(0.0, end - time.monotonic())
-                if not panel._runs.wait(left):
+                if not panel.wait_own(left):
                     return False
-            if not any(p._runs.under_way() for p in panels):
+            if not any(p.under_way() for p in panels):
                 return True
+
+    def wait_own(self, timeout: float | None = None) -> bool:
+        """Like :meth:`wait`, for this panel's own runs only (not its inner panels')."""
+        return self._runs.wait(timeout)
+
+    def under_way(self) -> bool:
+        """Whether a run this panel started (not an inner panel's) is under way."""
+        return self._runs.under_way()
+
+    def hide_save_button(self) -> None:
+        """Hide this panel's save button: the panel it sits in saves it with itself."""
+        self._save_row.layout.display = "none"
 
     def _inner_panels(self) -> list[Panel]:
         found, todo = [], list(self.children)
@@ -256,7 +268,9 @@ def full_sites(run: Run) -> list[str]:
 
 def layers_spanned(run: Run) -> int:
     """How many layers a picker over ``run`` offers: up to its highest read layer."""
-    return 1 + max((max(v) for v in run[0].layers.values() if v), default=0)
+    t = run[0]
+    return 1 + max((max(t.layers_read(k)) for k in t.read_keys if t.layers_read(k)),
+                   default=0)
 
 
 def _selected(name: str) -> property:

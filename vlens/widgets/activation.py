@@ -15,6 +15,7 @@ import traitlets
 
 from vlens.plots import QUANTITIES, activation_heatmap, activation_values, token_strip
 from vlens.results import Run
+from vlens.results.run import stack_index
 from vlens.widgets._base import View, figure_widget, full_sites, layers_spanned, show_figure
 from vlens.widgets.pickers import LayerPicker, SitePicker
 from vlens.widgets.selection import Selection
@@ -135,7 +136,7 @@ class ActivationView(View):
         return (
             activation_values(acts, self.quantity, direction=self.direction,
                               neuron=self.neuron),
-            list(t.layers[self.site]),
+            t.layers_read(self.site),
         )
 
     def replot(self) -> None:
@@ -154,12 +155,7 @@ class ActivationView(View):
                 title=f"{self.site}: {label} by layer and token",
             ),
         )
-        if self.layer not in layers:
-            raise ValueError(
-                f"layer {self.layer} of {self.site!r} was not read in this run "
-                f"(read: {layers})"
-            )
-        row = values[layers.index(self.layer)]
+        row = values[stack_index(layers, self.layer, self.site)]  # not read: it says so
         show_figure(
             self.strip,
             token_strip(row, t.tokens, n_prompt=n_prompt, quantity=label, width=12,

@@ -17,7 +17,7 @@ import ipywidgets as widgets
 import traitlets
 
 from vlens.results import Run
-from vlens.results.steering import first_divergence
+from vlens.tokens import first_divergence
 from vlens.widgets._base import Panel
 from vlens.widgets.prompt_box import box_text
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vlens.models.recipes import steering_recipe
+
 __all__ = ["SteeringDefaults", "steering_defaults"]
 
 
@@ -47,8 +49,6 @@ def steering_defaults(session: Any) -> SteeringDefaults:
     :func:`vlens.models.recipes.steering_recipe` (layer, scale, relative,
     span, the two prompt sets, a sad example that flips). Elsewhere: the middle
     layer, scale 4, an absolute push, and a note saying what to set."""
-    from vlens.models.recipes import steering_recipe
-
     r = steering_recipe(session)
     if r is None:
         return SteeringDefaults(layer=session.n_layers // 2, scale=4.0, relative=False,

@@ -30,7 +30,10 @@ import ipywidgets as widgets
 import torch
 import traitlets
 
+from vlens.edits import Steer
 from vlens.errors import VlensError
+from vlens.lens import LogitLens
+from vlens.methods.sae import SAE, Clamp
 from vlens.plots import (
     feature_contexts,
     feature_histogram,
@@ -145,8 +148,6 @@ class FeatureView(Panel):
                  prompt: str | None = None, top_k: int = 0, k: int | None = None, n_contexts: int = 8,
                  max_new_tokens: int = 40, unembed: Any = None,
                  measured: Mapping[str, Any] | None = None) -> None:
-        from vlens.methods.sae import SAE
-
         if not isinstance(sae, SAE):
             raise VlensError(f"FeatureView needs a vlens.SAE (vlens.SAE.load(path)), "
                              f"got {type(sae).__name__}")
@@ -318,17 +319,12 @@ class FeatureView(Panel):
             raise VlensError(f"the SAE reads {self.sae.site!r}, which reaches the unembedding "
                              "only through later weights: no promoted tokens to show")
         if self._unembed is None:
-            from vlens.lens import LogitLens
-
             self._unembed = LogitLens.from_pretrained(self.controller.session.model)
         return self._unembed
 
     def steer(self) -> Any:
         """The edit the run button makes: a :class:`vlens.Steer` of the
         feature's decoder row, or a :class:`vlens.Clamp` of the feature."""
-        from vlens.edits import Steer
-        from vlens.methods.sae import Clamp
-
         if self.feature < 0:
             raise VlensError("pick a feature first: click a token, then one of its features")
         if self.mode == "clamp":

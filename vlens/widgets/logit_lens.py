@@ -135,10 +135,10 @@ class LogitLensView(View):
         """``(layers read, top ids [L, T, k], their probabilities [L, T, k])`` of ``t``."""
         if _LENS_KEY in t.read_keys:
             ids, probs = t.logit_lens("resid_post")
-            return list(t.layers[_LENS_KEY]), ids, probs
+            return t.layers_read(_LENS_KEY), ids, probs
         if "resid_post" in t.read_keys and self.offline_lens is not None:
             ids, probs = self.offline_lens.top(t.activations("resid_post"), k=TOP_K)
-            return list(t.layers["resid_post"]), ids, probs
+            return t.layers_read("resid_post"), ids, probs
         raise ValueError(
             "this run has no logit lens to show: trace with logit_lens=5, or read "
             "resid_post in full and pass offline_lens=LogitLens.from_pretrained(model)"
@@ -160,7 +160,7 @@ class LogitLensView(View):
                     mine = probs[:, int(token_id)]
                     p.append(mine)
                     rank.append((probs > mine[:, None]).sum(-1).float() + 1)
-                self._tracked[key] = (list(t.layers["resid_post"]), torch.stack(p),
+                self._tracked[key] = (t.layers_read("resid_post"), torch.stack(p),
                                       torch.stack(rank), None, "exact")
             else:
                 layers, ids, probs, _ = self._top

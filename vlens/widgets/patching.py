@@ -46,8 +46,8 @@ class PatchingView(Panel):
 
     ``PatchingView(patching)`` shows a result; ``PatchingView(session,
     clean=..., corrupt=..., **options)`` runs ``session.stream_patch(clean,
-    corrupt, **options)`` (``site=``, ``layers=``, ``positions=``,
-    ``answer=``, ``heads=``) and fills the grid in as cells finish; the
+    corrupt, **options)`` (``site=``, ``layers=``, ``span=``,
+    ``answer=``, ``per_head=``) and fills the grid in as cells finish; the
     run button runs it again. Traits: ``patching``, ``cell`` ``(row,
     col)`` (``(-1, -1)`` for none), ``cells_done``, ``streamed_states``
     (how many partial grids the last run showed). ``heatmap`` and
@@ -104,8 +104,8 @@ class PatchingView(Panel):
         return "runs with: " + " · ".join([
             f"site {o.get('site', 'resid_post')}",
             f"layers {'every' if o.get('layers') is None else o['layers']}",
-            f"positions {'every' if o.get('positions') is None else o['positions']}",
-            "per head" if o.get("heads") else "per position",
+            f"span {'all' if o.get('span') is None else o['span']}",
+            "per head" if o.get("per_head") else "per position",
             "answer: each run's top next token" if answer is None else f"answer {answer!r}",
         ])
 

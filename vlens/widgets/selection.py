@@ -17,8 +17,9 @@ from typing import Any
 
 import traitlets
 
-from vlens.results import Run
+from vlens.edits import PerPrompt
 from vlens.protocol.sites import HEAD_SITES
+from vlens.results import Comparison, Run
 
 __all__ = ["Controller", "Selection"]
 
@@ -37,6 +38,12 @@ def token_sites(sites: Sequence[str]) -> list[str]:
     (not the per-head sites nor ``attn_pattern``): what the activation view
     draws and where a steering direction lives."""
     return [x for x in sites if x not in HEAD_SITES]
+
+
+def _edit_keyword(edit: Any) -> dict[str, Any]:
+    """The keyword ``compare`` takes ``edit`` under: ``clamp=`` for a
+    :class:`vlens.Clamp` (it has an SAE), ``steer=`` for anything else."""
+    return {"clamp" if getattr(edit, "sae", None) is not None else "steer": edit}
 
 
 class Selection(traitlets.HasTraits):
@@ -116,14 +123,15 @@ class Controller(traitlets.HasTraits):
         return self._directions[key]
 
     def compare(self, prompt: str, steer: Any, *, progress: Progress | None = None) -> Any:
-        """Baseline vs ``steer`` on ``prompt``, one engine batch."""
-        return self.session.compare([prompt], steer=steer, progress=progress,
+        """Baseline vs ``steer`` (a Steer, or a Clamp: sent as ``clamp=``)
+        on ``prompt``, one engine batch."""
+        return self.session.compare([prompt], **_edit_keyword(steer), progress=progress,
                                     max_new_tokens=self.max_new_tokens)
 
     def stream_compare(self, prompt: str, steer: Any) -> Any:
         """``compare``, token by token: partial ``(baseline, steered)`` Runs
         after every engine step, the finished Comparison last."""
-        return self.session.stream_compare([prompt], steer=steer,
+        return self.session.stream_compare([prompt], **_edit_keyword(steer),
                                            max_new_tokens=self.max_new_tokens)
 
     def stream_ablation(self, prompt: str, ablate: Any) -> Any:
@@ -133,9 +141,6 @@ class Controller(traitlets.HasTraits):
         (``session.stream(..., ablate=PerPrompt([None, ablate]))``); partial
         ``(baseline, ablated)`` Runs after every step, then a Comparison of
         the two (its ``steered`` is the ablated run; no KL is computed)."""
-        from vlens.edits import PerPrompt
-        from vlens.results import Comparison
-
         s = self.session
         last = None
         # the smallest read a run can make: one layer's norms

@@ -1,7 +1,7 @@
 """Steer one prompt from a notebook: pick a direction, a layer, a span and a
 scale; see baseline vs steered and how a metric responds to the scale. In
 its ablation mode, pick attention heads of the layer to knock out instead
-(``vlens.Ablate("z", layer, heads=[...])``) and see the continuation change.
+(``vlens.Ablate("z", layer, query_heads=[...])``) and see the continuation change.
 
 The panel asks its :class:`~vlens.widgets.Controller` for everything that
 runs: the direction (difference of means of two prompt lists, computed once
@@ -24,13 +24,13 @@ from typing import Any
 import ipywidgets as widgets
 import traitlets
 
+from vlens.edits import Ablate, Steer
 from vlens.plots import dose_response, token_set_metric
-from vlens.edits import Steer
-from vlens.widgets.prompt_box import box_prompt, box_text
 from vlens.widgets._base import View, lines_of, show_figure, texts_html
 from vlens.widgets._figures import comparison_figure
 from vlens.widgets._steering_controls import SPAN_MODES, SteeringControls
 from vlens.widgets.defaults import SteeringDefaults, steering_defaults
+from vlens.widgets.prompt_box import box_prompt, box_text
 from vlens.widgets.selection import Controller, Selection
 
 __all__ = ["SteeringDefaults", "SteeringPanel", "steering_defaults"]
@@ -270,12 +270,10 @@ class SteeringPanel(SteeringControls, View):
     def ablation(self) -> Any:
         """The :class:`vlens.Ablate` of the ablation mode: the picked heads
         of ``z`` at the panel's layer, over :meth:`steer_span`."""
-        import vlens
-
         if not self.ablate_heads:
             raise ValueError("pick at least one head to knock out")
-        return vlens.Ablate("z", layer=self.layer, kind=self.ablation_kind,
-                            heads=list(self.ablate_heads), span=self.steer_span())
+        return Ablate("z", layer=self.layer, kind=self.ablation_kind,
+                      query_heads=list(self.ablate_heads), span=self.steer_span())
 
     def _need_prompt(self) -> str:
         if not self._prompt.value.strip():

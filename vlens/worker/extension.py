@@ -135,6 +135,7 @@ class VlensWorkerExtension:
         return self._vlens().features.put(payloads)
 
     def vlens_drop_saes(self, ids: list[str]) -> int:
+        """Forget these SAEs (``Engine.release_saes``); returns how many this worker holds."""
         return self._vlens().features.drop(ids)
 
     def vlens_put_edits(self, fns: dict[str, Any]) -> int:

@@ -158,6 +158,7 @@ class WorkerHooks:
             **self.book.counts(),
             "vectors": len(self.vectors),
             "vector_bytes": self.vectors.nbytes,
+            "saes": len(self.features),
             **self.counters.as_dict(),
         }
 

@@ -56,6 +56,14 @@ class RowSpan(NamedTuple):
         return self.stop - self.start
 
 
+class _Arrays(NamedTuple):
+    """A layout's spans still as arrays: keys, row edges, first positions."""
+
+    keys: Sequence[Hashable]
+    edges: np.ndarray
+    first: Sequence[int] | np.ndarray
+
+
 class StepLayout:
     """The row layout of one forward step.
 
@@ -72,7 +80,14 @@ class StepLayout:
 
     __slots__ = ("_spans", "_arrays", "num_actual", "num_padded")
 
-    def __init__(self, spans: tuple[RowSpan, ...], num_actual: int, num_padded: int) -> None:
+    def __init__(self, spans: tuple[RowSpan, ...] | _Arrays, num_actual: int,
+                 num_padded: int) -> None:
+        self.num_actual = num_actual
+        self.num_padded = num_padded
+        if isinstance(spans, _Arrays):  # checked by the maker; spans made when asked for
+            self._spans: tuple[RowSpan, ...] | None = None
+            self._arrays: _Arrays | None = spans
+            return
         at = 0
         for s in spans:
             if s.start != at or s.stop < s.start:
@@ -87,10 +102,8 @@ class StepLayout:
             raise ValueError(
                 f"num_padded ({num_padded}) < num_actual ({num_actual})"
             )
-        self._spans: tuple[RowSpan, ...] | None = tuple(spans)
+        self._spans = tuple(spans)
         self._arrays = None
-        self.num_actual = num_actual
-        self.num_padded = num_padded
 
     @property
     def spans(self) -> tuple[RowSpan, ...]:
@@ -163,13 +176,9 @@ class StepLayout:
         padded = n if num_padded is None else int(num_padded)
         if padded < n:
             raise ValueError(f"num_padded ({padded}) < num_actual ({n})")
-        layout = object.__new__(cls)
-        layout._spans = None  # made from the arrays when first asked for
-        # lists made with the spans, only if something asks for them
-        layout._arrays = (keys, qsl, first if isinstance(first, np.ndarray) else list(first))
-        layout.num_actual = n
-        layout.num_padded = padded
-        return layout
+        # the spans (and lists) are made from the arrays only if something asks for them
+        return cls(_Arrays(keys, qsl, first if isinstance(first, np.ndarray) else list(first)),
+                   n, padded)
 
     def span(self, key: Hashable) -> RowSpan:
         for s in self.spans:

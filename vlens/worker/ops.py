@@ -63,8 +63,8 @@ def _dispatch(code: int, target: torch.Tensor | None, value: torch.Tensor) -> No
 # ``torch.library.custom_op``: the graph calls these operators at every
 # hooked (site, layer) of every step, planned or not, and custom_op's Python
 # wrapper costs ~10 µs a call on this CPU against ~1.5 µs for a kernel
-# registered directly (benchmarks/step_cost.py, docs/performance.md). The
-# schemas say the same as before: ``site`` mutates ``target``, ``read``
+# registered directly (docs/performance.md: the step-cost conditions of
+# ``python -m benchmarks``). The schemas say the same as before: ``site`` mutates ``target``, ``read``
 # changes nothing (kept in the graph by ``has_side_effect`` below).
 _LIB = torch.library.Library("vlens", "FRAGMENT")
 _LIB.define("site(Tensor(a!) target, Tensor? value, int code) -> ()")

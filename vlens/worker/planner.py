@@ -44,7 +44,7 @@ __all__ = ["AddBatch", "BatchGroups", "EditCall", "ReadGroup", "SetBatch", "Step
 
 #: reductions that every tensor-parallel rank must join (the unembedding
 #: gathers across ranks), though only the reading rank keeps the result
-COLLECTIVE = ("logit_lens", "logprobs")
+COLLECTIVE = ("logit_lens", "vocab_logprobs")
 
 #: sites whose values are sharded by head across tensor-parallel ranks: every
 #: rank reads them, and the worker gathers the heads before one rank keeps them

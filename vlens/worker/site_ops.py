@@ -205,7 +205,7 @@ def reduce_rows(model: Any, rows: torch.Tensor, read: Read,
     logits = lens_logits(model, rows)
     if logits is None:  # a non-driver tensor-parallel rank
         return {}
-    if read.reduce == "logprobs":
+    if read.reduce == "vocab_logprobs":
         return {"value": logits.log_softmax(-1)}
     if read.reduce == "logit_lens":
         ids, probs = lens_top(logits, read.k)

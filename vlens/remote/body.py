@@ -28,8 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlens.checks.facts import ModelFacts, check_write_site, check_write_size, is_int
+from vlens.checks import check_steer_fits
+from vlens.checks.facts import ModelFacts, check_set_values, check_write_site, is_int
 from vlens.checks.plans import PLAN_MAX
+from vlens.edits import Ablate, Steer, parse_span
+from vlens.methods.sae import Clamp
 from vlens.errors import VlensError
 
 __all__ = ["BODY_KEYS", "BodyEdits", "BodyError", "NAME", "parse_body"]
@@ -119,8 +122,6 @@ def _vector(entry: dict, key: str, where: str, known: Callable[[str], Any], site
 
 
 def _span(entry: dict, where: str) -> Any:
-    from vlens.edits import parse_span
-
     span = entry.get("span", "all")
     try:
         return parse_span(tuple(span) if isinstance(span, list) else span, "")
@@ -137,8 +138,6 @@ def _made(where: str, make: Callable[[], Any]) -> Any:
 
 
 def _steer(entry: Any, where: str, facts: ModelFacts, vector: Callable, sae: Callable) -> Any:
-    from vlens.edits import Steer
-
     entry = _keys(entry, _STEER, where, ())
     if ("vector" in entry) == ("sae" in entry):
         raise BodyError(f"{where}.vector", "give a vector name, or an sae name and a feature "
@@ -169,7 +168,7 @@ def _steer(entry: Any, where: str, facts: ModelFacts, vector: Callable, sae: Cal
         vec = _vector(entry, "vector", where, vector, site, facts)
         st = _made(where, lambda: Steer(vec, layer, scale, site, span, relative))
     try:
-        check_write_size(where, float(st.vector.abs().max()), st.scale, st.relative, facts)
+        check_steer_fits(st, facts)
     except VlensError as exc:
         raise BodyError(f"{where}.scale", str(exc)) from None
     return st
@@ -195,8 +194,6 @@ def _feature(entry: dict, where: str, model: Any) -> int:
 
 
 def _clamp(entry: Any, where: str, facts: ModelFacts, sae: Callable) -> Any:
-    from vlens.methods.sae import Clamp
-
     entry = _keys(entry, _CLAMP, where, ("sae", "feature", "value"))
     value = _number(entry, "value", where, 0.0)
     span = _span(entry, where)
@@ -204,16 +201,13 @@ def _clamp(entry: Any, where: str, facts: ModelFacts, sae: Callable) -> Any:
     i = _feature(entry, where, model)
     c = _made(f"{where}.value", lambda: Clamp(model, i, value, span))
     try:
-        check_write_size(where, float(c.vector.abs().max()), c.scale, False, facts)
+        check_steer_fits(c, facts)
     except VlensError as exc:
         raise BodyError(f"{where}.value", str(exc)) from None
     return c
 
 
 def _ablate(entry: Any, where: str, facts: ModelFacts, vector: Callable) -> Any:
-    from vlens.edits import Ablate
-    from vlens.checks.facts import check_set_values
-
     entry = _keys(entry, _ABLATE, where, ("site", "layer"))
     site = entry["site"]
     if "direction" in entry:  # a directional ablation: at one layer, a list or "all"

@@ -6,7 +6,7 @@ on the idle server, then again while each attack runs beside it, and prints
 that client's median latency as a ratio to its idle value (the goal: at
 most 2x). Each attack is what issue #28 saw stall or spoil the server:
 
-    python benchmarks/attacks.py [MODEL] [--seconds 6]
+    python scripts/serve_attacks.py [MODEL] [--seconds 6]
 """
 
 from __future__ import annotations

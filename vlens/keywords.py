@@ -1,0 +1,75 @@
+"""Keyword arguments checked by name: a typo is a ``TypeError`` that names
+the closest real keyword, an old (v0.3) name one that names its
+replacement, and a sampling setting is matched against vLLM's
+``SamplingParams`` by name. Every Session method and the edit classes
+take their keywords through :func:`keywords`. Imports nothing of vlens.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["RENAMED", "SAMPLING", "keywords"]
+
+#: the settings of vLLM's ``SamplingParams`` a call may name (``max_tokens`` is
+#: ``max_new_tokens`` here; the log-probability ones are vlens's own, and
+#: refused with that explanation by :func:`vlens.checks.check_generation`);
+#: a test holds this list to vLLM's
+SAMPLING = (
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+    "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias",
+    "allowed_token_ids", "bad_words", "max_tokens", "extra_args", "logprob_token_ids",
+    "skip_reading_prefix_cache",
+)
+
+#: old keyword names (v0.3) and the names that replaced them; no shims: an
+#: old name is a TypeError that says the new one
+RENAMED = {
+    "heads": "query_heads",
+    "positions": "span",
+    "position": "span",
+}
+
+#: per method, where one old name became something else
+RENAMED_IN = {"patch": {"heads": "per_head"}, "stream_patch": {"heads": "per_head"},
+              "Clamp": {"scale": "value"}}
+
+
+def _refuse(method: str, key: str, named: Sequence[str], sampling: bool) -> TypeError:
+    new = RENAMED_IN.get(method, {}).get(key) or RENAMED.get(key)
+    if new is not None and new in named:
+        return TypeError(f"{method}() takes {new}= now ({key}= was its old name)")
+    pool = list(named) + (list(SAMPLING) if sampling else [])
+    close = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}=?" if close else ""
+    also = " or a sampling setting of vLLM's SamplingParams" if sampling else ""
+    return TypeError(f"{method}() got an unknown keyword {key!r}{hint} "
+                     f"({method} takes {', '.join(n + '=' for n in named)}{also})")
+
+
+def keywords(fn: Callable) -> Callable:
+    """Check a function's keyword arguments by name before it runs: an
+    unknown one is a TypeError naming the closest real one (its own
+    keywords, and vLLM's sampling settings when it takes ``**sampling``),
+    an old one names its replacement. The signature stays the function's."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    named = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+             and p.name not in ("self", "cls")]
+    sampling = any(p.kind == p.VAR_KEYWORD for p in params)
+    method = fn.__name__ if fn.__name__ != "__init__" else fn.__qualname__.split(".")[0]
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for key in kwargs:
+            if key not in named and not (sampling and key in SAMPLING):
+                raise _refuse(method, key, named, sampling)
+        return fn(*args, **kwargs)
+
+    return checked
