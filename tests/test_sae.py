@@ -199,6 +199,32 @@ def test_saes_are_held_in_a_bounded_cache_and_released(llama_session, tmp_path):
     assert s.status()["saes"] == held
 
 
+@pytest.mark.engine
+def test_an_sae_released_by_one_session_is_shipped_again_for_another(llama_session, tmp_path):
+    """Two Sessions share one engine; when one releases an SAE from the
+    workers (its cache is full), the other's next call that names it ships
+    it again instead of assuming the workers still hold it."""
+    from conftest import _session
+    from vlens._runner import SAE_CACHE
+
+    s = llama_session
+    other = _session(s.model, max_num_batched_tokens=64, max_model_len=512)
+    try:
+        assert other.engine is s.engine
+        shared = vlens.SAE.load(save_saelens(tmp_path / "shared", "standard",
+                                             "blocks.1.hook_resid_post", seed=300))
+        want = other.trace("the cat", saes=shared, sites=[], max_new_tokens=1)[0].features(shared)
+        s.trace("the cat", saes=shared, sites=[], max_new_tokens=1)
+        for i in range(SAE_CACHE):  # pushes `shared` out of s's cache: released
+            sae = vlens.SAE.load(save_saelens(tmp_path / f"o{i}", "standard",
+                                              "blocks.1.hook_resid_post", seed=400 + i))
+            s.trace("the cat", saes=sae, sites=[], max_new_tokens=1)
+        got = other.trace("the cat", saes=shared, sites=[], max_new_tokens=1)[0].features(shared)
+        torch.testing.assert_close(got, want)
+    finally:
+        other.close()
+
+
 # -- clamping -----------------------------------------------------------------------
 
 

@@ -84,9 +84,9 @@ class Runner:
         self.reused = shared.users > 1
         self.closed = False
         self._reader: TokenReader | None = None
-        #: the SAEs the workers hold for this session's calls, least recently
+        #: the payloads of the SAEs this session's calls use, least recently
         #: used first (at most SAE_CACHE; the oldest no call uses are released)
-        self.saes: OrderedDict[str, Any] = OrderedDict()
+        self.saes: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._facts = ModelFacts.from_info(shared.engine.info)
 
     def _check_open(self) -> None:
@@ -190,9 +190,7 @@ class Runner:
     def _whole_stage(self, call: Call, budget: int, progress: Any,
                      closing: list[Callable[[], None]]) -> Any:
         """Run one stage in one batch: its result, or the next stage."""
-        if call.closing is not None:
-            closing.append(call.closing)
-        factory = progress_factory(progress if call.progress is None else call.progress)
+        factory = _stage_start(call, progress, closing)
         with self._calling(call, budget) as running:
             outputs = running.engine.generate(running.prompts, running.params, factory)
             return running.finish(call.assemble, outputs, self)
@@ -215,9 +213,7 @@ class Runner:
                 call = self._whole_stage(call, budget, progress, closing)
                 if not isinstance(call, Call):
                     raise TypeError("a streamed call's last stage needs its partial=")
-            if call.closing is not None:
-                closing.append(call.closing)
-            factory = progress_factory(progress if call.progress is None else call.progress)
+            factory = _stage_start(call, progress, closing)
             with self._calling(call, budget) as running:
                 outputs: list = []
                 steps = running.engine.stream(running.prompts, running.params)
@@ -266,13 +262,15 @@ class Runner:
             self._forget(call.edit_fns, [] if running.done else running.tags)
 
     def _hold_saes(self, engine: Any, saes: dict[str, Any]) -> None:
-        """The workers hold these SAEs' encoders for the call; this session's
-        least recently used ones past ``SAE_CACHE`` are released."""
-        engine.hold_saes({sid: sae.payload() for sid, sae in saes.items()
-                          if sid not in self.saes})
+        """The workers hold these SAEs' encoders for the call (the engine
+        ships those its workers lack: another session on it may have
+        released one); this session's least recently used ones past
+        ``SAE_CACHE`` are released."""
         for sid, sae in saes.items():
-            self.saes[sid] = sae
+            if sid not in self.saes:
+                self.saes[sid] = sae.payload()  # encoded once per session
             self.saes.move_to_end(sid)
+        engine.hold_saes({sid: self.saes[sid] for sid in saes})
         gone = list(self.saes)[:max(0, len(self.saes) - SAE_CACHE)]
         gone = [sid for sid in gone if sid not in saes]
         if gone:
@@ -374,6 +372,14 @@ class Runner:
             restarts=rec.get("restarts", 0),
             **prompt_parts(req.prompt, len(req.ids), rec["token_ids"], rec.get("start", 0)),
         )
+
+
+def _stage_start(call: Call, progress: Any, closing: list[Callable[[], None]]) -> Any:
+    """A stage's progress factory (its own ``progress`` or the call's), its
+    ``closing`` kept to run when the whole call ends."""
+    if call.closing is not None:
+        closing.append(call.closing)
+    return progress_factory(progress if call.progress is None else call.progress)
 
 
 @dataclass

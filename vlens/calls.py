@@ -4,8 +4,9 @@ Every Session method (``trace``, ``stream``, ``compare``, ``sweep``,
 ``patch``, ``direction``, ``generate`` …) first has its keywords checked
 (:func:`vlens.keywords.keywords`: an unknown one is a ``TypeError`` naming
 the closest real one, a renamed one names its replacement, sampling
-settings are matched by name against vLLM's ``SamplingParams``), then checks its values
-once (:mod:`vlens.checks`) and describes the call as ONE :class:`Call`:
+settings are matched by name against vLLM's ``SamplingParams``), then
+checks its values once (:mod:`vlens.checks`) and describes the call as ONE
+:class:`Call`:
 
 * ``requests``: frozen :class:`RequestSpec` objects (prompt ids, the plan,
   the sampling settings, the vectors and SAEs the plan names), built by the
