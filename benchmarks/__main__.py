@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     flags = {"run": {"prompts": 32, "tokens": 64, "reps": None, "slow-reps": 3, "max-model-len": 256,
                      "kv-cache-mb": 512, "long-tokens": 16, "wide": 256, "k-tokens": 32, "scale": 4.0,
                      "gpu-share": 0.18, "budget": 840.0, "device-check": False, "no-nnsight": False,
-                     "no-widgets": False, "no-serve": False, "no-patching": False,
+                     "no-widgets": False, "no-serve": False, "no-patching": False, "no-methods": False,
                      "no-compiled": False, "no-cache-off": False, "no-long": False},
              "openai": {"concurrency": "1,8,32", "calls": 2, "min-calls": 16, "tokens": 32,
                         "repeats": 3, "eager": False, "vllm-defaults": False},

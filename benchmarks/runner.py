@@ -311,7 +311,7 @@ def _side(name: str, argv: list[str], timeout: int) -> dict:
     """Another measurement in its own process (``python -m benchmarks serve``, or the
     scripts of the widgets' latencies and the patching grid); its JSON result."""
     res, t0 = Path(tempfile.mkdtemp(prefix="vlens-bench-")) / "out.json", time.perf_counter()
-    cmd = {"patching": ["scripts/patching_bench.py"],
+    cmd = {"patching": ["scripts/patching_bench.py"], "methods": ["scripts/methods_bench.py"],
            "widgets": ["scripts/widget_latency.py", "--repeats", "5"]}.get(name, ["-m", "benchmarks", name])
     try:
         r = subprocess.run([sys.executable, *cmd, *argv, "--json", str(res)],
@@ -348,7 +348,7 @@ def run(args: Any, argv: list[str]) -> Path:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS")})
     log(f"vlens benchmark, {started}; budget {args.budget:.0f} s; writing {args.out}")
     weights = [1.0] + [2.0] * (len(specs) - 1)  # the larger model gets more of the budget
-    reserve = 90.0 * sum(not x for x in (args.no_widgets, args.no_serve, args.no_patching))
+    reserve = 90.0 * sum(not x for x in (args.no_widgets, args.no_serve, args.no_patching, args.no_methods))
     for i, spec in enumerate(specs):
         log(f"\n== {spec['name']} ({spec['path']})")
         share = (deadline - time.monotonic() - reserve) * weights[i] / sum(weights[i:])
@@ -360,11 +360,10 @@ def run(args: Any, argv: list[str]) -> Path:
             b.close()
         out.write({"kind": "model", **b.info, **got, "engines": b.engines, "errors": b.errors,
                    "steer": {"layer": b.layer, "scale": args.scale, "site": "resid_post", "span": "all"}})
-    for name, skip, more in (("widgets", args.no_widgets, []),
-                             ("serve", args.no_serve or args.device_check, []),
-                             ("patching", args.no_patching or args.device_check,
-                              ["--reps", str(max(2, min(args.reps, 5)))]
-                              + (["--no-doc"] if args.suite != "main" else []))):
+    reps = ["--reps", str(max(2, min(args.reps, 5)))] + (["--no-doc"] if args.suite != "main" else [])
+    for name, skip, more in (("widgets", args.no_widgets, []), ("serve", args.no_serve or args.device_check, []),
+                             *((x, getattr(args, f"no_{x}") or args.device_check, reps)
+                               for x in ("patching", "methods"))):
         log(f"\n== {name}")
         res = {"status": "skipped", "why": f"--no-{name}"} if skip else _side(
             name, ["--model", specs[0]["path"], *more], int(max(120, deadline - time.monotonic())))

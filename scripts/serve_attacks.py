@@ -95,7 +95,7 @@ def _plan_body(ids: list[int], plan: dict, n_requests: int = 1, stream: bool = F
     from vlens.protocol.plan import parse_plan
     from vlens.remote.wire import pack, params_to_wire
 
-    plan = {"v": 3, "tag": "a-0", "index": 0, "clone": False, "prompt_len": len(ids),
+    plan = {"v": 4, "tag": "a-0", "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": [], "adds": [], "sets": [], "edits": [], **plan}
     sp = SamplingParams(skip_reading_prefix_cache=True,
                         extra_args={"vlens": parse_plan(plan).to_wire()},

@@ -69,7 +69,7 @@ def test_small_run_writes_a_line_per_measurement(tiny_llama, tmp_path):
     out, doc = tmp_path / "results.jsonl", tmp_path / "performance.md"
     summary = main([
         "run", "--model", str(tiny_llama), "--prompts", "4", "--tokens", "4", "--reps", "1",
-        "--slow-reps", "1", "--no-nnsight", "--no-widgets", "--no-serve", "--no-patching",
+        "--slow-reps", "1", "--no-nnsight", "--no-widgets", "--no-serve", "--no-patching", "--no-methods",
         "--kv-cache-mb", "64", "--no-compiled", "--wide", "12", "--k-tokens", "3",
         "--long-tokens", "3", "--out", str(out), "--doc", str(doc)])
     lines = [json.loads(x) for x in out.read_text().splitlines()]

@@ -414,6 +414,29 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
                 "VLENS-STREAM:",
             )
 
+            # -- the DLA tab: opening it attributes the traced prompt's first
+            # generated token; click a cell of its layer x head heatmap
+            explorer.scroll_into_view_if_needed()
+            explorer.locator(".lm-TabBar-tab", has_text="DLA").click()
+            dla_fig = explorer.locator(".js-plotly-plot:visible").first
+            _wait_plotted(page, dla_fig, timeout=120_000)
+            axis = _run_cell_and_read(
+                page, "ex.attribution_view.wait(); print('VLENS-AXIS:', next(t.xaxis + t.yaxis "
+                      "for t in ex.attribution_view.figure.data if t.type == 'heatmap'))",
+                "VLENS-AXIS:").split()[-1]
+            explorer.scroll_into_view_if_needed()
+            drag = dla_fig.locator(f".nsewdrag[data-subplot='{axis}']")
+            drag.scroll_into_view_if_needed()
+            _click_at(page, drag.bounding_box(), 0.5, 0.5)
+            explorer.locator("b", has_text="directly to the logit difference").first.wait_for(
+                timeout=30_000)
+            time.sleep(1)
+            explorer.screenshot(path=str(ARTIFACTS / "05b-dla-head.png"))
+            dla_state = _run_cell_and_read(
+                page, "v = ex.attribution_view; print('VLENS-DLA:', v.head, "
+                      "v.attribution.answer_text[0], repr(v.head_text()), repr(v.error))",
+                "VLENS-DLA:")
+
             # -- the tour's logit-lens view of a whole story: every label legible
             lens_out = page.locator(".jp-OutputArea-output", has_text="track a token").first
             lens_out.scroll_into_view_if_needed()
@@ -459,6 +482,12 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
     assert "(1, 4) (1, 4)" in text, text  # explorer and view: tokens 1, 2, 3
     assert "'span'" in text and "'layer'" in text, text
     assert text.rstrip().endswith("''"), text  # no widget error
+
+    # the DLA tab attributed the traced prompt, and the clicked head cell was picked
+    dla_fields = dla_state.split("VLENS-DLA:", 1)[1]
+    assert "(-1, -1)" not in dla_fields and "head" in dla_fields, dla_state
+    assert "directly to the logit difference" in dla_fields, dla_state
+    assert dla_state.rstrip().endswith("''"), dla_state  # no widget error
 
     # the logit lens over a whole story (a bundled-model story is 50-60 tokens with
     # its opening): one label per token and per cell, none overlapping
@@ -818,3 +847,69 @@ def test_feature_view_in_a_real_browser(lab):
     assert fields[2] == "happy", steered  # the sad opening steered happy
     assert fields[3] == "''", steered
     assert " ".join(states[-1]) in steered, (states[-1], steered)
+
+
+# BranchView (issue 42) on the bundled model: a short opening, 12 tokens.
+_BRANCH_CELLS = [
+    "import json\n"
+    "import vlens\n"
+    "from vlens.widgets import BranchView\n"
+    "s = vlens.Session()\n"
+    "bv = BranchView(s, 'once upon a time, a sad duck', k=3, max_new_tokens=12)\n"
+    "display(bv)\n"
+    "print('branch view:', repr(bv.error))",
+]
+
+
+def test_branch_view_in_a_real_browser(lab, tmp_path):
+    """Click a generated token, then one of its alternatives: the branch's
+    text appears and equals what ``s.continue_from`` gives."""
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    nbformat.write(_notebook_of(_BRANCH_CELLS), tmp_path / "work" / "branches.ipynb")
+    with sync_playwright() as p:
+        console: list[str] = []
+        browser, page = _open_page(p, 1400, console)
+        try:
+            _open_and_run_all(page, url, token, "branches.ipynb")
+            page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']",
+                         has_text="branch view:").last.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            cell = page.locator(".jp-CodeCell", has_text="bv = BranchView").first
+            chips = cell.locator(".vlens-branch-chip")
+            chips.first.wait_for(timeout=60_000)  # drawn the first time: no retry
+            cell.scroll_into_view_if_needed()
+            n_chips = chips.count()
+            hover = chips.nth(2).get_attribute("title")
+            chips.nth(2).click()
+            buttons = cell.locator(".vlens-branch-alternatives button")
+            buttons.first.wait_for(timeout=60_000)
+            n_buttons = buttons.count()
+            buttons.first.click()
+            text = cell.locator(".vlens-branch-text", has_text="@2")
+            text.wait_for(timeout=120_000)
+            time.sleep(1)
+            cell.screenshot(path=str(ARTIFACTS / "18-branch-view.png"))
+            shown = text.inner_text()
+            state = _run_cell_and_read(
+                page,
+                "ref = s.continue_from(bv.traces[0], 2, bv.traces[1].forced, max_new_tokens=12); "
+                "print('VLENS-BRANCH:', len(bv.traces), bv.traces[1].branch_point, "
+                "ref.output_token_ids == bv.traces[1].output_token_ids, "
+                "ref.text == bv.traces[1].text, repr(bv.error), json.dumps(ref.text))",
+                "VLENS-BRANCH:")
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "branches-failure.png"))
+            raise
+        finally:
+            (ARTIFACTS / "branches-console.log").write_text("\n".join(console))
+            browser.close()
+    assert n_chips == 12, n_chips
+    assert re.search(r", p [01]\.\d{3}$", hover or ""), hover  # its probability on hover
+    assert n_buttons == 3, n_buttons  # the token's top-3 alternatives
+    fields = state.split("VLENS-BRANCH:", 1)[1].split(maxsplit=5)
+    assert fields[:5] == ["2", "2", "True", "True", "''"], state  # grown at token 2, no error
+    ref = json.loads(fields[5].strip())
+    # the page shows the branch's label, then its text: the text continue_from gives
+    assert ref.strip() and " ".join(ref.split()) in " ".join(shown.split()), (shown, ref)

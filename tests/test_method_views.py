@@ -11,6 +11,8 @@ tests/test_run_all.py.
 
 from __future__ import annotations
 
+import html
+
 import pytest
 import torch
 
@@ -227,3 +229,45 @@ def test_patching_view_of_a_result_and_its_argument_checks(toy_session):
     assert view.wait(120) and "given a result, not a session" in view.error
     with pytest.raises(TypeError, match="site"):
         PatchingView(result, site="z")
+
+
+@engine
+def test_attribution_view_draws_the_heads_and_reads_a_clicked_one(toy_session):
+    from vlens.widgets import AttributionView
+
+    view = AttributionView(toy_session, ANIMAL, "duck", "fox")
+    ref = toy_session.logit_attribution(ANIMAL, answer="duck", wrong="fox")
+    a = view.attribution
+    assert view.error == "" and a.answer_text == ["duck"] and a.wrong_text == ["fox"]
+    assert torch.allclose(a.heads, ref.heads, atol=1e-5)
+    heat = next(t for t in view.figure.data if t.type == "heatmap")
+    assert torch.allclose(torch.tensor([list(r) for r in heat.z], dtype=torch.float32),
+                          ref.heads[0].float(), atol=1e-4)
+    assert view.head == (-1, -1) and view.head_text() == ""
+    view._on_click(heat, Points(point_inds=[[0, 5]]), None)  # a click: layer 0, head 5
+    assert view.head == (0, 5)
+    value = float(ref.heads[0, 0, 5])
+    assert f"layer 0, head 5 writes {value:+.4f}" in view.head_text()
+    assert html.escape(view.head_text()) in view._picked.value
+    # a result alone is shown, and its run button says what it needs
+    shown = AttributionView(ref)
+    assert shown.session is None and len(shown.figure.data) == len(view.figure.data)
+    view._answer.value = "duck duck"  # two tokens: said in the widget, not raised
+    view._run_button.click()
+    assert view.wait(120) and "one token" in view.error and view.attribution is a
+
+
+@engine
+def test_the_explorer_attributes_its_first_generated_token_when_the_dla_tab_opens(toy_session):
+    from vlens.widgets import explore
+
+    ex = explore(toy_session, ANIMAL, max_new_tokens=2)
+    view = ex.attribution_view
+    assert view.attribution is None  # nothing runs until the tab is opened
+    titles = list(ex.tabs.titles)
+    ex.tabs.selected_index = titles.index("DLA")
+    assert view.wait(120) and view.error == ""
+    first = ex.run[0].output_token_ids[0]
+    assert view.attribution.answer == [first]
+    assert float(view.attribution.total[0]) == pytest.approx(
+        float(view.attribution.logit_diff[0]), rel=1e-4)

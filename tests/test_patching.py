@@ -158,7 +158,7 @@ def test_a_loaded_engine_patches_the_same(grid, tiny_llama4, engine_options):
     (dict(layers=[7]), r"layer 7 does not exist"),
     (dict(span=[40]), r"position 40 is outside the prompt"),
     (dict(answer=("w3", "w3")), r"same token twice"),
-    (dict(answer=("w3 w4", "w5")), r"'w3 w4' is 2 tokens"),
+    (dict(answer=("w3 w4", "w5")), r"'w3 w4' tokenises to 2 tokens"),
     (dict(answer=(999, 3)), r"answer id 999 is outside the vocabulary"),
 ])
 def test_bad_patching_is_refused_and_the_engine_serves(patch_session, kwargs, match):

@@ -192,7 +192,7 @@ def test_a_malformed_plan_is_reported_on_its_request_and_the_engine_serves(llama
     s = llama_session
     engine = s.engine
     bad = SamplingParams(max_tokens=3, temperature=0.0,
-                         extra_args={"vlens": {"v": 3, "tag": "broken-1", "reads": [{"site": 1}]}})
+                         extra_args={"vlens": {"v": 4, "tag": "broken-1", "reads": [{"site": 1}]}})
     with engine.lock:
         outs = engine.generate([{"prompt_token_ids": s.tokenize("w1 w2 w3")}], [bad])
         got = engine.rpc("vlens_collect", ["broken-1"])[0]["broken-1"]

@@ -369,7 +369,7 @@ def _call_body(server, ids: list[int], *, tag: str = "t-0", reads=None, adds=(),
 
     from vlens.protocol.plan import parse_plan
 
-    plan = {"v": 3, "tag": tag, "index": 0, "clone": False, "prompt_len": len(ids),
+    plan = {"v": 4, "tag": tag, "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": reads if reads is not None else
             [{"site": "resid_post", "layers": [0], "reduce": "full", "k": 0}],
             "adds": list(adds), "edits": []}
@@ -647,7 +647,7 @@ def _plan_body(ids: list[int], plan: dict, vectors: dict | None = None,
 
     from vlens.protocol.plan import parse_plan
 
-    plan = {"v": 3, "tag": "h-0", "index": 0, "clone": False, "prompt_len": len(ids),
+    plan = {"v": 4, "tag": "h-0", "index": 0, "clone": False, "prompt_len": len(ids),
             "reads": [], "adds": [], "sets": [], "edits": [], **plan}
     sp = SamplingParams(max_tokens=max_tokens, skip_reading_prefix_cache=True,
                         extra_args={"vlens": parse_plan(plan).to_wire()},

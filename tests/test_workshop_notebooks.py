@@ -89,13 +89,14 @@ def chat_server(tmp_path_factory, world_server):
     srv.stop()
 
 
-def _with_server(book, url: str, token: str) -> None:
+def _with_server(book, url: str, token: str, extra: str = "") -> None:
     """Papermill's way: a cell after the parameters cell overrides them."""
     import nbformat
 
     at = next(i for i, c in enumerate(book.cells)
               if "parameters" in c.get("metadata", {}).get("tags", []))
-    book.cells.insert(at + 1, nbformat.v4.new_code_cell(_CONNECT.format(url=url, token=token)))
+    book.cells.insert(at + 1, nbformat.v4.new_code_cell(
+        extra + _CONNECT.format(url=url, token=token)))
     book.cells.append(nbformat.v4.new_code_cell(_CHECK))
 
 
@@ -152,7 +153,10 @@ def test_notebook_runs_connected(world_server, request, path, tmp_path):
     srv = request.getfixturevalue("chat_server") if path.stem == "07_chat" else world_server
     before = srv.status()["calls_done"]
     book = nbformat.read(path, as_version=4)
-    _with_server(book, srv.url, srv.tokens["c1"])
+    # 10_what_if diffs two models: the chat model's server beside the story's
+    extra = (f"CHAT_SERVER = {request.getfixturevalue('chat_server').url!r}\n"
+             if path.stem == "10_what_if" else "")
+    _with_server(book, srv.url, srv.tokens["c1"], extra)
     t0 = time.monotonic()
     NotebookClient(book, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -19,6 +19,10 @@ from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError, V
 
 if TYPE_CHECKING:
     from vlens.results.patching import Patching
+    from vlens.methods.twin import Twin
+    from vlens.results.saliency import Saliency
+    from vlens.results.branches import Branches
+    from vlens.results.attribution import Attribution
     from vlens.protocol.plan import EditContext
     from vlens.results import Run, Trace
     from vlens.session import Session
@@ -31,23 +35,33 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Ablate",
+    "Attribution",
+    "AttributionView",
+    "BranchView",
+    "Branches",
     "Clamp",
     "ClosedError",
     "CompareView",
     "Comparison",
+    "Diff",
+    "DiffView",
     "EditContext",
     "EngineError",
     "FeatureView",
     "Patching",
+    "PatchingView",
     "PerPrompt",
     "Run",
     "SAE",
+    "Saliency",
     "Session",
     "Steer",
     "Sweep",
     "TokenAxisError",
     "Trace",
+    "Twin",
     "connect",
+    "diff",
     "VlensError",
     "VlensWarning",
     "__version__",
@@ -61,6 +75,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Ablate": "vlens.edits",
     "Patching": "vlens.results.patching",
+    "Attribution": "vlens.results.attribution",
     "EditContext": "vlens.protocol.plan",
     "PerPrompt": "vlens.edits",
     "SAE": "vlens.methods.sae",
@@ -74,6 +89,15 @@ _LAZY = {
     "explore": "vlens.widgets",
     "FeatureView": "vlens.widgets",
     "CompareView": "vlens.widgets",
+    "DiffView": "vlens.widgets",
+    "Diff": "vlens.results.diff",
+    "diff": "vlens.methods.diff",
+    "PatchingView": "vlens.widgets",
+    "AttributionView": "vlens.widgets",
+    "BranchView": "vlens.widgets",
+    "Branches": "vlens.results.branches",
+    "Twin": "vlens.methods.twin",
+    "Saliency": "vlens.results.saliency",
     "connect": "vlens._open",
     "open_session": "vlens._open",
     "supported_architectures": "vlens.protocol.architectures",

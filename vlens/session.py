@@ -1,13 +1,9 @@
 """The notebook's handle on a live engine.
 
-A ``Session`` holds (a share of) one :class:`~vlens.engine.Engine`. Each of
-its calls does the same three things: check every input
-(:mod:`vlens.checks`), build one request per prompt, each carrying a small
-plan, and hand them to its runner (:mod:`vlens._runner`), which runs them in
-one engine batch and turns what the workers read into
-:class:`~vlens.results.Run` objects. The steering workflows (``direction``,
-``compare``, ``sweep``) are methods here like ``trace``. Widgets and
-notebooks use only this API.
+A ``Session`` holds (a share of) one :class:`~vlens.engine.Engine`. Each
+method checks its keywords, has a call builder in :mod:`vlens.methods`
+check its inputs and build one :class:`~vlens.calls.Call`, and runs it on
+its runner (:mod:`vlens._runner`). Widgets and notebooks use only this API.
 """
 
 from __future__ import annotations
@@ -27,7 +23,10 @@ from vlens.engine.quiet import start_line
 from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
 from vlens.keywords import keywords
-from vlens.methods import directions, patching, server_names, steering, traces
+from vlens.methods import (attribution, directions, gradients, patching, server_names,
+                           steering, traces)
+from vlens.methods.twin import Twin, held
+from vlens.methods import branches as branching
 from vlens.prompts import Prompt, normalise
 from vlens.results import Comparison, Run, Sweep
 
@@ -77,6 +76,7 @@ class Session:
         #: keyword arguments, as vLLM's ``LLM.chat`` takes them
         self.chat_template: str | None = None
         self.chat_template_kwargs: dict[str, Any] = {}
+        self._twin: Twin | None = None  # s.twin(), built on first use
 
     def prompts(self, prompts: Any) -> list[Prompt]:
         """Prompts of any form (a string, a conversation, token ids, or a
@@ -97,21 +97,11 @@ class Session:
     def info(self) -> dict[str, Any]:
         return dict(self.engine.info)
 
-    @property
-    def n_layers(self) -> int:
-        return self.facts.n_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.facts.hidden_size
-
-    @property
-    def sites(self) -> list[str]:
-        return list(self.facts.sites)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.facts.max_model_len
+    # what the model is, as its facts say
+    n_layers = property(lambda self: self.facts.n_layers, doc="decoder layers")
+    hidden_size = property(lambda self: self.facts.hidden_size, doc="residual width")
+    sites = property(lambda self: list(self.facts.sites), doc="the site names it offers")
+    max_model_len = property(lambda self: self.facts.max_model_len, doc="tokens per request")
 
     @property
     def facts(self) -> checks.ModelFacts:
@@ -198,8 +188,7 @@ class Session:
         at its first token) is recorded (``steered_rows == 0``) with a
         :class:`~vlens.errors.VlensWarning` naming the prompts.
         """
-        return self._runner.run(self._trace_call(locals()), budget=self.read_budget,
-                                progress=progress)
+        return self.run_call(self._trace_call(locals()), progress=progress)
 
     @keywords
     def stream(
@@ -238,12 +227,16 @@ class Session:
     def generate(self, prompts: str | Sequence[str], *, max_new_tokens: int = 16,
                  **sampling: Any) -> list[str]:
         """Plain generation with no plan (the hooks stay idle): the texts."""
-        plist = self.prompts(prompts)
         checks.check_generation(max_new_tokens, sampling, self.facts)
-        requests = [calls.background(p.ids, max_new_tokens, sampling) for p in plist]
-        return self._runner.run(Call(requests, lambda outs, _, __: [o.outputs[0].text
-                                                                    for o in outs]),
-                                budget=self.read_budget)
+        requests = [calls.background(p.ids, max_new_tokens, sampling)
+                    for p in self.prompts(prompts)]
+        return self.run_call(Call(requests, lambda outs, _, __: [o.outputs[0].text for o in outs]))
+
+    def run_call(self, call: Call, *, progress: Any = None) -> Any:
+        """Run a :class:`~vlens.calls.Call` a method built from this session's
+        public surface (``vlens.diff``'s share of each model) on its engine,
+        under its read budget; what the call's ``assemble`` returns."""
+        return self._runner.run(call, budget=self.read_budget, progress=progress)
 
     # -- steering workflows ---------------------------------------------------
     @keywords
@@ -270,7 +263,7 @@ class Session:
         call = steering.compare_call(self.prompts(prompts), self.facts, steer=steer,
                                      ablate=ablate, clamp=clamp, max_new_tokens=max_new_tokens,
                                      sampling=sampling, clone=self.clone_reads)
-        return self._runner.run(call, budget=self.read_budget, progress=progress)
+        return self.run_call(call, progress=progress)
 
     @keywords
     def stream_compare(self, prompts: str | Sequence[str], *, steer: Any = None,
@@ -297,7 +290,7 @@ class Session:
                                    scales=scales, ablate=ablate, clamp=clamp,
                                    max_new_tokens=max_new_tokens, sampling=sampling,
                                    clone=self.clone_reads)
-        return self._runner.run(call, budget=self.read_budget, progress=progress)
+        return self.run_call(call, progress=progress)
 
     @keywords
     def stream_sweep(self, prompts: str | Sequence[str], *, steer: Steer,
@@ -329,7 +322,7 @@ class Session:
         batches (see docs/methods.md); ``progress`` counts both."""
         call = patching.patch_call(self, clean, corrupt, site, layers, span, answer, per_head,
                                    progress)
-        return self._runner.run(call, budget=self.read_budget)
+        return self.run_call(call)
 
     @keywords
     def stream_patch(self, clean: str, corrupt: str, *, site: str = "resid_post",
@@ -342,29 +335,91 @@ class Session:
                                    progress)
         return self._runner.stream(call, budget=self.read_budget)
 
+    # -- branching a generation (docs/methods.md) -------------------------------
+    @keywords
+    def branches(self, prompt: Any, at: Any, *, k: int = 3, max_new_tokens: int = 16,
+                 steer: Any = None, steer_from: str = "start", background: Sequence[str] = (),
+                 progress: Any = None, **sampling: Any) -> branching.Branches:
+        """The run as it went and, at generated position(s) ``at`` (0: the first;
+        ``[]``: none), its top-``k`` other tokens, each continued to
+        ``max_new_tokens`` in all, in one batch sharing the prefix cache.
+        ``steer_from``: ``"start"`` (every run) or ``"branch"`` (each branch from its token)."""
+        call = branching.branch_call(self, prompt, at, k=k, max_new_tokens=max_new_tokens,
+                                     steer=steer, steer_from=steer_from, background=background,
+                                     sampling=sampling)
+        return self.run_call(call, progress=progress)
+
+    @keywords
+    def continue_from(self, trace: Any, position: int, token: Any, *, max_new_tokens: int = 16,
+                      steer: Any = None, steer_from: str = "start", **sampling: Any) -> Any:
+        """``trace``'s generation up to ``position``, then ``token`` (one token's
+        text or id), continued to ``max_new_tokens`` in all: a Trace with
+        ``branch_point`` and ``forced`` set, as ``branches`` makes them."""
+        call = branching.continue_call(self, trace, position, token,
+                                       max_new_tokens=max_new_tokens, steer=steer,
+                                       steer_from=steer_from, sampling=sampling)
+        return self.run_call(call)
+
+    # -- gradients, on a Hugging Face twin (docs/methods.md) -----------------
+    @keywords
+    def twin(self, device: str | None = None, *, path: Any = None) -> Twin:
+        """The model in Hugging Face (float32, on ``device``; None: the held
+        twin's, else "cpu") with the engine's sites as hooks, checked against
+        the engine's reads first (refused with the differences). One per
+        Session (another device or ``path``, a folder of the same model: a
+        new one); ``close`` releases it."""
+        self._twin = held(self, self._twin, device, path)
+        return self._twin
+
+    @keywords
+    def attribution_patch(self, clean: str, corrupt: str, *, site: str = "resid_post",
+                          layers: Any = None, span: Any = None, heads: bool = False,
+                          answer: Any = None, metric: Any = "logit_diff") -> patching.Patching:
+        """``patch``'s grid by attribution patching on ``s.twin()``: cell =
+        grad metric(corrupt) . (clean - corrupt) at its site row, normalised
+        as ``patch``'s. ``heads=True`` at ``z``: ``[layers, heads]`` summed
+        over ``span``. ``metric``: ``"logit_diff"`` of ``answer`` (as
+        ``patch``), or ``fn(last logits [vocab]) -> scalar``."""
+        return gradients.attribution_patch(self, self.twin(), clean, corrupt, site, layers,
+                                           span, heads, answer, metric)
+
+    @keywords
+    def saliency(self, prompt: str, *, target: Any = None, steps: int = 64,
+                 baseline: Any = None) -> Any:
+        """Gradient x input and integrated gradients (Captum, ``steps``
+        points from ``baseline``: a token, default EOS, or "zeros") per prompt
+        token of the ``target`` logit (None: the top next token), on ``s.twin()``."""
+        return gradients.saliency(self, self.twin(), prompt, target, steps, baseline)
+
+    @keywords
+    def logit_attribution(self, prompts: Any, *, answer: Any, wrong: Any = None,
+                          position: int = -1) -> Any:
+        """Direct logit attribution (an ``Attribution``): embed, each layer's attn
+        and mlp, each head and the biases' share of ``logit(answer) - logit(wrong)``
+        after ``position``, the final norm's scale frozen (docs/methods.md)."""
+        call = attribution.logit_attribution_call(self, prompts, answer, wrong, position)
+        return self.run_call(call)
+
     # -- SAEs, and names on a server ----------------------------------------
     def sae(self, name: str) -> Any:
-        """An SAE as a :class:`~vlens.SAE`: on a connected session the
-        server's ``name`` (``vlens serve --sae NAME=PATH``); locally a path
-        or ``"toyworld-sae"``. Read its features (``saes=``), steer
-        (``sae.steer(i)``) and clamp (``vlens.Clamp``) with it."""
+        """An SAE (:class:`~vlens.SAE`): on a connected session the server's
+        ``name`` (``vlens serve --sae NAME=PATH``); locally a path or
+        ``"toyworld-sae"``."""
         if self._runner.remote:
             return self.engine.sae(name)
         return server_names.local_sae(name, self.model)
 
     def register_vector(self, name: str, vector: Any) -> int:
-        """Keep ``vector`` ``[width]`` on the server as ``name``, for calls
-        made with this session's token only (OpenAI-style bodies name it).
-        Registering a name again replaces its vector. Returns how many you
-        hold. (Connected sessions only.)"""
+        """Keep ``vector`` ``[width]`` on the server as ``name`` for this
+        session's token (OpenAI bodies name it; again: replaced). Returns
+        how many you hold. (Connected sessions only.)"""
         return server_names.server(self.engine, "s.register_vector").register_vector(
             name, vector)
 
     def register_preset(self, name: str, body: dict[str, Any]) -> str:
-        """Keep ``body``, a ``vlens`` object (``{"steer": [...]}``), as preset
-        ``name`` for this session's token, and return the base URL that
-        applies it to every OpenAI call (docs/openai.md). (Connected
-        sessions only.)"""
+        """Keep ``body``, a ``vlens`` object, as preset ``name`` for this
+        session's token; the base URL that applies it to every OpenAI call
+        (docs/openai.md). (Connected sessions only.)"""
         engine = server_names.server(self.engine, "s.register_preset")
         engine.register_preset(name, body)
         return f"{engine.url}/presets/{name}/v1"
@@ -379,6 +434,8 @@ class Session:
     def close(self) -> None:
         """Release this session's share of the engine; the engine shuts down
         when its last session closes. Calling it twice is harmless."""
+        if self._twin is not None:
+            self._twin = self._twin.release()
         self._runner.release()
 
     def __enter__(self) -> Session:

@@ -249,6 +249,8 @@ def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
                 w = read.k
             elif read.reduce == "norm" and read.site in ("q", "k", "v", "z"):
                 w = facts.n_heads  # one norm per head
+            elif read.reduce == "dla":  # z: per head and the bias; resid_post: 4
+                w = {"z": facts.n_heads + 1, "resid_post": 4}.get(read.site, 1)
             else:
                 w = width.get(read.reduce, 3 * read.k)
             size = rows * len(read.layers) * w * 4

@@ -25,7 +25,12 @@ DIRECTION_MIN = 1e-3
 
 #: the reductions a read may ask for, and where: the logit lens and the full
 #: log-probabilities unembed the residual stream after the last norm
-REDUCES = ("full", "norm", "logit_lens", "vocab_logprobs")
+REDUCES = ("full", "norm", "logit_lens", "vocab_logprobs", "dla")
+
+#: direct logit attribution's sites: the embeddings (resid_pre of layer 0),
+#: every block's outputs and heads, and the final residual (the last layer's
+#: resid_post, which brings the final norm's scale)
+DLA_SITES = ("resid_pre", "attn_out", "mlp_out", "z", "resid_post")
 
 #: the reductions of a feature read (an SAE's encoder, named by ``read.sae``):
 #: every feature (``k``: the SAE's width) or each row's ``k`` largest
@@ -64,6 +69,11 @@ def check_read(read: Read, facts: ModelFacts) -> None:
             or len(set(layers)) != len(layers)):
         raise VlensError(f"read layers must be 1 to {facts.n_layers} distinct layers, numbered "
                          f"0 to {facts.n_layers - 1}; got {list(layers)!r:.80}")
+    if (read.reduce == "dla") != bool(read.target):
+        raise VlensError("a dla read names its target (answer id, wrong id or -1), and only "
+                         f"a dla read does; got reduce={read.reduce!r:.40}")
+    if read.target:
+        check_dla_read(read, facts)
     if (read.reduce in FEATURE_REDUCES) != bool(read.sae):
         raise VlensError(f"a feature read ({', '.join(FEATURE_REDUCES)}) names its SAE, and "
                          f"only a feature read does; got reduce={read.reduce!r:.40}")
@@ -82,6 +92,24 @@ def check_read(read: Read, facts: ModelFacts) -> None:
         if (len(set(read.heads)) != len(read.heads)
                 or not all(is_int(h) and 0 <= h < facts.n_heads for h in read.heads)):
             raise VlensError(f"read heads must be distinct heads from 0 to {facts.n_heads - 1}")
+
+
+def check_dla_read(read: Read, facts: ModelFacts) -> None:
+    """A direct-logit-attribution read: one of :data:`DLA_SITES` (the
+    embeddings at layer 0 only, the final residual at the last layer only)
+    and a target of two ids in the vocabulary (the wrong one -1: none)."""
+    if read.site not in DLA_SITES:
+        raise VlensError(f"a dla read reads {', '.join(DLA_SITES)}, not {read.site!r:.40}")
+    last = facts.n_layers - 1
+    if read.site == "resid_pre" and read.layers != (0,):
+        raise VlensError("a dla read of resid_pre reads layer 0 only (the embeddings)")
+    if read.site == "resid_post" and read.layers != (last,):
+        raise VlensError(f"a dla read of resid_post reads the last layer ({last}) only")
+    t, vocab = read.target, facts.vocab_size
+    if (not isinstance(t, tuple) or len(t) != 2 or not all(is_int(x) for x in t)
+            or not 0 <= t[0] < vocab or not (t[1] == -1 or 0 <= t[1] < vocab) or t[0] == t[1]):
+        raise VlensError(f"a dla target is (answer id, wrong id or -1), two different ids "
+                         f"from 0 to {vocab - 1}; got {t!r:.60}")
 
 
 def _span_ok(what: str, start: Any, stop: Any, total: int) -> None:

@@ -13,6 +13,7 @@ from vlens import checks
 from vlens.errors import VlensError
 from vlens.edits import ROLE_SPANS
 from vlens.prompts import is_conversation
+from vlens.results.run import span_mean
 
 __all__ = ["difference_of_means"]
 
@@ -44,33 +45,8 @@ def difference_of_means(session: Any, positive: Sequence[Any], negative: Sequenc
     for t in run:
         rows = t.activations(site, layer=layer)  # [prompt tokens, hidden]
         rows = rows.reshape(rows.shape[0], -1)  # head sites: heads * head_dim, flat
-        means.append(_span_mean(rows, span, t, bos))
+        means.append(span_mean(rows, span, t.token_ids, t.roles, bos, f"prompt {t.index}"))
     stacked = torch.stack(means)
     k = len(positive)
     return stacked[:k].mean(0) - stacked[k:].mean(0)
 
-
-def _span_mean(rows: torch.Tensor, span: Any, t: Any, bos: Any) -> torch.Tensor:
-    """The mean of one prompt's rows over ``span`` ("last": its last row;
-    "prompt": every row but a BOS, the same for every prompt)."""
-    n = rows.shape[0]
-    if span == "last":
-        return rows[-1]
-    if span == "prompt":
-        skip = 1 if bos is not None and t.token_ids[0] == bos and n > 1 else 0
-        return rows[skip:].mean(0)
-    if span == "all":
-        return rows.mean(0)
-    if isinstance(span, str):  # a role of a conversation
-        picked = [k for k, role in enumerate(t.roles[:n]) if role == span]
-    elif isinstance(span, slice):
-        picked = list(range(n))[span]
-    else:
-        picked = [span] if isinstance(span, int) else list(span)
-        bad = [k for k in picked if not -n <= k < n]
-        if bad:
-            raise VlensError(f"direction span position {bad[0]} is outside prompt "
-                             f"{t.index} ({n} tokens)")
-    if not picked:
-        raise VlensError(f"direction span {span!r:.40} selects no token of prompt {t.index}")
-    return rows[picked].mean(0)

@@ -42,6 +42,7 @@ from vlens.calls import Call
 from vlens.errors import EngineError, VlensError
 from vlens.protocol.plan import Read, Set
 from vlens.edits import ROLE_SPANS, vector_id
+from vlens.methods.answers import answer_pair
 from vlens.prompts import resolve_roles
 from vlens.results.patching import Dist, Patching
 
@@ -87,10 +88,10 @@ def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
             "change the corrupt prompt word for word (s.tokenize shows the tokens)"
         )
     layers = checks.check_layers(layers, facts)
-    return ids, layers, _positions(span, pair[0][0], len(ids[0]))
+    return ids, layers, span_positions(span, pair[0][0], len(ids[0]))
 
 
-def _positions(span: Any, clean: Any, n: int) -> list[int]:
+def span_positions(span: Any, clean: Any, n: int) -> list[int]:
     """``span=`` of a patch as the clean prompt's positions: None, "all" or
     "prompt" (every one), a role, a slice, a position or a list of them."""
     if span is None or span in ("all", "prompt"):
@@ -117,20 +118,6 @@ def _positions(span: Any, clean: Any, n: int) -> list[int]:
     return list(dict.fromkeys(p % n for p in span))
 
 
-def _answer_id(session: Any, x: Any, which: str) -> int:
-    vocab = session.facts.vocab_size
-    if isinstance(x, int) and not isinstance(x, bool):
-        if not 0 <= x < vocab:
-            raise VlensError(f"{which} answer id {x} is outside the vocabulary (0 to {vocab - 1})")
-        return x
-    if isinstance(x, str):
-        ids = session.tokenizer(x, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise VlensError(
-                f"{which} answer {x!r} is {len(ids)} tokens; give one token (its text or id)"
-            )
-        return int(ids[0])
-    raise VlensError(f"{which} answer must be a token id or a one-token string, got {x!r}")
 
 
 def _top(comp: Any) -> dict[int, float]:
@@ -227,13 +214,7 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
     both stages."""
     ids, layers, positions = _check_args(session, clean, corrupt, site, layers, span, per_head)
     facts = session.facts
-    if answer is not None:  # checked before anything runs
-        if not isinstance(answer, (list, tuple)) or len(answer) != 2:
-            raise VlensError(f"answer must be (clean_token, corrupt_token), got {answer!r}")
-        answer = (_answer_id(session, answer[0], "clean"),
-                  _answer_id(session, answer[1], "corrupt"))
-        if answer[0] == answer[1]:
-            raise VlensError("answer names the same token twice: give two different tokens")
+    answer = answer_pair(session, answer)  # checked before anything runs
     # one progress over both stages (made after the checks above; closed when the call
     # ends, whichever way: no bar is left behind)
     n_cells = len(layers) * (facts.n_heads if per_head else len(positions))

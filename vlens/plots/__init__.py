@@ -30,7 +30,9 @@ from vlens.plots._attention import (
     attention_of_token,
     pool_pattern,
 )
+from vlens.plots._branches import branch_rows
 from vlens.plots._common import plain_text, token_labels
+from vlens.plots._diff import diff_figure, diff_texts
 from vlens.plots._features import (
     feature_contexts,
     feature_histogram,
@@ -57,7 +59,10 @@ __all__ = [
     "attention_heatmap",
     "attention_of_token",
     "baseline_vs_steered",
+    "branch_rows",
     "colour_values",
+    "diff_figure",
+    "diff_texts",
     "dose_response",
     "feature_contexts",
     "feature_histogram",

@@ -58,6 +58,12 @@ class Layout:
     hidden_arg: int = 0
     positions_arg: int | None = 0
     project: str | None = None  # applied after the final norm (OPT's project_out)
+    #: inside the attention module: the output projection (its input is ``z``)
+    out_proj: str = "o_proj"
+    #: inside a layer: norms applied to the attention and MLP outputs before
+    #: they join the residual stream (Gemma2/3, OLMo2); None where there are none
+    attn_post: str | None = None
+    mlp_post: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,8 @@ class Architecture:
             return None if path is None else "model." + path.split(".", 1)[1]
 
         return Layout(reroot(hf.layers), hf.attn, hf.mlp, hf.mid, reroot(hf.norm),
-                      "hf", project=reroot(hf.project))
+                      "hf", project=reroot(hf.project), out_proj=hf.out_proj,
+                      attn_post=hf.attn_post, mlp_post=hf.mlp_post)
 
     def absent_sites(self, config: Any) -> dict[str, str]:
         """Sites this architecture does not have, with the reason, for a
@@ -124,11 +131,15 @@ _PARALLEL = (
 
 def _llama_like(name: str, family: str, tiny: str, *, mlp: str = "mlp",
                 mid: str = "post_attention_layernorm",
-                transformers: bool = False) -> Architecture:
+                transformers: bool = False, post_norms: bool = False) -> Architecture:
+    post = ("post_attention_layernorm", "post_feedforward_layernorm") if post_norms else (
+        None, None)
     return Architecture(
         name, family, tiny,
-        hf=Layout("model.layers", "self_attn", "mlp", mid, "model.norm"),
-        native=Layout("model.layers", "self_attn", mlp, mid, "model.norm", "pair"),
+        hf=Layout("model.layers", "self_attn", "mlp", mid, "model.norm",
+                  attn_post=post[0], mlp_post=post[1]),
+        native=Layout("model.layers", "self_attn", mlp, mid, "model.norm", "pair",
+                      attn_post=post[0], mlp_post=post[1]),
         transformers=transformers,
     )
 
@@ -142,34 +153,39 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     _llama_like("Qwen2MoeForCausalLM", "Qwen2-MoE", "qwen2_moe"),
     _llama_like("Qwen3ForCausalLM", "Qwen3", "qwen3"),
     _llama_like("GemmaForCausalLM", "Gemma", "gemma"),
-    _llama_like("Gemma2ForCausalLM", "Gemma2", "gemma2", mid="pre_feedforward_layernorm"),
-    _llama_like("Gemma3ForCausalLM", "Gemma3", "gemma3", mid="pre_feedforward_layernorm"),
+    _llama_like("Gemma2ForCausalLM", "Gemma2", "gemma2", mid="pre_feedforward_layernorm",
+               post_norms=True),
+    _llama_like("Gemma3ForCausalLM", "Gemma3", "gemma3", mid="pre_feedforward_layernorm",
+                post_norms=True),
     _llama_like("Phi3ForCausalLM", "Phi3", "phi3"),
     Architecture(
         # vLLM runs OLMo2 through its Transformers backend; its MLP takes
         # the residual stream un-normed (the norms come after each block)
         "Olmo2ForCausalLM", "OLMo2", "olmo2",
-        hf=Layout("model.layers", "self_attn", "mlp", "mlp", "model.norm"),
+        hf=Layout("model.layers", "self_attn", "mlp", "mlp", "model.norm",
+                  attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
         native=None, transformers=True,
     ),
     Architecture(
         "GPT2LMHeadModel", "GPT-2", "gpt2",
-        hf=Layout("transformer.h", "attn", "mlp", "ln_2", "transformer.ln_f"),
+        hf=Layout("transformer.h", "attn", "mlp", "ln_2", "transformer.ln_f",
+                  out_proj="c_proj"),
         native=Layout("transformer.h", "attn", "mlp", "ln_2", "transformer.ln_f", "stream",
-                      hidden_arg=0, positions_arg=None),
+                      hidden_arg=0, positions_arg=None, out_proj="c_proj"),
     ),
     Architecture(
         "GPTJForCausalLM", "GPT-J", "gptj",
-        hf=Layout("transformer.h", "attn", "mlp", None, "transformer.ln_f"),
+        hf=Layout("transformer.h", "attn", "mlp", None, "transformer.ln_f",
+                  out_proj="out_proj"),
         native=Layout("transformer.h", "attn", "mlp", None, "transformer.ln_f", "stream",
-                      hidden_arg=1, positions_arg=0),
+                      hidden_arg=1, positions_arg=0, out_proj="out_proj"),
         no_mid=_PARALLEL.format("GPT-J"),
     ),
     Architecture(
         # vLLM runs GPT-NeoX through its Transformers backend
         "GPTNeoXForCausalLM", "GPT-NeoX (Pythia)", "gpt_neox",
         hf=Layout("gpt_neox.layers", "attention", "mlp", "post_attention_layernorm",
-                  "gpt_neox.final_layer_norm"),
+                  "gpt_neox.final_layer_norm", out_proj="dense"),
         native=None, transformers=True,
         no_mid_if=("use_parallel_residual", True, True,
                    _PARALLEL.format("This GPT-NeoX (use_parallel_residual=True, as in Pythia)")),
@@ -177,10 +193,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture(
         "OPTForCausalLM", "OPT", "opt",
         hf=Layout("model.decoder.layers", "self_attn", "fc2", "final_layer_norm",
-                  "model.decoder.final_layer_norm", project="model.decoder.project_out"),
+                  "model.decoder.final_layer_norm", project="model.decoder.project_out",
+                  out_proj="out_proj"),
         native=Layout("model.decoder.layers", "self_attn", "fc2", "final_layer_norm",
                       "model.decoder.final_layer_norm", "stream", hidden_arg=0,
-                      positions_arg=None, project="model.decoder.project_out"),
+                      positions_arg=None, project="model.decoder.project_out",
+                      out_proj="out_proj"),
         no_mid_if=("do_layer_norm_before", True, False,
                    "this OPT normalises after each block (do_layer_norm_before=False): "
                    "the stream between attention and MLP passes through a norm, so no "

@@ -7,7 +7,7 @@ engine runs in other processes, and tensors cannot cross that way. Steering
 vectors travel once per engine (``vlens_put_vectors``) and plans name them by
 id (a hash of their bytes).
 
-    {"v": 3, "tag": "s0-3-1", "clone": false, "prompt_len": 9,
+    {"v": 4, "tag": "s0-3-1", "clone": false, "prompt_len": 9,
      "reads":  [{"site": "resid_post", "layers": [0, 2], "reduce": "full", "k": 0}],
      "adds":   [{"site": "resid_post", "layer": 2, "vec": "<id>", "scale": 4.0,
                  "start": 0, "stop": -1, "relative": false}],
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 PLAN_KEY = "vlens"
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,9 @@ class Read:
     activation, ``[n, hidden]``), ``"norm"`` (its L2 norm, ``[n]``),
     ``"logit_lens"`` (top-``k`` ids and probabilities of the model's own
     final norm + unembedding, ``[n, k]`` each) or ``"vocab_logprobs"`` (the logit
-    lens over the whole vocabulary, ``[n, vocab]``). ``heads``: for
-    ``attn_pattern``, the query heads to compute (empty: all)."""
+    lens over the whole vocabulary, ``[n, vocab]``) or ``"dla"`` (direct
+    logit attribution toward ``target``, see :mod:`vlens.worker.attribution`).
+    ``heads``: for ``attn_pattern``, the query heads to compute (empty: all)."""
 
     site: str
     layers: tuple[int, ...]
@@ -66,10 +67,15 @@ class Read:
     #: (``reduce`` "sae": every feature, ``k`` = d_sae; "sae_top": each
     #: row's ``k`` largest, as ids and values)
     sae: str = ""
+    #: a ``"dla"`` read: ``(answer id, wrong id or -1)``, the logit difference
+    #: (or the answer's logit alone) the components are projected onto; part
+    #: of the key (``"attn_out:dla:17:-1"``), so reads of two targets never mix
+    target: tuple[int, ...] = ()
 
     @cached_property
     def key(self) -> str:
-        return read_key(self.site, self.reduce) + (f":{self.sae}" if self.sae else "")
+        return (read_key(self.site, self.reduce) + (f":{self.sae}" if self.sae else "")
+                + "".join(f":{x}" for x in self.target))
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,8 @@ class Plan:
             "reads": [
                 {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k,
                  **({"heads": list(r.heads)} if r.heads else {}),
-                 **({"sae": r.sae} if r.sae else {})}
+                 **({"sae": r.sae} if r.sae else {}),
+                 **({"target": list(r.target)} if r.target else {})}
                 for r in self.reads
             ],
             "adds": [
@@ -202,7 +209,7 @@ def parse_plan(raw: Any) -> Plan:
         reads=_shared(tuple(
             Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
                  int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()),
-                 str(r.get("sae", "")))
+                 str(r.get("sae", "")), tuple(int(x) for x in r.get("target") or ()))
             for r in raw.get("reads") or ()
         )),
         adds=_shared(tuple(

@@ -19,7 +19,7 @@ import torch
 from vlens.errors import VlensError
 from vlens.protocol.plan import read_key
 
-__all__ = ["Run", "Trace", "stack_index"]
+__all__ = ["Run", "Trace", "span_mean", "stack_index"]
 
 #: the sites held per head, ``[..., heads, head_dim]``
 SPLIT_SITES = ("q", "k", "v", "z")
@@ -64,7 +64,11 @@ class Trace:
       formatted prompt; each prompt token's character span in it;
     * ``restarts`` -- how many times vLLM recomputed the request from the
       start (preempted when the KV cache ran short); what was read is one
-      clean pass either way.
+      clean pass either way;
+    * ``branch_point`` / ``forced`` -- for a branch (``s.branches``,
+      ``s.continue_from``): the generated position where it left the run
+      it branched from and the token id it was given there (None for a run
+      as it went).
     """
 
     index: int
@@ -95,6 +99,9 @@ class Trace:
     prompt_text: str = ""
     #: each prompt token's (start, stop) characters in ``prompt_text``
     offsets: list[tuple[int, int]] = field(default_factory=list)
+    #: a branch's generated position and forced token id (None: not a branch)
+    branch_point: int | None = None
+    forced: int | None = None
 
     @property
     def read_keys(self) -> list[str]:
@@ -294,3 +301,35 @@ class Run(Sequence[Trace]):
                     cols["token"] += t.tokens
                     cols["norm"] += norms[li].tolist()
         return pd.DataFrame(cols)
+
+
+def span_mean(rows: torch.Tensor, span: Any, ids: Sequence[int], roles: Sequence[Any] = (),
+              bos: int | None = None, what: str = "the text") -> torch.Tensor:
+    """``rows`` ``[T, width]`` of one text (token ``ids``, per-token ``roles``)
+    averaged over ``span``: ``"last"`` its last row, ``"prompt"`` every row
+    but a BOS, ``"all"``, a role, a slice, a position or positions.
+    ``s.direction`` and ``Diff.direction`` both take it."""
+    n = rows.shape[0]
+    if span == "last":
+        return rows[-1]
+    if span == "prompt":
+        skip = 1 if bos is not None and ids[0] == bos and n > 1 else 0
+        return rows[skip:].mean(0)
+    if span == "all":
+        return rows.mean(0)
+    if isinstance(span, str):  # a role of a conversation
+        picked = [k for k, role in enumerate(list(roles)[:n]) if role == span]
+    elif isinstance(span, slice):
+        picked = list(range(n))[span]
+    elif isinstance(span, (int, Sequence, range)) and not isinstance(span, bool):
+        picked = [span] if isinstance(span, int) else list(span)
+        bad = [k for k in picked if isinstance(k, bool) or not isinstance(k, int)
+               or not -n <= k < n]
+        if bad:
+            raise VlensError(f"span position {bad[0]!r} is outside {what} ({n} tokens)")
+    else:
+        raise VlensError(f"span must be 'last', 'prompt', 'all', a role, a slice or "
+                         f"positions, got {span!r:.60}")
+    if not picked:
+        raise VlensError(f"span {span!r:.40} selects no token of {what} ({n} tokens)")
+    return rows[picked].mean(0)

@@ -16,8 +16,12 @@ mode, to knock out heads). :class:`PatchingView` streams
 ``session.stream_patch`` and shows the grid filling in. :func:`explore`
 composes them around one selection and one controller. :class:`FeatureView`
 shows one SAE's features over a set of prompts and steers or clamps with
-one. :class:`CompareView` puts any two Runs of the same prompts side by side
-(plain and ablated, say), the first divergence marked. Figures come from
+one. :class:`AttributionView` shows which layers and heads write an answer
+(direct logit attribution). :class:`CompareView` puts any two Runs of the same prompts side by side
+(plain and ablated, say), the first divergence marked. :class:`BranchView` branches a
+generation by clicking a token and one of its alternatives. :class:`DiffView`
+shows a model diff (``vlens.diff``): both models' texts coloured by KL and
+the activation difference per layer. Figures come from
 the builders of :mod:`vlens.plots`. Every view and panel saves what it
 shows to one HTML file that needs no kernel: its **save** button, or
 ``view.snapshot(path)`` / :func:`save_snapshot` from Python.
@@ -27,8 +31,11 @@ from __future__ import annotations
 
 from vlens.widgets.activation import ActivationView
 from vlens.widgets.attention import AttentionView
+from vlens.widgets.branches import BranchView
+from vlens.widgets.attribution import AttributionView
 from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.compare import CompareView
+from vlens.widgets.diff import DiffView
 from vlens.widgets.explorer import Explorer, explore
 from vlens.widgets.features import FeatureView
 from vlens.widgets.figure import FigureView
@@ -43,9 +50,12 @@ from vlens.widgets.token_span import TokenSpanPicker
 __all__ = [
     "ActivationView",
     "AttentionView",
+    "BranchView",
+    "AttributionView",
     "CloneReadsToggle",
     "CompareView",
     "Controller",
+    "DiffView",
     "Explorer",
     "FeatureView",
     "FigureView",

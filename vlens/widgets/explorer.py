@@ -9,7 +9,9 @@ strip at the top, and every view redraws from it. The steering panel steers
 the same prompt through the same controller, with settings of its own (the
 recipe's layer and span until changed in the panel): the shared chips are
 its span only when "selection" is picked in it. The patching tab starts
-with the prompt as the clean run: type a corrupt one and patch. The *save*
+with the prompt as the clean run: type a corrupt one and patch. The *DLA*
+tab (direct logit attribution) attributes the first generated token, by
+layer and head, when it is opened. The *save*
 button (or ``ex.snapshot("file.html")``) saves every tab as shown, for
 reading without a kernel.
 """
@@ -25,6 +27,7 @@ from vlens.results import Run
 from vlens.widgets.prompt_box import box_prompt, box_text, prompt_box
 from vlens.widgets._base import View
 from vlens.widgets.activation import ActivationView
+from vlens.widgets.attribution import AttributionView
 from vlens.widgets.attention import PATTERN_SITE, AttentionView
 from vlens.widgets.clone_reads import CloneReadsToggle
 from vlens.widgets.logit_lens import LogitLensView
@@ -46,7 +49,8 @@ class Explorer(View):
     the prompt and its generation; ``activation_view``,
     ``logit_lens_view``, ``attention_view`` (``None`` where the session
     has no ``attn_pattern`` site), ``patching_view`` (``None`` without
-    ``Session.stream_patch``), ``steering_panel`` and
+    ``Session.stream_patch``), ``attribution_view`` (the DLA tab: run when
+    opened, on the traced prompt's first generated token), ``steering_panel`` and
     ``clone_reads_toggle`` are the composed widgets.
     """
 
@@ -89,6 +93,11 @@ class Explorer(View):
         if hasattr(session, "stream_patch"):
             self.patching_view = PatchingView(session, clean=prompt, auto_run=False)
             tabs.append((self.patching_view, "patching"))
+        self.attribution_view = None
+        if hasattr(session, "logit_attribution"):
+            self.attribution_view = AttributionView(session, prompt, auto_run=False)
+            tabs.append((self.attribution_view, "DLA"))
+        self._dla_stale = True
         self.tabs = widgets.Tab(children=[w for w, _ in tabs],
                                 titles=tuple(name for _, name in tabs))
         super().__init__([
@@ -100,6 +109,7 @@ class Explorer(View):
         # the chips are the span control of every view
         widgets.link((self.span_picker, "selection"), (self.selection, "span"))
         self.controller.observe(self._guard(self._show_run), names=["run"])
+        self.tabs.observe(self._guard(self._on_tab), names=["selected_index"])
         self.steering_panel.observe(self._guard(self._show_copied), names=["comparison"])
         self._trace_button.on_click(lambda _b: self._start(
             "trace", lambda: self._trace_run(box_prompt(self._prompt.value))))
@@ -141,6 +151,20 @@ class Explorer(View):
             self.patching_view.set_clean(box_prompt(self._prompt.value))
         self.steering_panel.set_prompt(box_prompt(self._prompt.value))
         self.clone_reads_toggle.show_run(run)
+        if self.attribution_view is not None and t.output_token_ids:
+            self.attribution_view.set_prompt(box_prompt(self._prompt.value),
+                                             answer=t.output_token_ids[0])
+            self._dla_stale = True
+            self._on_tab()
+
+    def _on_tab(self, change: Any = None) -> None:
+        """The DLA tab attributes the traced prompt when it is on show."""
+        view = self.attribution_view
+        if view is None or not self._dla_stale or self.tabs.selected_index is None:
+            return
+        if self.tabs.children[self.tabs.selected_index] is view:
+            self._dla_stale = False
+            view.start()
 
     def _show_copied(self, change) -> None:
         if change["new"] is not None:

@@ -9,6 +9,11 @@ result. The view never builds requests itself: everything it shows comes
 from the Patching object (``grid``, ``layers``, ``positions`` or heads,
 ``tokens``, ``answer_text``, the per-cell top-k).
 
+With ``atp=True`` (a session) or ``attribution=`` (a result) a second
+heatmap shows attribution patching's estimate of the same grid
+(``session.attribution_patch``, on the Hugging Face twin) and the summary
+gives the Pearson correlation of the two grids.
+
 Kernel-side state: ``patching`` (the result on show, partial while a run
 streams), ``cell`` ``(row, col)`` into its grid (``(-1, -1)``: none
 picked) and ``cells_done``.
@@ -52,12 +57,18 @@ class PatchingView(Panel):
     col)`` (``(-1, -1)`` for none), ``cells_done``, ``streamed_states``
     (how many partial grids the last run showed). ``heatmap`` and
     ``bars`` are the figure views (:class:`FigureView`).
+
+    ``atp=True`` (with a session) runs ``session.attribution_patch`` on the
+    same grid after each run; ``attribution=`` (a Patching from it) shows
+    one. Trait ``attribution``; ``atp_heatmap`` draws it below the grid and
+    the summary gives the correlation of the two grids (:func:`correlation`).
     """
 
     patching = traitlets.Any(None, allow_none=True, help="the Patching on show")
     cell = traitlets.Tuple(traitlets.Int(), traitlets.Int(), default_value=(-1, -1))
     cells_done = traitlets.Int(0)
     streamed_states = traitlets.Int(0)
+    attribution = traitlets.Any(None, allow_none=True, help="the AtP Patching beside it")
 
     def __init__(
         self,
@@ -66,14 +77,21 @@ class PatchingView(Panel):
         clean: Any = None,
         corrupt: Any = None,
         auto_run: bool = True,
+        atp: bool = False,
+        attribution: Any = None,
         **options: Any,
     ) -> None:
         self.session = None
         if patching is not None and hasattr(patching, "stream_patch"):
             self.session, patching = patching, None
-        elif options:
-            raise TypeError(f"{', '.join(sorted(options))}: patching options go with a "
-                            "session, PatchingView(session, clean=..., corrupt=..., ...)")
+        elif options or atp:
+            named = sorted(options) + (["atp"] if atp else [])
+            raise TypeError(f"{', '.join(named)}: patching options go with a session, "
+                            "PatchingView(session, clean=..., corrupt=..., ...)")
+        if not isinstance(atp, bool):
+            raise TypeError(f"atp must be True or False, got {atp!r}")
+        #: also run attribution patching (on the twin) after each patch run
+        self.atp = atp
         self.options = dict(options)
         self._clean = prompt_box(clean, "clean", "90%")
         self._corrupt = prompt_box(corrupt, "corrupt", "90%")
@@ -82,14 +100,18 @@ class PatchingView(Panel):
         self._summary = widgets.HTML()
         self.heatmap = figure_widget()
         self.bars = figure_widget()
+        self.atp_heatmap = figure_widget()
+        self._atp_box = widgets.VBox([self.atp_heatmap])  # shown once there is an attribution
+        self._atp_box.layout.display = "none"
         # what the patch button will run with, always on show
         self._settings = widgets.HTML(f"<small>{html.escape(self.settings_text)}</small>")
         inputs = ([self._clean, self._corrupt, self._settings, self._run_button]
                   if self.session else [])
-        super().__init__([*inputs, self._summary, self.heatmap, self.bars])
+        super().__init__([*inputs, self._summary, self.heatmap, self._atp_box, self.bars])
         self._run_button.on_click(lambda _b: self._start("patch", self._patch_run))
         self.observe(self._guard(self._on_patching), names=["patching"])
-        self.observe(self._guard(self._on_cell), names=["cell"])
+        self.observe(self._guard(self._on_cell), names=["cell", "attribution"])
+        self.attribution = attribution
         if patching is not None:
             self.patching = patching
         elif self.session is not None and auto_run and clean and corrupt:
@@ -107,7 +129,7 @@ class PatchingView(Panel):
             f"span {'all' if o.get('span') is None else o['span']}",
             "per head" if o.get("per_head") else "per position",
             "answer: each run's top next token" if answer is None else f"answer {answer!r}",
-        ])
+        ] + (["AtP beside"] if self.atp else []))
 
     def set_clean(self, prompt: str) -> None:
         """Use ``prompt`` as the clean run of the next :meth:`run`."""
@@ -132,6 +154,7 @@ class PatchingView(Panel):
             raise ValueError("type a clean prompt and a corrupt prompt first")
         self.streamed_states = 0
         self.cell = (-1, -1)
+        self.attribution = None
         last = None
         with self._working("patching…", "cells") as report, closing(self.session.stream_patch(
                 box_prompt(self._clean.value), box_prompt(self._corrupt.value),
@@ -145,6 +168,14 @@ class PatchingView(Panel):
                         self.patching = state
                 last = state
                 self.streamed_states += 1
+        if self.atp and last is not None:
+            with self._working("attribution patching on the twin…", "grids"):
+                atp = self.session.attribution_patch(
+                    box_prompt(self._clean.value), box_prompt(self._corrupt.value),
+                    site=last.site, layers=last.layers, span=last.positions,
+                    heads=last.heads is not None, answer=last.answer)
+            with self._publishing():
+                self.attribution = atp
         return last
 
     # -- reactions -------------------------------------------------------------
@@ -197,11 +228,39 @@ class PatchingView(Panel):
         self._summary.value = (
             f"<small>answer: clean <b>{_esc(clean_text)}</b> vs corrupt "
             f"<b>{_esc(corrupt_text)}</b>; logit difference clean {p.clean_diff:.3f}, "
-            f"corrupt {p.corrupt_diff:.3f}. Click a cell to see its run.</small>")
+            f"corrupt {p.corrupt_diff:.3f}. Click a cell to see its run."
+            + self._replot_atp(cell, what) + "</small>")
         show_figure(self.bars, next_token_bars(
             self.distributions(), top=TOP, marks=[clean_text, corrupt_text],
             title="next token: clean, corrupt" + (
                 f" and {self.cell_name()}" if cell is not None else "")))
+
+
+    def _replot_atp(self, cell: Any, what: str) -> str:
+        """Draw the attribution beside the grid; the summary's words on it."""
+        a, p = self.attribution, self.patching
+        if a is None or a.grid.shape != p.grid.shape:
+            self._atp_box.layout.display = "none"
+            return ""
+        self._atp_box.layout.display = ""
+        show_figure(self.atp_heatmap, patching_heatmap(
+            a.grid, a.layers, _columns(a)[0], cell=cell, column_title=what,
+            title=f"{a.site}: attribution patching (AtP) on the Hugging Face twin"))
+        r = correlation(p.grid, a.grid)
+        said = "n/a" if r is None else f"{r:.2f}"
+        return f" AtP beside it (below): corr r = {said} with activation patching."
+
+
+def correlation(a: Any, b: Any) -> float | None:
+    """Pearson r of two grids over the cells both have (None: too few or flat)."""
+    import torch
+
+    a, b = a.flatten().double(), b.flatten().double()
+    keep = ~(a.isnan() | b.isnan())
+    a, b = a[keep], b[keep]
+    if a.numel() < 2 or float(a.std()) == 0 or float(b.std()) == 0:
+        return None
+    return float(torch.corrcoef(torch.stack([a, b]))[0, 1])
 
 
 def _esc(text: str) -> str:

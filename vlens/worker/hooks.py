@@ -427,7 +427,7 @@ class WorkerHooks:
         the run)."""
         log = self.log
         # rows the planner built from the step's offsets: inside the step
-        if g.bounds is not None and g.read.reduce == "norm":  # a new tensor: a view will do
+        if g.bounds is not None and g.read.reduce in ("norm", "dla"):  # a new tensor: a view
             rows = flat[g.bounds[0] : g.bounds[1]]
         else:
             rows = flat.index_select(0, g.index_on(flat.device))
@@ -435,7 +435,7 @@ class WorkerHooks:
             rows = self.heads.gather_heads(rows, -1)
             rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
         t0 = time.perf_counter_ns()
-        parts = reduce_rows(self.model, rows, g.read, self.features)
+        parts = reduce_rows(self.model, rows, g.read, self.features, layer)
         self.counters.reduce_ns += time.perf_counter_ns() - t0
         if not self.reader or log is None:  # a non-reading rank joined a collective
             return

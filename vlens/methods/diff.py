@@ -1,0 +1,275 @@
+"""``vlens.diff``: two models on the same token ids, side by side.
+
+A base model and a model tuned from it (two Sessions, local or connected)
+read the same prompts. The call runs in two phases, each model's share
+of a phase one engine batch, the two models at once where they can be:
+
+1. **generate** (``max_new_tokens > 0``): each model continues each prompt
+   greedily; its continuation is cut before the first token the other
+   model's vocabulary lacks;
+2. **score**: each model reads every text teacher-forced -- the prompt plus
+   the base's continuation and the prompt plus the tuned model's (with
+   ``max_new_tokens=0``, the prompt alone) -- at ``sites`` and ``layers`` in
+   full, and the last layer's log-probabilities over the vocabulary.
+
+So every number in the :class:`~vlens.results.diff.Diff` comes from the two
+models reading identical ids. Two engines in this process run one after
+the other: vLLM keeps the forward step's context in a module global, so
+two in-process engines stepping at once in two threads would read each
+other's; a connected (or multiprocess) engine runs beside the other.
+
+Tokenizers: one vocabulary must extend the other (every token of the
+smaller one has the same id in the larger: the bundled chat model adds 20
+words and its role markers to the story model's) and every prompt must be
+the same ids under both; anything else is refused before anything runs.
+KL is taken over the shared ids (each distribution renormalised there;
+``outside`` says how much probability a model put beyond them).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vlens import calls, checks
+from vlens.calls import Call
+from vlens.errors import VlensError
+from vlens.methods.twin import model_folder
+from vlens.protocol.plan import Read
+from vlens.results.diff import Diff, DiffText
+
+__all__ = ["diff", "shared_vocabulary"]
+
+#: sites a diff cannot take: no single row per token
+_NO_ROWS = ("attn_pattern",)
+
+
+def diff(base: Any, tuned: Any, prompts: Any, *, layers: Any = None,
+         sites: Any = ("resid_post",), max_new_tokens: int = 16,
+         progress: Any = None) -> Diff:
+    """``vlens.diff(base, tuned, prompts)``: see :class:`~vlens.results.diff.Diff`."""
+    for name, s in (("base", base), ("tuned", tuned)):
+        if not hasattr(s, "run_call") or not hasattr(s, "facts"):
+            raise VlensError(f"{name} must be a vlens Session, got {type(s).__name__}")
+        if s.closed:
+            raise VlensError(f"the {name} session ({s.model}) is closed: open it again")
+    shared = shared_vocabulary(base, tuned)
+    layers, sites = _check_shapes(base, tuned, layers, sites)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise VlensError(f"max_new_tokens must be an int >= 0 (0: the prompts alone), got "
+                         f"{max_new_tokens!r}")
+    if max_new_tokens:
+        checks.check_generation(max_new_tokens, {}, base.facts)
+        checks.check_generation(max_new_tokens, {}, tuned.facts)
+    plist = _same_ids(base, tuned, prompts, shared)
+    prompt_ids = [list(p.ids) for p in plist]
+    beside = not (getattr(base.engine, "in_process", False)
+                  and getattr(tuned.engine, "in_process", False))
+    texts = [prompt_ids]
+    if max_new_tokens:
+        gen = _both(base, tuned, lambda s: s.run_call(_generate_call(prompt_ids, max_new_tokens),
+                                                      progress=progress), beside)
+        texts = [[ids + _cut(g, shared) for ids, g in zip(prompt_ids, out)] for out in gen]
+    flat = [ids for group in texts for ids in group]
+    runs = _both(base, tuned, lambda s: s.run_call(
+        _score_call(flat, [p.label for p in plist] * len(texts), layers, sites, s.facts),
+        progress=progress), beside)
+    kinds = ("prompt",) if not max_new_tokens else ("base", "tuned")
+    n = len(plist)
+    by_prompt = []
+    for i in range(n):
+        held = {kind: _text(kind, runs[0][k * n + i], runs[1][k * n + i], len(prompt_ids[i]),
+                            shared, layers, sites)
+                for k, kind in enumerate(kinds)}
+        if "prompt" not in held:  # the prompt's rows: the start of either text
+            held["prompt"] = held["base"].head(len(prompt_ids[i]))
+        by_prompt.append(held)
+    return Diff(prompts=[p.label for p in plist], texts=by_prompt, layers=layers, sites=sites,
+                base_model=model_folder(base), tuned_model=model_folder(tuned),
+                shared_vocab=shared, tokenizer=base.tokenizer, tuned_tokenizer=tuned.tokenizer,
+                max_new_tokens=max_new_tokens)
+
+
+def shared_vocabulary(base: Any, tuned: Any) -> int:
+    """How many ids the two tokenizers share: the smaller vocabulary, when
+    the larger one holds each of its tokens at the same id (else a
+    VlensError naming both models and the first token that differs)."""
+    va, vb = base.tokenizer.get_vocab(), tuned.tokenizer.get_vocab()
+    small, large = (va, vb) if len(va) <= len(vb) else (vb, va)
+    for token, i in sorted(small.items(), key=lambda kv: kv[1]):
+        if large.get(token) != i:
+            raise VlensError(
+                f"the tokenizers of {base.model} (base, {len(va)} tokens) and {tuned.model} "
+                f"(tuned, {len(vb)} tokens) differ: {token!r} is id {va.get(token)} in the "
+                f"base and {vb.get(token)} in the tuned model. A diff needs the same ids for "
+                "the same tokens (one vocabulary may only extend the other)")
+    ids = sorted(small.values())
+    if ids != list(range(len(ids))):
+        raise VlensError(f"the vocabulary of {base.model if small is va else tuned.model} "
+                         "has gaps in its ids: a diff needs ids 0..n-1")
+    return min(len(small), base.facts.vocab_size, tuned.facts.vocab_size)
+
+
+def _check_shapes(base: Any, tuned: Any, layers: Any, sites: Any) -> tuple[list[int], list[str]]:
+    """The layers and sites to read, checked on both models (which must
+    have the same number of layers and the same width)."""
+    fb, ft = base.facts, tuned.facts
+    if (fb.n_layers, fb.hidden_size) != (ft.n_layers, ft.hidden_size):
+        raise VlensError(f"{base.model} has {fb.n_layers} layers of width {fb.hidden_size} and "
+                         f"{tuned.model} {ft.n_layers} of width {ft.hidden_size}: a diff of "
+                         "activations needs two models of the same shape (a model and its "
+                         "fine-tune)")
+    out = checks.check_layers(layers, fb)
+    checks.check_layers(out, ft)
+    names = checks.check_sites(sites, fb)
+    checks.check_sites(names, ft)
+    bad = [x for x in names if x in _NO_ROWS]
+    if bad:
+        raise VlensError(f"a diff reads one row per token; {bad[0]!r} has one per token pair: "
+                         "use a residual site or 'z'")
+    return out, names
+
+
+def _same_ids(base: Any, tuned: Any, prompts: Any, shared: int) -> list[Any]:
+    """Each prompt as both sessions tokenise it (the same ids, all shared).
+    A prompt only one side can format (a conversation, and a chat template
+    only one tokenizer has) is that side's ids for both."""
+    got, failed = {}, {}
+    for name, s in (("base", base), ("tuned", tuned)):
+        try:
+            got[name] = s.prompts(prompts)
+        except VlensError as exc:
+            failed[name] = exc
+    if len(failed) == 2:
+        raise VlensError(f"neither {base.model} (base) nor {tuned.model} (tuned) can read the "
+                         f"prompts: {failed['tuned']}")
+    sides = {"base": base, "tuned": tuned}
+    for name, exc in failed.items():
+        good = "tuned" if name == "base" else "base"
+        ids = [list(p.ids) for p in got[good]]
+        _shared_only(ids, shared, base, tuned, good)
+        got[name] = sides[name].prompts([{"prompt_token_ids": x} for x in ids])
+    for i, (a, b) in enumerate(zip(got["base"], got["tuned"])):
+        if list(a.ids) != list(b.ids):
+            at = next((k for k, (x, y) in enumerate(zip(a.ids, b.ids)) if x != y),
+                      min(len(a.ids), len(b.ids)))
+            raise VlensError(
+                f"prompt {i} is different ids for the two tokenizers: {base.model} (base) "
+                f"reads {base.token_strings(a.ids[at:at + 3])} at token {at}, {tuned.model} "
+                f"(tuned) {tuned.token_strings(b.ids[at:at + 3])}. A diff runs both models "
+                "on the same ids: use words both vocabularies hold")
+    _shared_only([list(p.ids) for p in got["tuned"]], shared, base, tuned, "tuned")
+    return got["tuned"]
+
+
+def _shared_only(ids: list[list[int]], shared: int, base: Any, tuned: Any, side: str) -> None:
+    """Every id below ``shared`` (both vocabularies hold it), or a VlensError
+    naming the token and both models."""
+    for i, row in enumerate(ids):
+        outside = [t for t in row if t >= shared]
+        if outside:
+            s = tuned if side == "tuned" else base
+            other = base if side == "tuned" else tuned
+            word = s.token_strings(outside[:1])[0]
+            raise VlensError(
+                f"prompt {i} holds {word!r} (id {outside[0]}), which {s.model} ({side}) has "
+                f"and {other.model} does not (the first {shared} ids are shared). A diff runs "
+                "both models on the same ids: use words both vocabularies hold")
+
+
+def _both(base: Any, tuned: Any, fn: Any, beside: bool) -> list[Any]:
+    """``[fn(base), fn(tuned)]``: in two threads when ``beside``, else one
+    after the other. An error in either is raised once both have ended."""
+    if not beside or base.engine is tuned.engine:
+        return [fn(base), fn(tuned)]
+    out: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def work(k: int, s: Any) -> None:
+        try:
+            out[k] = fn(s)
+        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=work, args=(1, tuned), daemon=True)
+    worker.start()
+    work(0, base)
+    worker.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _cut(ids: Sequence[int], shared: int) -> list[int]:
+    """A continuation up to (not including) its first id past the shared ones."""
+    out = []
+    for t in ids:
+        if t >= shared:
+            break
+        out.append(int(t))
+    return out
+
+
+def _generate_call(prompt_ids: list[list[int]], max_new_tokens: int) -> Call:
+    """Greedy continuations of each prompt, no plan: their token ids."""
+    requests = [calls.background(ids, max_new_tokens, {}) for ids in prompt_ids]
+    return Call(requests, lambda outs, _, __: [list(o.outputs[0].token_ids) for o in outs])
+
+
+def _score_call(texts: list[list[int]], labels: list[str], layers: list[int], sites: list[str],
+                facts: checks.ModelFacts) -> Call:
+    """Each text teacher-forced (one token generated, not kept): ``sites``
+    at ``layers`` in full, and the last layer's vocabulary log-probabilities."""
+    reads = [Read(site, tuple(layers), "full") for site in sites]
+    reads.append(Read("resid_post", (facts.n_layers - 1,), "vocab_logprobs"))
+    tag = calls.new_tag()
+    requests = [calls.request(f"{tag}-{i}", i, ids, reads=reads, max_new_tokens=1,
+                              logprobs=False, clone=False)
+                for i, ids in enumerate(texts)]
+    return Call(requests, lambda outs, got, runs: runs.build_run(labels, requests, outs, got,
+                                                                 False))
+
+
+def _text(kind: str, tb: Any, tt: Any, n_prompt: int, shared: int, layers: list[int],
+          sites: list[str]) -> DiffText:
+    """One text as both models read it: KL, each model's logprobs, the
+    activation differences (tuned - base) at each site."""
+    ids = list(tb.token_ids)
+    if ids != list(tt.token_ids):
+        raise VlensError(f"the two models read different ids for one {kind} text "
+                         "(an engine served part of it from a cache?)")
+    lb = tb.vocab_logprobs()[-1]  # [T, vocab of the base]
+    lt = tt.vocab_logprobs()[-1]
+    sb, st = lb[:, :shared], lt[:, :shared]
+    kl = _kl(st.log_softmax(-1), sb.log_softmax(-1))
+    delta = {}
+    for site in sites:
+        a, b = tb.activations(site), tt.activations(site)
+        delta[site] = (b - a).reshape(b.shape[0], b.shape[1], -1)
+    cos = {site: torch.nn.functional.cosine_similarity(
+        tt.activations(site).reshape(d.shape), tb.activations(site).reshape(d.shape), dim=-1)
+        for site, d in delta.items()}
+    return DiffText(
+        kind=kind, ids=ids, tokens=list(tb.tokens), n_prompt=n_prompt, kl=kl,
+        logprob_base=_actual(lb, ids), logprob_tuned=_actual(lt, ids),
+        outside_base=1 - sb.logsumexp(-1).exp(), outside_tuned=1 - st.logsumexp(-1).exp(),
+        delta=delta, cosine=cos, layers=list(layers))
+
+
+def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) of two ``[T, vocab]`` log-probability tables, row by row."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1).clamp_min(0)
+
+
+def _actual(lp: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """``[T]``: the log-probability of token j given the tokens before it
+    (NaN for the first, which nothing predicts)."""
+    out = torch.full((len(ids),), float("nan"))
+    if len(ids) > 1:
+        nxt = torch.tensor(ids[1:])
+        out[1:] = lp[:-1].gather(1, nxt[:, None])[:, 0]
+    return out

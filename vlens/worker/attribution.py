@@ -1,0 +1,293 @@
+"""Direct logit attribution (DLA) as a worker-side reduction.
+
+Once the final norm's scale ``s`` is frozen at its value on the actual
+final residual, the logit difference is linear in the residual stream:
+
+    logit(a) - logit(w) = W_U[a] - W_U[w] . P(norm(x)) (+ biases)
+    norm(x)             = centre(x) * g / s + b      (centre: LayerNorm only)
+
+so with ``d0 = (W_U[a] - W_U[w]) * scale`` (the logits processor's scale;
+through ``P^T`` where a projection follows the norm) and ``d = g * d0``
+(Gemma's ``(1 + w) * d0``; centred for LayerNorm), every component ``c``
+of the final residual contributes ``(c . d) / s``, and the constant rest
+(``b . d0``, the unembedding's bias) is the bias term. The worker ships
+``c . d`` per row (one float per component) and, at the last layer's
+``resid_post``, ``s``, the bias term and the engine's own logit difference;
+the notebook side divides. Gemma2's final softcap is left out: DLA is of
+the pre-softcap logits.
+
+Per site (``Read.reduce == "dla"``, ``Read.target == (a, w or -1)``):
+
+* ``resid_pre`` (layer 0: the embeddings), ``attn_out``, ``mlp_out``:
+  ``[n, 1]``, ``c . d``; where a layer passes a block's output through a
+  norm before the residual add (Gemma2/3, OLMo2), ``c`` is that norm's
+  output (the layer's own module);
+* ``z``: ``[n, heads + 1]``, each head through its slice of the attention
+  output projection (``z_h . W_O[:, h]^T d``), and last the projection's
+  bias term, so the row sums to the ``attn_out`` value; under a post norm
+  its scale is frozen at its value on the row's whole projection output;
+* ``resid_post`` (last layer): ``[n, 4]``: ``x . d``, ``s``, the bias
+  term, and the logit difference through the model's own final-norm module,
+  projection and unembedding rows (pre-softcap, times the scale).
+
+Imports only ``protocol/``, torch and (for the tensor-parallel size) vLLM.
+Tensor parallelism is refused: each rank holds part of the unembedding
+and of each output projection.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlens.protocol.plan import Read
+from vlens.protocol.sites import ModelSites, resolve_sites
+
+__all__ = ["dla_rows", "DLA_SITES"]
+
+#: the sites a "dla" read may name
+DLA_SITES = ("resid_pre", "attn_out", "mlp_out", "z", "resid_post")
+
+# model -> {key: cached directions}; weights do not change under an engine
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+_CACHE_MAX = 256
+
+
+def _first(x: Any) -> torch.Tensor:
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm as the frozen-scale maths needs it: ``kind`` "rms" or
+    "layer", the effective weight (Gemma's ``1 + w``; None: ones), bias and
+    eps, all float32."""
+
+    kind: str
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+    @classmethod
+    def of(cls, m: nn.Module) -> Norm:
+        name = type(m).__name__
+        if isinstance(m, nn.LayerNorm) or name == "LayerNorm":
+            kind = "layer"
+        elif "RMSNorm" in name:
+            kind = "rms"
+        else:
+            raise ValueError(f"direct logit attribution knows RMSNorm and LayerNorm, not "
+                             f"{name}: this model's norms need their own rule")
+        eps = next((getattr(m, a) for a in ("variance_epsilon", "eps")
+                    if getattr(m, a, None) is not None), None)
+        if eps is None:
+            raise ValueError(f"found no epsilon on the norm {name}")
+        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+        w = None if w is None else w.detach().float()
+        if w is not None and "Gemma" in name:  # Gemma scales by (1 + w)
+            w = 1.0 + w
+        return cls(kind, w, None if b is None else b.detach().float(), float(eps))
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n]``: the norm's divisor of each row of ``x`` ``[n, width]``."""
+        if self.kind == "layer":
+            return (x.var(-1, unbiased=False) + self.eps).sqrt()
+        return (x.pow(2).mean(-1) + self.eps).sqrt()
+
+    def direction(self, d: torch.Tensor) -> torch.Tensor:
+        """What a row is dotted with so that ``row . result / s`` is the
+        normed row's dot with ``d`` (bias aside)."""
+        out = d if self.weight is None else self.weight * d
+        return out - out.mean() if self.kind == "layer" else out
+
+    def bias_term(self, d: torch.Tensor) -> float:
+        return 0.0 if self.bias is None else float(self.bias @ d)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One (answer, wrong) pair's directions: ``d`` ``[hidden]`` for the
+    residual's components, the final ``Norm``, ``d0`` (after any
+    projection's transpose), ``rows`` ``[2, width]`` the unembedding rows
+    (times the scale), and the bias term."""
+
+    d: torch.Tensor
+    d0: torch.Tensor
+    rows: torch.Tensor
+    row_bias: torch.Tensor
+    bias: float
+    final: Norm | None
+
+
+def _unembedding(model: nn.Module) -> nn.Module:
+    """The module whose ``weight`` rows are the unembedding: the LM head,
+    or, where a family keeps only the tied input embedding (Gemma), that."""
+    head = getattr(model, "lm_head", None)
+    if getattr(head, "weight", None) is not None:
+        return head
+    for m in model.modules():
+        if type(m).__name__ == "VocabParallelEmbedding":
+            return m
+    raise ValueError("found no unembedding (lm_head or a vocabulary embedding) in this model")
+
+
+def _linear_t(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """A linear layer's weight transposed, ``[in, out]``, its bias (float32)
+    and whether the weight is a copy (worth keeping) rather than a view of
+    the live weight (in the model's dtype; never copied to keep). On a CPU
+    vLLM packs linear weights for its kernel and leaves ``weight`` empty:
+    the layer is then run on the identity (exact: each output is one weight
+    times 1) less its output on zeros."""
+    bias = getattr(m, "bias", None)
+    bias = None if bias is None else bias.detach().float()
+    w = getattr(m, "weight", None)
+    if w is not None and w.dim() == 2 and w.numel():
+        return w.detach().t(), bias, False
+    size = int(getattr(m, "input_size", 0) or getattr(m, "in_features", 0))
+    if not size:
+        raise ValueError(f"cannot read the weight of {type(m).__name__}")
+    dtype = next((p.dtype for p in m.parameters() if p.is_floating_point()), torch.float32)
+    device = next(m.parameters()).device
+    probe = torch.cat([torch.eye(size, dtype=dtype, device=device),
+                       torch.zeros(1, size, dtype=dtype, device=device)])
+    out = _first(m(probe)).float()
+    return out[:-1] - out[-1], bias, True
+
+
+def refusal(model: nn.Module, sites: ModelSites) -> str | None:
+    """Why this engine cannot attribute, or None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "do_layer_norm_before", True) is False:
+        return ("this OPT normalises after each block (do_layer_norm_before=False), so the "
+                "final residual is no sum of the blocks' outputs: direct logit attribution "
+                "does not apply")
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        tp = get_tensor_model_parallel_world_size()
+    except Exception:  # pragma: no cover - no distributed state (a plain module)
+        tp = 1
+    if tp > 1:
+        return ("direct logit attribution under tensor parallelism is not supported yet (each "
+                "rank holds part of the unembedding and of each output projection): open the "
+                "model with tensor_parallel_size=1")
+    if sites.final_norm is None:
+        return "this model has no final norm vlens can find"
+    return None
+
+
+def _target(model: nn.Module, sites: ModelSites, target: tuple[int, ...]) -> Target:
+    cache = _CACHE.setdefault(model, {})
+    got = cache.get(("target", target))
+    if got is not None:
+        return got
+    why = refusal(model, sites)
+    if why:
+        raise ValueError(why)
+    a, w = int(target[0]), int(target[1])
+    head = _unembedding(model)
+    weight = head.weight.detach()
+    scale = float(getattr(getattr(model, "logits_processor", None), "scale", 1.0) or 1.0)
+    ids = [a] if w < 0 else [a, w]
+    rows = weight[ids].float() * scale  # [1 or 2, width]
+    sign = torch.tensor([1.0, -1.0][: len(ids)], device=rows.device)
+    bias = getattr(head, "bias", None)
+    row_bias = (torch.zeros(len(ids), device=rows.device) if bias is None
+                else bias.detach()[ids].float() * scale)
+    d0 = sign @ rows  # [width]
+    const = float(sign @ row_bias)
+    if sites.project is not None:  # logits = W_U . P(norm(x)): d0 -> P^T d0
+        p_t, p_bias, _ = _linear_t(sites.project)
+        if p_bias is not None:
+            const += float(p_bias @ d0)
+        d0 = p_t.float() @ d0
+    final = Norm.of(sites.final_norm)
+    got = Target(final.direction(d0), d0, rows, row_bias, const + final.bias_term(d0), final)
+    if len(cache) > _CACHE_MAX:
+        cache.clear()
+    cache[("target", target)] = got
+    return got
+
+
+def _module(root: Any, path: str | None) -> Any:
+    """Follow a dotted path from ``root``; None where there is none."""
+    if not path:
+        return None
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+def _heads(model: nn.Module, sites: ModelSites, layer: int, t: Target, key: tuple
+           ) -> tuple[torch.Tensor, torch.Tensor, float, Norm | None, torch.Tensor | None]:
+    """Layer ``layer``'s per-head directions ``u`` ``[heads * head_dim]``
+    (``W_O^T d'``; head h's slice is its), the output projection's weight
+    transposed, ``[heads * head_dim, hidden]``, its bias term ``b_O . d'``,
+    the post norm (None: none) and the projection's bias (None: none);
+    ``d'`` is ``d`` through the post norm's weight."""
+    cache = _CACHE.setdefault(model, {})
+    got = cache.get(("heads", layer, key))
+    if got is not None:
+        return got
+    lay = sites.arch.layout(sites.impl)
+    attn = _module(sites.layers[layer], lay.attn)
+    proj = _module(attn, lay.out_proj)
+    if proj is None:
+        raise ValueError(f"found no attention output projection at layer {layer} "
+                         f"({lay.attn}.{lay.out_proj})")
+    post_m = _module(sites.layers[layer], lay.attn_post)
+    post = Norm.of(post_m) if post_m is not None else None
+    d = post.direction(t.d) if post is not None else t.d
+    w_t, b_o, copy = cache.get(("proj", layer)) or _linear_t(proj)
+    if copy:  # a probed weight: probe once per layer
+        cache[("proj", layer)] = (w_t, b_o, copy)
+    u = w_t.float() @ d
+    b_term = 0.0 if b_o is None else float(b_o @ d)
+    got = (u, w_t, b_term, post, b_o)
+    cache[("heads", layer, key)] = got
+    return got
+
+
+def dla_rows(model: nn.Module, rows: torch.Tensor, read: Read, layer: int) -> torch.Tensor:
+    """The ``"dla"`` reduction of one site's gathered ``rows`` (``[n,
+    hidden]``; at ``z`` ``[n, heads, head_dim]``): see the module's
+    docstring for what each site ships."""
+    sites = resolve_sites(model)
+    t = _target(model, sites, read.target)
+    site = read.site
+    if site in ("attn_out", "mlp_out"):
+        lay = sites.arch.layout(sites.impl)
+        post = _module(sites.layers[layer], lay.attn_post if site == "attn_out" else lay.mlp_post)
+        c = _first(post(rows)) if post is not None else rows
+        return (c.float() @ t.d)[:, None]
+    if site == "resid_pre":
+        return (rows.float() @ t.d)[:, None]
+    if site == "z":
+        u, w_t, b_term, post, b_o = _heads(model, sites, layer, t, read.target)
+        z = rows.float()
+        per_head = torch.einsum("nhd,hd->nh", z, u.reshape(z.shape[1], -1))
+        bias = torch.full((z.shape[0], 1), b_term, device=z.device)
+        if post is not None:  # freeze the post norm's scale at the row's whole output
+            out = (z.reshape(z.shape[0], -1).to(w_t.dtype) @ w_t).float()
+            if b_o is not None:
+                out = out + b_o
+            s = post.scale(out)[:, None]
+            per_head, bias = per_head / s, bias / s + post.bias_term(t.d)
+        return torch.cat([per_head, bias], dim=1)
+    if site == "resid_post":
+        x = rows.float()
+        normed = _first(sites.final_norm(rows))
+        if sites.project is not None:
+            normed = _first(sites.project(normed))
+        logits = normed.float() @ t.rows.t() + t.row_bias  # [n, 1 or 2]
+        logit = logits[:, 0] - (logits[:, 1] if logits.shape[1] > 1 else 0.0)
+        scale = t.final.scale(x)
+        bias = torch.full_like(scale, t.bias)
+        return torch.stack([x @ t.d, scale, bias, logit], dim=1)
+    raise ValueError(f"direct logit attribution reads {', '.join(DLA_SITES)}, not {site!r}")
