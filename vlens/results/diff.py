@@ -14,10 +14,12 @@ an engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from vlens.checkpoint import final_norm_and_unembed, rms_lens_logits
 from vlens.errors import VlensError
 from vlens.plots import diff_figure
 from vlens.protocol.sites import lens_top
@@ -232,8 +234,8 @@ def _num(x: torch.Tensor) -> float | None:
 @dataclass
 class _FinalLens:
     """A Llama-family model's final RMSNorm and unembedding, read from its
-    folder (as :class:`vlens.lens.LogitLens` reads them; that module reaches
-    the remote client, which results may not import)."""
+    folder (:mod:`vlens.checkpoint`, as :class:`vlens.lens.LogitLens` reads
+    them; that module reaches the remote client, which results may not import)."""
 
     norm: torch.Tensor  # [hidden]
     unembed: torch.Tensor  # [vocab, hidden]
@@ -241,31 +243,16 @@ class _FinalLens:
 
     @classmethod
     def load(cls, path: str) -> _FinalLens:
-        import json
-        from pathlib import Path
-
-        from safetensors import safe_open
-
-        folder = Path(path)
-        if not (folder / "config.json").is_file():
+        if not (Path(path) / "config.json").is_file():
             raise VlensError(f"the lens reads the final norm and unembedding from the model's "
                              f"folder, and {path} is none (a connected model?): pass "
                              "lens=vlens.lens.LogitLens.from_pretrained(...)")
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        found: dict[str, torch.Tensor] = {}
-        wanted = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"}
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as st:
-                for key in wanted & set(st.keys()):
-                    found[key] = st.get_tensor(key).float()
-        unembed = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
-        if unembed is None or "model.norm.weight" not in found:
+        norm, unembed, eps = final_norm_and_unembed(path)
+        if unembed is None or norm is None:
             raise VlensError(f"{path} has no model.norm.weight / lm_head.weight: the diff "
                              "lens reads Llama-family checkpoints; pass lens= for others")
-        return cls(found["model.norm.weight"], unembed, float(cfg.get("rms_norm_eps", 1e-6)))
+        return cls(norm, unembed, eps)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]``."""
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
-        return x @ self.unembed.T
+        return rms_lens_logits(x, self.norm, self.unembed, self.eps)
