@@ -87,7 +87,10 @@ print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}; vllm {vllm
 EOF
 
 # -- 2. the engine tests on the GPU -------------------------------------------------
-TESTS="${GPU_TESTS:-tests/test_isolation.py tests/test_parity.py tests/test_steering.py tests/test_compiled.py tests/test_recompute.py}"
+# test_driver: async scheduling on (vLLM's CUDA default) against off, stop
+# strings and stop tokens (the EOS path) under both, every caller at once;
+# test_compiled: compiled mode with piecewise CUDA graphs
+TESTS="${GPU_TESTS:-tests/test_driver.py tests/test_isolation.py tests/test_parity.py tests/test_steering.py tests/test_compiled.py tests/test_recompute.py}"
 existing=""
 for t in $TESTS; do [ -e "$t" ] && existing="$existing $t"; done
 # shellcheck disable=SC2086

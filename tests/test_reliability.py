@@ -66,7 +66,7 @@ def test_progress_reports_every_request(llama_session):
         llama_session.trace(SHORT, progress="yes")
 
 
-def test_concurrent_calls_are_serialised_not_interleaved(llama_session):
+def test_concurrent_calls_share_steps_and_each_gets_its_own(llama_session):
     prompts = {0: [SHORT, LONG], 1: ["w7 w8 w9", "w10 w11"]}
     expected = {k: llama_session.trace(v, layers=[1], max_new_tokens=6) for k, v in prompts.items()}
     got, errors = {}, []

@@ -15,19 +15,22 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from vlens._progress import progress_factory
 from vlens.calls import Call, RequestSpec
 from vlens.protocol.tensors import decode_tensor
 from vlens.checks import ModelFacts, check_budget, check_plan_size
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
-from vlens.protocol.plan import PLAN_KEY, Add
+from vlens.protocol.plan import PLAN_KEY
 from vlens.results import Run, Trace
 from vlens.edits import engine_prompt
 from vlens.prompts import prompt_parts
+from vlens.rows import cached_adds, match_record, token_logprobs
 from vlens.tokens import TokenReader
 
 __all__ = ["Runner", "SAE_CACHE", "env_flag", "live_engines"]
@@ -88,6 +91,9 @@ class Runner:
         #: used first (at most SAE_CACHE; the oldest no call uses are released)
         self.saes: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._facts = ModelFacts.from_info(shared.engine.info)
+        # thread -> stages of this session it is running (see _in_flight)
+        self._running: dict[int, int] = {}
+        self._idle = threading.Condition()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -116,11 +122,43 @@ class Runner:
             return False
         return self.engine.in_process or env_flag("VLLM_ALLOW_INSECURE_SERIALIZATION")
 
-    def release(self) -> None:
-        """Give up this share; the engine closes with its last user."""
-        if self.closed:
-            return
-        self.closed = True
+    @contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """Around one stage's run: counted, so :meth:`release` can wait for it."""
+        with self._idle:
+            self._check_open()
+            self._running[threading.get_ident()] = self._running.get(threading.get_ident(), 0) + 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                me = threading.get_ident()
+                self._running[me] -= 1
+                if not self._running[me]:
+                    del self._running[me]
+                self._idle.notify_all()
+
+    def release(self, timeout: float = 30.0) -> None:
+        """Give up this share: cancel this session's calls still running
+        (each ends with a :class:`ClosedError`) and wait for them (at most
+        ``timeout`` seconds), release its SAEs from the workers, and close
+        the engine if this was its last user."""
+        with self._idle:
+            if self.closed:
+                return
+            self.closed = True
+        engine = self._shared.engine
+        if not engine.closed:
+            engine.cancel(self, ClosedError(
+                "the Session was closed while this call ran (s.close())"))
+        with self._idle:  # a call of this thread (a stream's body) cannot end first
+            self._idle.wait_for(
+                lambda: not (set(self._running) - {threading.get_ident()}), timeout)
+        if self.saes and not engine.closed:
+            try:
+                engine.release_saes(list(self.saes), owner=self)
+            finally:
+                self.saes.clear()
         with _LIVE_LOCK:
             shared = self._shared
             shared.users -= 1
@@ -173,8 +211,8 @@ class Runner:
         ``call.assemble(vLLM outputs, records by tag, self)``; when that is
         the call's next stage (a Call), run it too, and so on.
 
-        Runs are serialised per engine (a widget's run in its thread and a
-        cell's call queue, they do not interleave). The vectors the requests
+        Calls made at once (a widget's run in its thread, a cell's call)
+        share the engine's steps through its driver. The vectors the requests
         name are held for the stage; the edit functions live in the workers
         only during it; if anything fails, the engine aborts what is left and
         the workers forget the stage's records before the exception goes on."""
@@ -191,8 +229,9 @@ class Runner:
                      closing: list[Callable[[], None]]) -> Any:
         """Run one stage in one batch: its result, or the next stage."""
         factory = _stage_start(call, progress, closing)
-        with self._calling(call, budget) as running:
-            outputs = running.engine.generate(running.prompts, running.params, factory)
+        with self._in_flight(), self._calling(call, budget) as running:
+            outputs = running.engine.generate(running.prompts, running.params, factory,
+                                              owner=self)
             return running.finish(call.assemble, outputs, self)
 
     def stream(self, call: Call, *, budget: int, progress: Any = None) -> Iterator[Any]:
@@ -216,7 +255,7 @@ class Runner:
             factory = _stage_start(call, progress, closing)
             with self._calling(call, budget) as running:
                 outputs: list = []
-                steps = running.engine.stream(running.prompts, running.params)
+                steps = running.engine.stream(running.prompts, running.params, owner=self)
                 bar = factory(total=len(call.requests)) if factory else None
                 try:
                     for outputs in steps:
@@ -251,8 +290,11 @@ class Runner:
         saes = {sid: sae for r in requests for sid, sae in r.saes.items()}
         running = _InFlight(engine, [engine_prompt(r.ids, r.plan) for r in requests], params,
                             [r.plan.tag for r in requests if r.plan is not None])
+        # a local engine's driver runs overlapping calls side by side; a
+        # connection answers one call at a time
+        alone = engine.lock if engine.remote else nullcontext()
         try:
-            with engine.lock, engine.hold_vectors(vectors):
+            with alone, engine.hold_vectors(vectors):
                 if saes:
                     self._hold_saes(engine, saes)
                 if call.edit_fns:
@@ -270,11 +312,11 @@ class Runner:
             if sid not in self.saes:
                 self.saes[sid] = sae.payload()  # encoded once per session
             self.saes.move_to_end(sid)
-        engine.hold_saes({sid: self.saes[sid] for sid in saes})
+        engine.hold_saes({sid: self.saes[sid] for sid in saes}, owner=self)
         gone = list(self.saes)[:max(0, len(self.saes) - SAE_CACHE)]
         gone = [sid for sid in gone if sid not in saes]
         if gone:
-            engine.release_saes(gone)
+            engine.release_saes(gone, owner=self)
             for sid in gone:
                 del self.saes[sid]
 
@@ -287,13 +329,12 @@ class Runner:
         engine = self._shared.engine
         if engine.closed:
             return
-        with engine.lock:
-            for method, arg in (("vlens_drop_edits", list(edit_fns or ())), ("vlens_drop", tags)):
-                if arg:
-                    try:
-                        engine.rpc(method, arg)
-                    except Exception:  # noqa: BLE001 - the original error matters more
-                        pass
+        for method, arg in (("vlens_drop_edits", list(edit_fns or ())), ("vlens_drop", tags)):
+            if arg:
+                try:
+                    engine.rpc(method, arg)
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    pass
 
     # -- results --------------------------------------------------------------
     def partial_run(self, prompts: Sequence[str], requests: Sequence[RequestSpec],
@@ -325,8 +366,8 @@ class Runner:
         for i, (prompt, req, out) in enumerate(zip(prompts, requests, outputs)):
             records = list(collected.get(req.plan.tag, []))
             for comp in sorted(out.outputs, key=lambda c: c.index):
-                rec = _match(i, prompt, req, comp, records)
-                steered = rec["steered_rows"] + _cached_adds(req.plan.adds, rec.get("start", 0))
+                rec = match_record(i, prompt, req, comp, records)
+                steered = rec["steered_rows"] + cached_adds(req.plan.adds, rec.get("start", 0))
                 if req.plan.adds and steered == 0:
                     if not all(a.start >= len(req.ids) for a in req.plan.adds):
                         raise EngineError(
@@ -347,7 +388,8 @@ class Runner:
 
     def _trace(self, i, prompt, req, out, comp, rec, steered, logprobs) -> Trace:
         reads = {
-            key: {part: decode_tensor(v) for part, v in p.items() if isinstance(v, dict)}
+            key: {part: v if isinstance(v, torch.Tensor) else decode_tensor(v)
+                  for part, v in p.items() if isinstance(v, (dict, torch.Tensor))}
             for key, p in rec["reads"].items()
         }
         return Trace(
@@ -361,7 +403,7 @@ class Runner:
             tokens=self.token_strings(rec["token_ids"]),
             output_tokens=self.token_strings(comp.token_ids),
             positions=rec["positions"],
-            logprobs=_token_logprobs(out, comp, req.ids) if logprobs else [],
+            logprobs=token_logprobs(out, comp, req.ids) if logprobs else [],
             finish_reason=comp.finish_reason,
             _layers={key: p["layers"] for key, p in rec["reads"].items()},
             _reads=reads,
@@ -399,50 +441,3 @@ class _InFlight:
         result = assemble(outputs, collected, runs)
         self.done = True
         return result
-
-
-def _match(i: int, prompt: str, req: RequestSpec, comp: Any,
-           records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The record of completion ``comp`` of prompt ``i`` (removed from
-    ``records``): the rows it fed through the model, from the first one the
-    hooks saw (``start``; earlier rows came from the prefix cache)."""
-    expected = list(req.ids) + list(comp.token_ids[:-1])
-    rec = next((r for r in records if r["token_ids"] == expected[r.get("start", 0):]), None)
-    if rec is None:
-        seen = [(r.get("start", 0), len(r["token_ids"])) for r in records]
-        raise EngineError(
-            f"prompt {i}, sample {comp.index}: the rows vlens read do not match the tokens "
-            f"vLLM processed ({len(expected)} expected, records of (start, rows) {seen}). "
-            "This is a vlens bug; please report it."
-        )
-    records.remove(rec)
-    start = rec.get("start", 0)
-    if start and req.plan.reads:
-        raise EngineError(
-            f"prompt {i}, sample {comp.index}: rows 0 to {start - 1} came from the prefix "
-            "cache and the hooks never saw them, so its reads miss them. This is a vlens "
-            "bug; please report it."
-        )
-    if rec["errors"]:
-        raise EngineError(f"prompt {i} ({prompt[:40]!r}): " + "; ".join(rec["errors"]))
-    return rec
-
-
-def _cached_adds(adds: Sequence[Add], start: int) -> int:
-    """Rows before ``start`` (served from the prefix cache) inside each Add's
-    span: they were computed under the same steers (the cache_salt is made
-    from them), so they count as steered."""
-    return sum(a.rows_in(0, start) for a in adds)
-
-
-def _token_logprobs(out: Any, comp: Any, prompt_ids: list[int]) -> list[float | None]:
-    """Logprob of each prompt and generated token (None for the first)."""
-    values: list[float | None] = [None]
-    prompt_lp = out.prompt_logprobs or []
-    for pos in range(1, len(prompt_ids)):
-        entry = prompt_lp[pos] if pos < len(prompt_lp) else None
-        values.append(None if entry is None else float(entry[prompt_ids[pos]].logprob))
-    for step, tok in enumerate(comp.token_ids):
-        entry = comp.logprobs[step] if comp.logprobs and step < len(comp.logprobs) else None
-        values.append(None if entry is None else float(entry[tok].logprob))
-    return values

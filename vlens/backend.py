@@ -24,7 +24,8 @@ class EngineAPI(Protocol):
     info: dict[str, Any]
     #: the model's tokenizer (a Hugging Face tokenizer)
     tokenizer: Any
-    #: serialises runs: an engine is driven by one thread at a time
+    #: guards the engine's bookkeeping (what its workers hold); a connection
+    #: also answers one call at a time under it
     lock: AbstractContextManager[Any]
     #: the model: its folder here, or ``URL/FOLDER`` on a server
     model: str
@@ -54,20 +55,30 @@ class EngineAPI(Protocol):
         """Make the workers hold ``{id: tensor}`` steering vectors for the block."""
         ...
 
-    def hold_saes(self, payloads: Mapping[str, Any]) -> None:
-        """Make the workers hold these SAEs' encoders (``{id: payload}``) until released."""
+    def hold_saes(self, payloads: Mapping[str, Any], *, owner: Any = None) -> None:
+        """Make the workers hold these SAEs' encoders (``{id: payload}``) for
+        ``owner`` until it releases them."""
         ...
 
-    def release_saes(self, ids: Iterable[str]) -> None:
-        """Let the workers drop the SAEs ``ids`` that :meth:`hold_saes` gave them."""
+    def release_saes(self, ids: Iterable[str], *, owner: Any = None) -> None:
+        """``owner`` is done with the SAEs ``ids``; the workers drop those no
+        one else holds."""
         ...
 
-    def generate(self, prompts: list[Any], params: list[Any], progress: Any = None) -> list[Any]:
-        """Run one engine batch; its outputs, one per prompt."""
+    def generate(self, prompts: list[Any], params: list[Any], progress: Any = None, *,
+                 owner: Any = None) -> list[Any]:
+        """Run one batch of requests (sharing engine steps with other
+        callers'); its outputs, one per prompt."""
         ...
 
-    def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
-        """Run one engine batch, yielding every prompt's output after each step."""
+    def stream(self, prompts: list[Any], params: list[Any], *,
+               owner: Any = None) -> Iterator[list[Any]]:
+        """Run one batch of requests, yielding every prompt's output after each step."""
+        ...
+
+    def cancel(self, owner: Any, error: BaseException) -> int:
+        """Abort every batch ``owner`` has running (its callers get
+        ``error``); how many batches."""
         ...
 
     def rpc(self, method: str, *args: Any) -> list[Any]:

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["RENAMED", "SAMPLING", "keywords"]
+__all__ = ["RENAMED", "SAMPLING", "keywords", "same_keywords"]
 
 #: the settings of vLLM's ``SamplingParams`` a call may name (``max_tokens`` is
 #: ``max_new_tokens`` here; the log-probability ones are vlens's own, and
@@ -73,3 +73,26 @@ def keywords(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return checked
+
+
+def same_keywords(model: Callable) -> Callable[[Callable], Callable]:
+    """Give the decorated method ``fn(self, args)`` the keywords of
+    ``model``, written once: its signature is ``model``'s (what ``help``,
+    completion and :func:`keywords` read), and it receives every argument
+    bound by that signature, defaults applied, as one dict (``**sampling``
+    as a dict under its own name). ``Session.stream`` takes ``trace``'s so."""
+    sig = inspect.signature(model)
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def bound(self: Any, *args: Any, **kwargs: Any) -> Any:
+            call = sig.bind(self, *args, **kwargs)
+            call.apply_defaults()
+            return fn(self, dict(call.arguments))
+
+        del bound.__wrapped__  # the signature below, not fn's own
+        bound.__signature__ = sig.replace(  # type: ignore[attr-defined]
+            return_annotation=inspect.signature(fn).return_annotation)
+        return bound
+
+    return wrap

@@ -22,9 +22,9 @@ from vlens.engine.engine import start_options
 from vlens.engine.quiet import start_line
 from vlens.engine.startup import resolve_model
 from vlens.errors import VlensError
-from vlens.keywords import keywords
-from vlens.methods import (attribution, directions, gradients, patching, server_names,
-                           steering, traces)
+from vlens.keywords import keywords, same_keywords
+from vlens.methods import (attribution, directions, gradients, harvest as harvesting,
+                           patching, server_names, steering, traces)
 from vlens.methods.twin import Twin, held
 from vlens.methods import branches as branching
 from vlens.prompts import Prompt, normalise
@@ -191,26 +191,14 @@ class Session:
         return self.run_call(self._trace_call(locals()), progress=progress)
 
     @keywords
-    def stream(
-        self, prompts: str | Sequence[str], *,
-        layers: int | Sequence[int] | None = None,
-        sites: str | Sequence[str] = ("resid_post",),
-        max_new_tokens: int = 16,
-        logprobs: bool = True, background: Sequence[str] = (),
-        steer: Any = None, ablate: Any = None, clamp: Any = None,
-        edit: Any = None, edit_at: Sequence[tuple[str, int]] | None = None,
-        reduce: str = "full", logit_lens: int = 0,
-        query_heads: int | Sequence[int] | None = None,
-        saes: Any = None, features_top_k: int = 0,
-        progress: Any = None,
-        **sampling: Any,
-    ) -> Iterator[Run]:
+    @same_keywords(trace)
+    def stream(self, args: dict[str, Any]) -> Iterator[Run]:
         """``trace``, token by token, with the same keywords: after every
         engine step a partial Run (tokens and text so far, no reads), last
         the finished Run exactly as ``trace`` returns it. Closing the
         iterator early aborts the requests and leaves the engine clean."""
-        return self._runner.stream(self._trace_call(locals()), budget=self.read_budget,
-                                   progress=progress)
+        return self._runner.stream(self._trace_call(args), budget=self.read_budget,
+                                   progress=args["progress"])
 
     def _trace_call(self, args: dict[str, Any]) -> Call:
         """A trace's keywords (its ``locals()``) as its one call."""
@@ -251,6 +239,16 @@ class Session:
         positions."""
         return directions.difference_of_means(self, positive, negative, layer=layer,
                                               site=site, span=span, progress=progress)
+
+    @keywords
+    def harvest(self, texts: Sequence[Any], *, layers: Any, sites: Any = ("resid_post",),
+                out: str | os.PathLike, shard_tokens: int = 65536, progress: Any = None) -> Any:
+        """Every token's rows of ``sites`` at ``layers`` over ``texts``, written to folder
+        ``out`` as safetensors shards (whole texts, about ``shard_tokens`` tokens each)
+        with a ``manifest.json``; run again, it resumes after the last finished shard. A
+        :class:`~vlens.Harvest` (docs/features.md). ``progress``: True or ``fn(done, total)``."""
+        return harvesting.harvest(self, texts, layers=layers, sites=sites, out=out,
+                                  shard_tokens=shard_tokens, progress=progress)
 
     @keywords
     def compare(self, prompts: str | Sequence[str], *, steer: Any = None, ablate: Any = None,
@@ -428,12 +426,12 @@ class Session:
     def status(self) -> dict[str, Any]:
         """The workers' hook state (rank 0): ``records`` and ``plans``
         pending, ``edit_fns`` and ``vectors`` held, hooks and step counters."""
-        with self.engine.lock:  # a run under way (a widget's) ends first
-            return self.engine.rpc("vlens_status")[0]
+        return self.engine.rpc("vlens_status")[0]  # between two engine steps
 
     def close(self) -> None:
-        """Release this session's share of the engine; the engine shuts down
-        when its last session closes. Calling it twice is harmless."""
+        """Cancel this session's calls still running (each ends with a
+        ``ClosedError``), release its SAEs, twin and share of the engine,
+        which shuts down with its last session. Harmless twice."""
         if self._twin is not None:
             self._twin = self._twin.release()
         self._runner.release()

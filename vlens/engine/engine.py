@@ -11,7 +11,6 @@ in-process and out of process. It starts quietly unless asked
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vlens.engine.doctor import require_startable
+from vlens.engine.driver import STEP, Driver
 from vlens.engine.env import apply_env_defaults
 from vlens.engine.quiet import quiet_calls, quiet_engine_args, quiet_start, verbose_default
 from vlens.engine.startup import EXTENSION, Checkpoint, engine_info
@@ -57,8 +57,9 @@ class Engine:
     """One live vLLM engine with vlens's hooks installed in every worker.
 
     ``info`` describes the model (``n_layers``, ``hidden_size``, ``impl``
-    "native" or "transformers", ``sites``). ``lock`` serialises runs: vLLM's
-    offline ``LLM`` is not safe to drive from two threads at once.
+    "native" or "transformers", ``sites``). ``driver`` steps the engine for
+    every caller (``driver.py``); ``lock`` guards vlens's own bookkeeping of
+    what the workers hold (vectors, SAEs) and the close.
 
     ``verbose``: show vLLM's log (its start and its calls) as vLLM prints
     it; by default (``VLENS_VERBOSE`` unset) the engine starts and runs
@@ -112,7 +113,8 @@ class Engine:
         # steering vectors the workers hold: id -> calls using it now, least
         # recently used first; unpinned ones past the cap are dropped
         self._vectors: OrderedDict[str, int] = OrderedDict()
-        self._saes: set[str] = set()  # SAEs the workers hold (kept: few, named by the user)
+        # SAEs the workers hold -> who holds them (ids of Session runners)
+        self._saes: dict[str, set[int]] = {}
         self.vector_cache = int(os.environ.get("VLENS_VECTOR_CACHE", "256"))
         with (nullcontext() if self.verbose
               else quiet_start(single_process=self._starts_alone())):
@@ -138,14 +140,18 @@ class Engine:
             extra = compiled_settings(self.llm_kwargs.pop("compilation_config", None))
         if not self.verbose:
             extra.update(quiet_engine_args(self.llm_kwargs))
+        # vLLM runs the model while it starts (profiling, warm-up): never
+        # beside another in-process engine's step
+        starting = STEP if self.in_process else nullcontext()
         try:
-            self.llm = LLM(
-                model=self.model,
-                enforce_eager=not self.compiled,
-                worker_extension_cls=EXTENSION,
-                **extra,
-                **self.llm_kwargs,
-            )
+            with starting:
+                self.llm = LLM(
+                    model=self.model,
+                    enforce_eager=not self.compiled,
+                    worker_extension_cls=EXTENSION,
+                    **extra,
+                    **self.llm_kwargs,
+                )
         except AssertionError as exc:
             if "expert parallel group is not initialized" not in str(exc):
                 raise
@@ -159,6 +165,11 @@ class Engine:
                 "of process (VLLM_ENABLE_V1_MULTIPROCESSING=1 before the first Session)"
             ) from None
         self.tokenizer = self.llm.get_tokenizer()
+        # one step at a time per process for in-process engines (vLLM's
+        # forward context is a module global); an engine core of its own
+        # process only needs its client driven by one thread at a time
+        self.driver = Driver(self.llm.llm_engine, self._quiet,
+                             STEP if self.in_process else threading.RLock())
         try:
             setups = self.rpc("vlens_setup")
         except BaseException:
@@ -195,10 +206,10 @@ class Engine:
         return nullcontext() if self.verbose else quiet_calls()
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every worker; one result per worker, rank 0 first."""
+        """Call ``method`` on every worker (between two engine steps); one
+        result per worker, rank 0 first."""
         self.check_open()
-        with self._quiet():
-            return self.llm.collective_rpc(method, args=args)
+        return self.driver.call(lambda: self.llm.collective_rpc(method, args=args))
 
     @property
     def vector_ids(self) -> set[str]:
@@ -232,24 +243,38 @@ class Engine:
                 if not self._closed:
                     self._evict_vectors()
 
-    def hold_saes(self, payloads: Mapping[str, dict[str, Any]]) -> None:
+    def hold_saes(self, payloads: Mapping[str, dict[str, Any]], *, owner: Any = None) -> None:
         """Make sure the workers hold these SAEs' encoders (``{id: payload}``,
-        ``methods/sae.py``), shipping only the missing ones; they stay until
-        :meth:`release_saes`."""
+        ``methods/sae.py``) for ``owner`` (a Session's runner), shipping only
+        the missing ones; they stay until every owner has released them."""
         with self.lock:
             new = {sid: p for sid, p in payloads.items() if sid not in self._saes}
             if new:
                 self.rpc("vlens_put_saes", new)
-                self._saes.update(new)
+            for sid in payloads:
+                self._saes.setdefault(sid, set()).add(id(owner))
 
-    def release_saes(self, ids: Iterable[str]) -> None:
-        """Drop the SAEs ``ids`` from the workers (those not held: nothing to
-        do); a later :meth:`hold_saes` ships them again."""
+    def release_saes(self, ids: Iterable[str], *, owner: Any = None) -> None:
+        """``owner`` no longer needs the SAEs ``ids``; those no other owner
+        holds are dropped from the workers (a later :meth:`hold_saes` ships
+        them again)."""
         with self.lock:
-            gone = [sid for sid in dict.fromkeys(ids) if sid in self._saes]
+            gone = []
+            for sid in dict.fromkeys(ids):
+                holders = self._saes.get(sid)
+                if holders is None:
+                    continue
+                holders.discard(id(owner))
+                if not holders:
+                    gone.append(sid)
+                    del self._saes[sid]
             if gone and not self._closed:
                 self.rpc("vlens_drop_saes", gone)
-            self._saes.difference_update(gone)
+
+    @property
+    def sae_ids(self) -> set[str]:
+        """Ids of the SAEs the workers hold now."""
+        return set(self._saes)
 
     def _evict_vectors(self) -> None:
         excess = len(self._vectors) - self.vector_cache
@@ -261,117 +286,70 @@ class Engine:
             for vid in gone:
                 del self._vectors[vid]
 
-    def generate(self, prompts: list[Any], params: list[Any], progress: Any = None) -> list[Any]:
-        """Run one engine batch. ``progress``: a :class:`Progress` (or None).
-
-        If anything interrupts the run (the notebook's stop button raises
-        KeyboardInterrupt between steps), every request still in the engine
-        is aborted before the exception goes on, so the next call starts
-        from an empty engine instead of finishing this call's leftovers."""
+    def generate(self, prompts: list[Any], params: list[Any], progress: Any = None, *,
+                 owner: Any = None) -> list[Any]:
+        """Run one batch of requests and return their final outputs, in
+        order. ``progress``: a tqdm-like factory (or None). The requests
+        share engine steps with every other caller's (the driver,
+        ``driver.py``); ``owner``: whose they are (:meth:`cancel` aborts an
+        owner's requests). If anything interrupts the wait (the notebook's
+        stop button), this batch's requests are aborted, no one else's."""
         self.check_open()
         self.generate_calls += 1
-        try:
-            with self._quiet():
-                return self.llm.generate(prompts, params, use_tqdm=progress or False)
-        except BaseException:
-            self.abort_all()
-            raise
+        return self.driver.submit(prompts, params, owner=owner).result(progress)
 
-    def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
-        """Run one engine batch step by step: after every engine step, yield
-        the latest output of each request (vLLM ``RequestOutput``s in prompt
-        order, None for a request with no token yet; with ``n > 1`` the
-        samples seen so far, by index). The last item holds every request
-        finished, as :meth:`generate` would return them.
-
+    def stream(self, prompts: list[Any], params: list[Any], *,
+               owner: Any = None) -> Iterator[list[Any]]:
+        """Run one batch of requests step by step: after every engine step
+        that moved them, yield each request's latest output (vLLM
+        ``RequestOutput``s in prompt order, None for a request with no token
+        yet; with ``n > 1`` the samples seen so far, by index). The last item
+        holds every request finished, as :meth:`generate` would return them.
         Closing the generator early (a widget closed, a cell interrupted)
-        aborts every request still in the engine, as an interrupted
-        :meth:`generate` does."""
-        import copy
-
-        from vllm.sampling_params import RequestOutputKind
-
+        aborts this batch's requests."""
         self.check_open()
         self.generate_calls += 1
-        engine = self.llm.llm_engine
-        call = next(_STREAMS)
-        ids: list[str] = []
-        samples: dict[str, dict[int, Any]] = {}
-        latest: dict[str, Any] = {}
-        try:
-            with self._quiet():
-                for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                    sp = copy.copy(sp)
-                    sp.output_kind = RequestOutputKind.CUMULATIVE
-                    rid = f"vlens-stream-{call}-{i}"
-                    engine.add_request(rid, prompt, sp)
-                    ids.append(rid)
-                    samples[rid] = {}
-            n_of = {rid: getattr(sp, "n", 1) or 1 for rid, sp in zip(ids, params)}
-            while True:
-                with self._quiet():  # each step, not the caller's code between them
-                    if not engine.has_unfinished_requests():
-                        break
-                    outs = engine.step()
-                for out in outs:
-                    if out.request_id not in samples:
-                        continue
-                    for comp in out.outputs:
-                        # vLLM keeps growing the same objects: keep a snapshot
-                        kept = copy.copy(comp)
-                        kept.token_ids = list(comp.token_ids)
-                        if comp.logprobs is not None:
-                            kept.logprobs = list(comp.logprobs)
-                        samples[out.request_id][comp.index] = kept
-                    merged = copy.copy(out)
-                    merged.outputs = [samples[out.request_id][k]
-                                      for k in sorted(samples[out.request_id])]
-                    merged.finished = len(merged.outputs) == n_of[out.request_id] and all(
-                        c.finish_reason is not None for c in merged.outputs)
-                    if latest.get(out.request_id) is not None and merged.prompt_logprobs is None:
-                        merged.prompt_logprobs = latest[out.request_id].prompt_logprobs
-                    latest[out.request_id] = merged
-                yield [latest.get(rid) for rid in ids]
-        except BaseException:
-            self.abort_all()
-            raise
+        batch = self.driver.submit(prompts, params, stream=True, owner=owner)
+        yield from batch.frames()
+
+    def cancel(self, owner: Any, error: BaseException) -> int:
+        """Abort every batch ``owner`` has in the engine; each waiting caller
+        gets ``error``. Returns how many batches."""
+        return len(self.driver.cancel_owner(owner, error))
 
     def unfinished(self) -> int:
         """Requests still in the engine (0 between calls)."""
-        return int(self.llm.llm_engine.get_num_unfinished_requests())
+        return self.driver.unfinished()
 
     def abort_all(self) -> int:
         """Abort every request still in the engine; returns how many."""
-        engine = self.llm.llm_engine
-        ids = list(engine.output_processor.request_states)
-        with self._quiet():
-            if ids:
-                engine.abort_request(ids, internal=True)
-            # let the engine core retire them (bounded: never spin forever)
-            for _ in range(1000):
-                if not engine.has_unfinished_requests():
-                    break
-                engine.step()
-        return len(ids)
+        return self.driver.abort_all()
 
     def close(self) -> None:
-        """Remove the hooks and shut the engine down. Safe to call twice."""
-        if self._closed:
-            return
-        try:
-            self.rpc("vlens_teardown")
-        finally:
-            self._closed = True
-            _OPEN.discard(self)
-            llm, self.llm = self.llm, None
-            client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if client is not None:
-                with self._quiet():
-                    _shutdown(client, last=not any(e.in_process for e in _OPEN))
-            del llm, client
-            import gc
+        """Cancel every call still running (each gets a :class:`ClosedError`),
+        remove the hooks and shut the engine down. Safe to call twice, and
+        from any thread."""
+        with self.lock:
+            if self._closed:
+                return
+            self.driver.close()
+            try:
+                self.rpc("vlens_teardown")
+            finally:
+                self._teardown()
 
-            gc.collect()
+    def _teardown(self) -> None:
+        self._closed = True
+        _OPEN.discard(self)
+        llm, self.llm = self.llm, None
+        client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            with self.driver.lock, self._quiet():  # never beside another engine's step
+                _shutdown(client, last=not any(e.in_process for e in _OPEN))
+        del llm, client
+        import gc
+
+        gc.collect()
 
     @property
     def in_process(self) -> bool:
@@ -395,9 +373,9 @@ def compiled_settings(compilation: Any) -> dict[str, Any]:
         )
     config = dict(compilation or {})
     if gpu:
-        from vllm.config import CompilationConfig
-
-        ops = config.get("splitting_ops") or list(CompilationConfig._attention_ops)
+        ops = config.get("splitting_ops")
+        if ops is None:  # vLLM's own default, which naming any splitting ops replaces
+            ops = default_splitting_ops(config)
         config["splitting_ops"] = list(ops) + [op for op in SPLITTING_OPS if op not in ops]
         mode = str(config.setdefault("cudagraph_mode", "PIECEWISE")).upper()
         if mode not in ("PIECEWISE", "NONE"):
@@ -410,7 +388,19 @@ def compiled_settings(compilation: Any) -> dict[str, Any]:
     return out
 
 
-_STREAMS = itertools.count()
+def default_splitting_ops(config: dict[str, Any]) -> list[str]:
+    """The splitting ops vLLM picks when none are named
+    (``CompilationConfig.set_splitting_ops_for_v1``): its attention ops and,
+    unless Inductor partitions the graph, its KV-cache-update ops, which it
+    keeps out of the compiled pieces. Naming splitting ops (as vlens must,
+    to add its own) stops vLLM from adding the latter itself."""
+    from vllm.config import CompilationConfig
+
+    ops = list(CompilationConfig._attention_ops)
+    if not config.get("use_inductor_graph_partition"):
+        ops += ["vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
+    return ops
+
 
 # Engines open in this process. vLLM's in-process shutdown also tears down
 # the process-wide torch.distributed state, which other in-process engines

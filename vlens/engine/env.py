@@ -84,6 +84,13 @@ def apply_env_defaults(engine_kwargs: dict | None = None) -> dict[str, str]:
     for key in defaults:
         if os.environ.get(key, None) == "":
             del os.environ[key]
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower()
+    if v2 not in ("0", "false", "no", "off"):
+        raise VlensError(
+            f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']!r} asks for "
+            "vLLM's Model Runner V2, whose batch vlens cannot read yet: set "
+            "VLLM_USE_V2_MODEL_RUNNER=0 (or leave it unset: vlens sets it) before the "
+            "Session starts")
     for arg, key in _OVERRIDDEN_BY.items():
         if engine_kwargs.get(arg) is None:
             continue

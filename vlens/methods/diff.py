@@ -13,10 +13,10 @@ of a phase one engine batch, the two models at once where they can be:
    full, and the last layer's log-probabilities over the vocabulary.
 
 So every number in the :class:`~vlens.results.diff.Diff` comes from the two
-models reading identical ids. Two engines in this process run one after
-the other: vLLM keeps the forward step's context in a module global, so
-two in-process engines stepping at once in two threads would read each
-other's; a connected (or multiprocess) engine runs beside the other.
+models reading identical ids. Each phase runs on both engines from two
+threads: two engines in this process take turns step by step (their
+drivers never step at once, ``vlens/engine/driver.py``); a connected or
+multiprocess engine runs beside the other.
 
 Tokenizers: one vocabulary must extend the other (every token of the
 smaller one has the same id in the larger: the bundled chat model adds 20
@@ -67,17 +67,15 @@ def diff(base: Any, tuned: Any, prompts: Any, *, layers: Any = None,
         checks.check_generation(max_new_tokens, {}, tuned.facts)
     plist = _same_ids(base, tuned, prompts, shared)
     prompt_ids = [list(p.ids) for p in plist]
-    beside = not (getattr(base.engine, "in_process", False)
-                  and getattr(tuned.engine, "in_process", False))
     texts = [prompt_ids]
     if max_new_tokens:
         gen = _both(base, tuned, lambda s: s.run_call(_generate_call(prompt_ids, max_new_tokens),
-                                                      progress=progress), beside)
+                                                      progress=progress))
         texts = [[ids + _cut(g, shared) for ids, g in zip(prompt_ids, out)] for out in gen]
     flat = [ids for group in texts for ids in group]
     runs = _both(base, tuned, lambda s: s.run_call(
         _score_call(flat, [p.label for p in plist] * len(texts), layers, sites, s.facts),
-        progress=progress), beside)
+        progress=progress))
     kinds = ("prompt",) if not max_new_tokens else ("base", "tuned")
     n = len(plist)
     by_prompt = []
@@ -181,10 +179,10 @@ def _shared_only(ids: list[list[int]], shared: int, base: Any, tuned: Any, side:
                 "both models on the same ids: use words both vocabularies hold")
 
 
-def _both(base: Any, tuned: Any, fn: Any, beside: bool) -> list[Any]:
-    """``[fn(base), fn(tuned)]``: in two threads when ``beside``, else one
-    after the other. An error in either is raised once both have ended."""
-    if not beside or base.engine is tuned.engine:
+def _both(base: Any, tuned: Any, fn: Any) -> list[Any]:
+    """``[fn(base), fn(tuned)]`` in two threads (one engine: one after the
+    other). An error in either is raised once both have ended."""
+    if base.engine is tuned.engine:
         return [fn(base), fn(tuned)]
     out: list[Any] = [None, None]
     errors: list[BaseException] = []

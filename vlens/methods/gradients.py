@@ -95,7 +95,7 @@ def _check(session: Any, twin: Any, site: Any, heads: Any) -> None:
                          f"apart; use site='z' with heads=True, or heads=False at {site!r}")
 
 
-def attribution_patch(session: Any, twin: Any, clean: Any, corrupt: Any,
+def _attribution_patch(session: Any, twin: Any, clean: Any, corrupt: Any,
                       site: str = "resid_post", layers: Any = None, span: Any = None,
                       heads: bool = False, answer: Any = None,
                       metric: Any = "logit_diff") -> Patching:
@@ -144,6 +144,19 @@ def attribution_patch(session: Any, twin: Any, clean: Any, corrupt: Any,
         [], _top(session, clean_logits), _top(session, corrupt_logits.detach()))
 
 
+def attribution_patch(session: Any, twin: Any, *args: Any, **kwargs: Any) -> Patching:
+    """AtP on ``twin`` (see ``_attribution_patch``), under the twin's lock:
+    a background run and a cell's call never record each other's forward."""
+    with twin.lock:
+        return _attribution_patch(session, twin, *args, **kwargs)
+
+
+def saliency(session: Any, twin: Any, *args: Any, **kwargs: Any) -> Saliency:
+    """Saliency on ``twin`` (see ``_saliency``), under the twin's lock."""
+    with twin.lock:
+        return _saliency(session, twin, *args, **kwargs)
+
+
 def _baseline(session: Any, baseline: Any) -> int | None:
     """The baseline token's id (None: the all-zero embedding)."""
     if isinstance(baseline, str) and baseline == "zeros":
@@ -157,7 +170,7 @@ def _baseline(session: Any, baseline: Any) -> int | None:
     return 0
 
 
-def saliency(session: Any, twin: Any, prompt: Any, target: Any = None, steps: int = 64,
+def _saliency(session: Any, twin: Any, prompt: Any, target: Any = None, steps: int = 64,
              baseline: Any = None) -> Saliency:
     """Gradient x input and Captum's integrated gradients (``steps``
     Gauss-Legendre points, from ``baseline``: a token whose embedding fills

@@ -14,6 +14,7 @@ than :data:`TOLERANCE` is refused with the measured difference per site.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -90,6 +91,9 @@ class Twin:
         from transformers import AutoModelForCausalLM
 
         self.path, self.device = str(path), torch.device(device)
+        # one user of the model's hooks and forward at a time (a widget's
+        # background AtP and a cell's saliency would record each other's)
+        self.lock = threading.RLock()
         try:
             model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
         except Exception as exc:  # noqa: BLE001 - said with the likely cause
@@ -139,6 +143,7 @@ class Twin:
         model flattens). :meth:`rows` gives ``[T, width]``."""
         got: dict[str, dict[int, torch.Tensor]] = {s: {} for s in sites}
         handles = []
+        self.lock.acquire()
 
         def keeper(site: str, layer: int, pre: bool):
             if pre:
@@ -159,6 +164,7 @@ class Twin:
         finally:
             for h in handles:
                 h.remove()
+            self.lock.release()
 
     def rows(self, site: str, x: torch.Tensor) -> torch.Tensor:
         """A captured tensor as ``[T, width]`` (``z``: ``[T, heads, head_dim]``)."""
@@ -217,9 +223,11 @@ class Twin:
         return worst
 
     def release(self) -> None:
-        """Drop the model (its memory goes back when nothing else holds it)."""
-        self.model = None
-        self.layers = []
+        """Drop the model (its memory goes back when nothing else holds it),
+        once no one is using it."""
+        with self.lock:
+            self.model = None
+            self.layers = []
 
     def __repr__(self) -> str:
         if self.model is None:

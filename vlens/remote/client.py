@@ -174,7 +174,7 @@ class RemoteEngine:
             for vid in vectors:
                 self._held.pop(vid, None)
 
-    def hold_saes(self, payloads: Mapping[str, Any]) -> None:
+    def hold_saes(self, payloads: Mapping[str, Any], *, owner: Any = None) -> None:
         """The server holds its own SAEs; a plan may name only those."""
         served = {s["id"]: name for name, s in self.saes.items()}
         for sid in payloads:
@@ -184,7 +184,7 @@ class RemoteEngine:
                     f"use the server's, s.sae(name) (it has {sorted(self.saes) or 'none'}; "
                     "vlens serve --sae NAME=PATH loads more)")
 
-    def release_saes(self, ids: Iterable[str]) -> None:
+    def release_saes(self, ids: Iterable[str], *, owner: Any = None) -> None:
         """Nothing to release: the server's SAEs are its own, held for all its clients."""
 
     def sae(self, name: str) -> Any:
@@ -226,6 +226,11 @@ class RemoteEngine:
         resp = self._send("POST", "/v1/presets", json={"name": name, "vlens": body})
         self._raise_for(resp)
         return int(resp.json()["your_presets"])
+
+    def cancel(self, owner: Any, error: BaseException) -> int:
+        """Nothing to abort here: a connection's calls end with their HTTP
+        stream (closing a Session closes no one else's connection)."""
+        return 0
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
         if method == "vlens_collect":
@@ -298,7 +303,8 @@ class RemoteEngine:
     def _no_results(self) -> ServerGone:
         return ServerGone(f"the vlens server at {self.url} ended the call without results")
 
-    def generate(self, prompts: list[Any], params: list[Any], progress: Any = None) -> list[Any]:
+    def generate(self, prompts: list[Any], params: list[Any], progress: Any = None, *,
+                 owner: Any = None) -> list[Any]:
         bar = progress(total=len(prompts)) if progress else None
         outputs: list[Any] = []
         records: dict[str, list] = {}
@@ -327,7 +333,8 @@ class RemoteEngine:
         self._collected = records
         return outputs
 
-    def stream(self, prompts: list[Any], params: list[Any]) -> Iterator[list[Any]]:
+    def stream(self, prompts: list[Any], params: list[Any], *,
+               owner: Any = None) -> Iterator[list[Any]]:
         finished: list[Any] = []  # the outputs of the slices already answered
         records: dict[str, list] = {}
         for start, stop, vectors in self._slices(prompts, params):

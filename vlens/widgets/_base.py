@@ -77,6 +77,7 @@ class Panel(widgets.VBox):
 
     error = traitlets.Unicode("", help="message of the last failed callback")
     busy = traitlets.Bool(False, help="true while a run is pending (started, not ended)")
+    shows = traitlets.Unicode("", help="the run whose result is on show, e.g. 'grow #4'")
 
     def __init__(self, children: list[widgets.Widget]) -> None:
         self._error_label = widgets.Label(style={"text_color": "#b00020"})
@@ -164,19 +165,31 @@ class Panel(widgets.VBox):
     # -- runs ------------------------------------------------------------------
     def _start(self, key: str, fn: Callable[..., Any], *args: Any) -> None:
         """Start ``fn(*args)`` as this panel's newest run, in a thread of its
-        own (for callbacks: the kernel stays free); the run under way, if
-        any, is cancelled. An exception is shown in the widget."""
+        own (for callbacks: the kernel stays free); the setting run under
+        way, if any, is cancelled. An exception is shown in the widget."""
         self._runs.start(key, lambda: fn(*args), self._show_error, self._clear_error)
+
+    def _queue(self, key: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)``, an action that adds something (grow a
+        branch, add a prompt), in a thread of its own: it runs after the
+        actions queued before it and no newer run cancels it."""
+        self._runs.start(key, lambda: fn(*args), self._show_error, self._clear_error,
+                         queue=True)
 
     def _call(self, key: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` as this panel's newest run, in this thread (for
         Python methods: it returns the result, or raises)."""
         return self._runs.call(key, lambda: fn(*args))
 
-    def _publishing(self) -> Any:
+    @contextmanager
+    def _publishing(self) -> Iterator[None]:
         """``with self._publishing():`` around showing a run's result: a run
-        replaced meanwhile stops there (and shows nothing)."""
-        return self._runs.publishing()
+        replaced meanwhile stops there (and shows nothing); ``shows`` then
+        names the run whose result is on show."""
+        with self._runs.publishing() as job:
+            yield
+            if job is not None:
+                self.shows = job.label
 
     def _check_run(self) -> None:
         """Stop here if a newer run replaced this one (a stream's step)."""

@@ -18,10 +18,14 @@ steps, and a stream closed early aborts its requests, so the engine keeps
 no leftovers. A replaced run publishes nothing (it checks once more before
 showing its result).
 
-The engine itself runs one call at a time (the engine's lock, taken by
-every Session call): a notebook cell's own call waits for a widget's run
-instead of colliding with it. Runs of one panel never overlap: a run
-starts only once the one before it has ended.
+Runs come in two kinds. A *setting* (a slider, a menu, a click that
+picks what to show) is latest-wins as above. An *action* that adds
+something (grow a branch, add a prompt) is queued instead: it is never
+cancelled by a newer run, and the panel's actions run one after another,
+in the order they were asked for. Settings of one panel never overlap (a
+setting starts once the one before it has ended), and an action may run
+beside a setting: the engine's driver (``vlens/engine/driver.py``) batches
+a widget's run, a cell's call and an open stream into the same steps.
 
 :meth:`Runs.call` runs a function in the caller's thread as the newest run
 (what a panel's Python methods do, so ``panel.run_comparison()`` returns
@@ -31,6 +35,7 @@ until no run is pending.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,11 +49,16 @@ class RunReplaced(Exception):
     """A widget's run was replaced by a newer one before it finished."""
 
 
+_SERIAL = itertools.count(1)
+
+
 class Job:
-    """One run: ``key`` names what it does (``"compare"``, ``"sweep"`` …)."""
+    """One run: ``key`` names what it does (``"compare"``, ``"sweep"`` …);
+    ``label`` is what a view shows of it (``"compare #3"``)."""
 
     def __init__(self, key: str) -> None:
         self.key = key
+        self.label = f"{key} #{next(_SERIAL)}"
         self.cancelled = threading.Event()
         self.done = threading.Event()
 
@@ -64,7 +74,8 @@ class Runs:
 
     def __init__(self, on_busy: Callable[[bool], None]) -> None:
         self._lock = threading.RLock()
-        self._latest: Job | None = None
+        self._latest: Job | None = None  # the newest setting
+        self._actions: list[Job] = []  # queued actions, oldest first, until they end
         self._local = threading.local()
         self._on_busy = on_busy
 
@@ -75,24 +86,30 @@ class Runs:
         return getattr(self._local, "job", None)
 
     def under_way(self) -> str | None:
-        """The key of the newest run while it is pending, else None."""
+        """The key of the newest setting while it is pending, else of the
+        oldest queued action, else None."""
         job = self._latest
-        return job.key if job is not None and not job.done.is_set() else None
+        if job is not None and not job.done.is_set():
+            return job.key
+        return self._actions[0].key if self._actions else None
 
     def _replace(self, key: str) -> tuple[Job, Job | None]:
-        """A new newest job; the previous one is cancelled (under the lock)."""
+        """A new newest setting; the previous one is cancelled (under the lock)."""
+        idle = self.under_way() is None
         job = Job(key)
         previous, self._latest = self._latest, job
         if previous is not None:
             previous.cancelled.set()
-        if previous is None or previous.done.is_set():
+        if idle:
             self._on_busy(True)
         return job, previous
 
     def _end(self, job: Job) -> None:
         with self._lock:
             job.done.set()
-            if self._latest is job:
+            if job in self._actions:
+                self._actions.remove(job)
+            if self.under_way() is None:
                 self._on_busy(False)
 
     @contextmanager
@@ -106,12 +123,21 @@ class Runs:
     # -- starting runs ------------------------------------------------------------
     def start(self, key: str, fn: Callable[[], Any],
               on_error: Callable[[BaseException], None],
-              on_success: Callable[[], None]) -> Job:
+              on_success: Callable[[], None], *, queue: bool = False) -> Job:
         """Run ``fn()`` in a thread of its own, as the newest run, once the
         run before it has ended; a failure goes to ``on_error``, a
-        replaced run to neither."""
+        replaced run to neither. ``queue``: an action (see the module's
+        text), run after the actions asked for before it and never replaced."""
         with self._lock:
-            job, previous = self._replace(key)
+            if queue:
+                idle = self.under_way() is None
+                job = Job(key)
+                previous = self._actions[-1] if self._actions else None
+                self._actions.append(job)
+                if idle:
+                    self._on_busy(True)
+            else:
+                job, previous = self._replace(key)
             thread = threading.Thread(target=self._body, args=(job, previous, fn, on_error,
                                                                 on_success),
                                       name=f"vlens-{key}", daemon=True)
@@ -153,25 +179,27 @@ class Runs:
             self._end(job)
 
     @contextmanager
-    def publishing(self) -> Iterator[None]:
+    def publishing(self) -> Iterator[Job | None]:
         """Around showing a run's result: raises :class:`RunReplaced` if
-        the run was replaced, and no newer run can start meanwhile."""
+        the run was replaced, and no newer run can start meanwhile; gives
+        the run (None outside one)."""
         with self._lock:
             job = self.current
             if job is not None:
                 job.check()
-            yield
+            yield job
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until no run is pending (a run started meanwhile too); False
         if ``timeout`` seconds passed first."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            job = self._latest
-            if job is None:
+            with self._lock:
+                pending = [j for j in (self._latest, *self._actions)
+                           if j is not None and not j.done.is_set()]
+            if not pending:
                 return True
-            left = None if end is None else max(0.0, end - time.monotonic())
-            if not job.done.wait(left):
-                return False
-            if self._latest is job:
-                return True
+            for job in pending:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                if not job.done.wait(left):
+                    return False

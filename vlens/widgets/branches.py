@@ -238,7 +238,7 @@ class BranchView(Panel):
                 b = widgets.Button(description=f"{visible(alt.token)!r} {alt.probability:.3f}",
                                    tooltip=f"grow a branch with token {alt.id}",
                                    layout={"width": "auto"})
-                b.on_click(lambda _b, a=alt.id, p=position, i=ti: self._start(
+                b.on_click(lambda _b, a=alt.id, p=position, i=ti: self._queue(
                     "grow", self._grow, i, p, a))
                 buttons.append(b)
             self.alternative_buttons.children = tuple(buttons)

@@ -12,6 +12,7 @@ first) and forgetting tags. :class:`Counters` are the step figures
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,10 @@ class RequestBook:
         # the last batch's request ids, plans, and batch indices of requests
         # keeping records in the forward / journaled (reused while unchanged)
         self.batch: tuple[list[str], list, list[int], list[int], Any] | None = None
+        # tags already collected or dropped (the newest few thousand): a
+        # request vLLM schedules once more after its stop (async scheduling
+        # runs a step ahead) must not start a new record nobody collects
+        self.closed_tags: OrderedDict[str, None] = OrderedDict()
 
     def plan_for(self, req_id: str) -> Plan | None:
         try:
@@ -59,6 +64,9 @@ class RequestBook:
                 tag = raw.get("tag") if isinstance(raw, dict) else None
                 plan = Plan(tag=str(tag))
                 self.bad_plans[req_id] = f"its plan was refused: {exc}"
+            if plan.tag in self.closed_tags:
+                plan = None
+                self.bad_plans.pop(req_id, None)
         if len(self.plans) > 8192:  # forget requests that left long ago
             live = set(self.runner.input_batch.req_ids)
             self.plans = {k: v for k, v in self.plans.items() if k in live}
@@ -128,7 +136,15 @@ class RequestBook:
             rec = self.records.pop(req_id)
             out[rec.plan.tag].append(rec.pack())
         self._forget_plans(wanted)
+        self._close(tags)
         return out
+
+    def _close(self, tags: list[str]) -> None:
+        for tag in tags:
+            self.closed_tags[tag] = None
+            self.closed_tags.move_to_end(tag)
+        while len(self.closed_tags) > 8192:
+            self.closed_tags.popitem(last=False)
 
     def drop(self, tags: list[str] | None) -> int:
         if tags is None:
@@ -148,6 +164,7 @@ class RequestBook:
         self.journal.forget(journaled)
         gone = list(set(gone) | set(journaled))
         self._forget_plans(wanted)
+        self._close(tags)
         return len(gone)
 
     def counts(self) -> dict[str, int]:

@@ -97,6 +97,15 @@ class VlensWorkerExtension:
     def vlens_setup(self) -> dict[str, Any]:
         """Install the hooks (once) and describe the model."""
         _avoid_logprob_compile()
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and not hasattr(runner, "input_batch"):
+            # vLLM's Model Runner V2 (its CUDA default) keeps no per-request
+            # batch of the kind the step planner reads
+            raise RuntimeError(
+                f"vlens needs vLLM's V1 model runner, and this engine runs "
+                f"{type(runner).__name__} (Model Runner V2, forced by a setting such as "
+                "watermarking): start it with VLLM_USE_V2_MODEL_RUNNER=0 and without "
+                "the settings that force V2")
         hooks = self._vlens()
         hooks.install()
         return {
