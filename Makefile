@@ -48,9 +48,15 @@ lab: $(STAMP)
 # every condition interleaved, one JSONL line per measurement appended to
 # benchmarks/results.jsonl, then docs/performance.md rewritten from it. The
 # nnsight condition runs when `make nnsight-venv` could make its venv.
+# Then the real model's rows (smollm2-135m-instruct, fetched once by
+# `vlens models get`): steer 1 layer, read 1 layer, norms and logit lens at
+# every layer, each against plain vLLM, into benchmarks/results-custom.jsonl.
+REAL_BENCH := steer_one_layer,read_one_layer,norms_every_layer,logit_lens_every_layer
 bench: $(STAMP)
 	-$(MAKE) --no-print-directory nnsight-venv
 	$(PY) -m benchmarks run
+	$(PY) -m benchmarks run --model smollm2-135m-instruct --only $(REAL_BENCH) \
+	  --no-widgets --no-serve --no-patching --no-methods
 
 # docs/performance.md from the stored results alone (runs nothing)
 report: $(STAMP)

@@ -7,9 +7,10 @@
   openai   steered chat via the openai client, vlens serve against vllm serve
   serve    connected clients of vlens serve against one in-process Session
 
-``run --only NAME,...`` and ``run --model PATH`` write benchmarks/results-custom.jsonl and
-leave the doc alone; ``run --device-check`` is the GPU run (a random 0.5B Qwen2-shaped
-model, bfloat16, 3 repetitions). ``run`` also runs scripts/widget_latency.py and
+``run --only NAME,...`` and ``run --model PATH`` (a folder or a registry name: ``make bench``
+ends with ``--model smollm2-135m-instruct``) write benchmarks/results-custom.jsonl and leave
+the doc alone; ``run --device-check`` is the GPU run (a random 0.5B Qwen2-shaped model,
+bfloat16, 3 repetitions). ``run`` also runs scripts/widget_latency.py and
 scripts/patching_bench.py (docs/methods.md's grid), each in its own process.
 """
 
@@ -30,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     run, rep, _ = (sub.add_parser(x) for x in ("run", "report", "list"))
-    run.add_argument("--model", action="append", help="local model folder (repeatable)")
+    run.add_argument("--model", action="append",
+                     help="local model folder or registry name, e.g. smollm2-135m-instruct (repeatable)")
     run.add_argument("--only", help="comma-separated condition names (see `list`)")
     run.add_argument("--dtype", help="engine and HF dtype (default: the model's)")
     run.add_argument("--out", type=Path, help="the JSONL file the lines are appended to")

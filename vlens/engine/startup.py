@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vlens.errors import VlensError
-from vlens.models import toyworld_path
+from vlens.models import resolve as registry_folder, toyworld_path
 from vlens.protocol.architectures import check_model_config
 
 __all__ = ["EXTENSION", "Checkpoint", "engine_info", "resolve_model"]
@@ -33,6 +33,7 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     vlens loads local models only: anything else is refused."""
     if model is None:
         return str(toyworld_path())
+    model = registry_folder(model)  # a registry name → its fetched folder (vlens/models/registry.py)
     path = Path(model).expanduser()
     if path.exists():
         return str(path.resolve())

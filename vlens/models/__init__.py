@@ -5,6 +5,10 @@ on the synthetic stories of :mod:`vlens.models.world`; ``toychat`` is it
 fine-tuned into a chat model that refuses one class of request
 (:mod:`vlens.models.chat_world`, ``scripts/train_toychat.py``). Importing this package
 is cheap: nothing here imports torch or transformers.
+
+Models that do not ship inside vlens but can be fetched and prepared offline
+are in :mod:`vlens.models.registry`: ``get(name)`` (fetch once, then the
+folder), ``available()`` (what there is, and whether it is here).
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_RECIPE", "COPY_HEAD", "RECIPE", "toychat_path", "toyworld_path", "toyworld_sae_path"]
+from vlens.models.registry import available, get, is_here, resolve
+
+__all__ = ["CHAT_RECIPE", "COPY_HEAD", "RECIPE", "available", "get", "is_here", "resolve",
+           "toychat_path", "toyworld_path", "toyworld_sae_path"]
 
 #: The bundled model's sentiment-steering recipe, as data, for the docs, the
 #: notebooks, the demo and the steering widget's defaults (docs/toyworld.md).
