@@ -295,7 +295,8 @@ def test_a_linear_weight_is_read_live_or_probed_the_same():
     """On a GPU the output projection's weight is read in place; vLLM's CPU
     build packs it and leaves ``weight`` empty, and the worker runs the
     layer on the identity instead: both give the same ``[in, out]``."""
-    from vlens.worker.attribution import Norm, _linear_t
+    from vlens.protocol.final_norm import norm_of
+    from vlens.worker.attribution import _linear_t
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 5)
@@ -321,8 +322,38 @@ def test_a_linear_weight_is_read_live_or_probed_the_same():
     with torch.no_grad():
         ln.weight.uniform_(0.5, 1.5)
         ln.bias.uniform_(-0.2, 0.2)
-    n, d = Norm.of(ln), torch.randn(8)
+    n, d = norm_of(ln), torch.randn(8)
     assert torch.allclose(x @ n.direction(d) / n.scale(x) + n.bias_term(d), ln(x).detach() @ d,
                           atol=1e-5)
     with pytest.raises(ValueError, match="knows RMSNorm and LayerNorm"):
-        Norm.of(torch.nn.GroupNorm(1, 8))
+        norm_of(torch.nn.GroupNorm(1, 8))
+
+
+def test_cycling_answers_keeps_the_probed_projections(llama_session, monkeypatch):
+    """A client cycling answer tokens: the per-answer directions are bounded
+    and cleared, but each layer's probed output projection (vLLM's CPU build
+    empties linear weights; the worker runs the layer on the identity) is
+    kept for the engine's life, so late calls cost what early ones did."""
+    import time
+
+    from vlens.worker import attribution as worker
+
+    probes = []
+    real = worker._linear_t
+
+    def counted(m):
+        got = real(m)
+        probes.append(got[2])
+        return got
+
+    monkeypatch.setattr(worker, "_linear_t", counted)  # seen where the worker is in-process
+    s, times = llama_session, []
+    prompt = _prompt(6, 5)
+    for i in range(300):
+        start = time.perf_counter()
+        s.logit_attribution(prompt, answer=4 + i % 240, wrong=4 + (i * 7 + 1) % 240)
+        times.append(time.perf_counter() - start)
+    first, last = sorted(times[:50])[25], sorted(times[-50:])[25]
+    assert last <= 1.5 * first, f"the last 50 calls' median {last:.4f}s vs the first {first:.4f}s"
+    if probes:  # in-process: each layer probed (or read in place) no more than once
+        assert sum(probes) <= s.n_layers, f"{sum(probes)} probes for {s.n_layers} layers"

@@ -223,9 +223,11 @@ def test_the_routes_orchestrators_call(servers):
     per_step = families["vlens_hook_seconds_per_step"].samples[0].value
     assert per_step > 0
 
-    # /docs and /openapi.json document the vlens object
-    assert "swagger" in httpx.get(srv.url + "/docs").text.lower()
-    spec = httpx.get(srv.url + "/openapi.json").json()
+    # /docs and /openapi.json document the vlens object (behind the token, as every
+    # route but /health, /ping and /version)
+    assert httpx.get(srv.url + "/openapi.json").status_code == 401
+    assert "swagger" in httpx.get(srv.url + "/docs", headers=auth).text.lower()
+    spec = httpx.get(srv.url + "/openapi.json", headers=auth).json()
     schemas = spec["components"]["schemas"]
     assert {"VlensBody", "SteerEntry", "AblateEntry", "ClampEntry"} <= set(schemas)
     assert "vlens" in schemas["ChatBody"]["properties"]

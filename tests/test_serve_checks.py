@@ -236,3 +236,99 @@ def test_a_wait_past_the_queue_timeout_is_a_429():
         await slots.take(who)  # the slot given back is free again
 
     asyncio.run(main())
+
+
+# -- the app's rules, over a server with no engine ------------------------------
+
+TOKEN = "a-test-token-of-some-length"
+
+
+@pytest.fixture
+def app_and_server(tmp_path):
+    """``vlens serve``'s whole app (its routes, the OpenAI ones and the docs) as
+    launch.py assembles it, over a Server with no engine: the checks these
+    tests meet all come before an engine would be asked anything."""
+    pytest.importorskip("vllm")
+    from vlens.remote.guard import Limits
+    from vlens.remote.openai_routes import OpenAIRoutes
+    from vlens.remote.routes import install_docs
+    from vlens.remote.server import Server, make_app
+
+    info = {"sites": ["resid_post"], "n_layers": 2, "hidden_size": 8, "max_model_len": 64,
+            "vocab_size": 16}
+    server = Server(None, info, {TOKEN: "c0"}, Limits(requests=3), str(tmp_path), 2)
+    app = make_app(server)
+    routes = OpenAIRoutes.__new__(OpenAIRoutes)  # no vLLM serving objects: never reached
+    routes.server = server
+    routes.install(app)
+    install_docs(app, routes.bodies, server)
+    return app, server
+
+
+def test_every_route_but_health_ping_and_version_wants_the_token(app_and_server):
+    import re
+
+    from fastapi.routing import APIRoute
+    from fastapi.testclient import TestClient
+
+    from vlens.remote.routes import PUBLIC
+
+    app, _ = app_and_server
+    routes = [r for r in app.routes if isinstance(r, APIRoute)]
+    assert len(routes) >= 15 and {r.path for r in routes} >= set(PUBLIC)
+    seen = 0
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for route in routes:
+            if route.path in PUBLIC:
+                continue
+            path = re.sub(r"\{[^}]+\}", "x", route.path)
+            for method in route.methods:
+                for headers in ({}, {"Authorization": "Bearer not-the-token-at-all"}):
+                    resp = http.request(method, path, headers=headers, content=b"{}")
+                    assert resp.status_code == 401, (method, route.path, resp.text)
+                    seen += 1
+        assert http.get("/version").status_code == 200
+    assert seen >= 30
+
+
+def test_a_completion_with_more_prompts_than_allowed_is_a_400_naming_the_limit(app_and_server):
+    from fastapi.testclient import TestClient
+
+    app, _ = app_and_server
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for prompt in (["a", "b", "c", "d"], [[1, 2], [3], [4], [5]]):
+            resp = http.post("/v1/completions", json={"model": "m", "prompt": prompt},
+                             headers=auth)
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == "prompt" and "at most 3" in err["message"]
+            assert "--max-requests" in err["message"]
+
+
+def test_a_fault_in_a_route_is_a_500_with_a_logged_id_and_a_check_a_400(app_and_server,
+                                                                      caplog):
+    from fastapi.testclient import TestClient
+
+    app, server = app_and_server
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def broken(client):
+        raise KeyError("a bug of the server's")
+
+    async def refused(client):
+        raise VlensError("layer must be 0..1, got 7")
+
+    with TestClient(app, raise_server_exceptions=False) as http:
+        server.status = broken
+        with caplog.at_level("ERROR", logger="vlens.serve"):
+            resp = http.get("/v1/status", headers=auth)
+        assert resp.status_code == 500, resp.text
+        err = resp.json()["error"]
+        assert err["id"] and err["id"] in err["message"] and "not a fault" in err["message"]
+        assert any(err["id"] in r.getMessage() for r in caplog.records)
+        server.status = refused
+        resp = http.get("/v1/status", headers=auth)
+        assert resp.status_code == 400 and "layer must be" in resp.text
+        # the connection stays usable after both
+        assert http.get("/version").status_code == 200

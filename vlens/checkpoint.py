@@ -1,44 +1,139 @@
-"""What the offline lenses read of a model folder: a Llama-family
-checkpoint's final RMSNorm weight, its unembedding and epsilon, and the
-lens through them. Pure (torch and safetensors): :class:`vlens.lens.LogitLens`
-and the diff lens (:mod:`vlens.results.diff`) both use it."""
+"""What the offline lenses read of a model folder: the final norm's facts
+(:class:`~vlens.protocol.final_norm.FinalNorm`, from config.json and the
+weights: RMSNorm or LayerNorm, Gemma's ``1 + w``, Gemma 2's final logit
+softcapping), any projection after it, and the unembedding (``lm_head`` or
+the tied embedding). The lens through them is
+:func:`vlens.protocol.final_norm.final_logits`, the engine's own.
+Pure (torch and safetensors): :class:`vlens.lens.LogitLens` and the diff
+lens (:mod:`vlens.results.diff`) both use it."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["final_norm_and_unembed", "rms_lens_logits"]
+from vlens.protocol.architectures import find_architecture
+from vlens.protocol.final_norm import FinalNorm, final_logits, softcap
 
-_WANTED = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"}
+__all__ = ["Checkpoint", "final_norm_and_unembed", "read_checkpoint"]
+
+# a multimodal checkpoint keeps its language model under one of these
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
+# where the unembedding lives when there is no separate head: the embedding
+_HEADS = ("lm_head", "embed_out")
+_EMBEDDINGS = ("model.embed_tokens", "transformer.wte", "model.decoder.embed_tokens",
+               "gpt_neox.embed_in")
 
 
-def final_norm_and_unembed(folder: str | Path
-                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    """``(norm weight, unembedding, eps)`` float32 from ``folder``'s
-    config.json and safetensors files; a part the checkpoint lacks is None
-    (the caller says what that means). The unembedding is ``lm_head`` or,
-    for tied models, the embedding."""
-    folder = Path(folder)
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A model folder's final norm, projection (``[out, in]``; None: none)
+    and unembedding (``[vocab, hidden]``), float32."""
+
+    norm: FinalNorm
+    unembed: torch.Tensor
+    project: torch.Tensor | None = None
+    unembed_bias: torch.Tensor | None = None  # GPT-J's head has one
+
+    def logits(self, resid: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` residual stream -> ``[..., vocab]`` logits."""
+        if self.unembed_bias is None:
+            return final_logits(resid, self.norm, self.unembed, project=self.project)
+        plain = FinalNorm(self.norm.kind, self.norm.weight, self.norm.bias, self.norm.eps,
+                          self.norm.offset)  # the bias goes in before the softcap
+        logits = final_logits(resid, plain, self.unembed, project=self.project)
+        return softcap(logits + self.unembed_bias, self.norm.softcap)
+
+
+def _config(folder: Path) -> dict[str, Any]:
     cfg = json.loads((folder / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
+    text = cfg.get("text_config")
+    if isinstance(text, dict):  # Gemma 3's multimodal config: the text model's
+        cfg = {**text, "architectures": cfg.get("architectures") or text.get("architectures"),
+               "tie_word_embeddings": text.get("tie_word_embeddings",
+                                               cfg.get("tie_word_embeddings"))}
+    return cfg
+
+
+def _canonical(key: str) -> str:
+    for old, new in _PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def _paths(cfg: dict[str, Any]) -> tuple[str, str | None]:
+    """The final norm's and the projection's paths in the checkpoint."""
+    arch = find_architecture(cfg.get("architectures") or [])
+    if arch is None:
+        return "model.norm", None
+    return arch.hf.norm or "model.norm", arch.hf.project
+
+
+def _tensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     found: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for key in _WANTED & set(st.keys()):
-                found[key] = st.get_tensor(key).float()
-    unembed = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
-    return found.get("model.norm.weight"), unembed, float(cfg.get("rms_norm_eps", 1e-6))
+            for key in st.keys():
+                name = _canonical(key)
+                if name in wanted:
+                    found[name] = st.get_tensor(key).float()
+    return found
 
 
-def rms_lens_logits(resid: torch.Tensor, norm: torch.Tensor, unembed: torch.Tensor,
-                    eps: float) -> torch.Tensor:
-    """``[..., hidden]`` residual stream -> ``[..., vocab]`` logits through an
-    RMSNorm of weight ``norm`` and the unembedding."""
-    x = resid.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm
-    return x @ unembed.T
+def _eps(cfg: dict[str, Any]) -> float:
+    for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        if cfg.get(key) is not None:
+            return float(cfg[key])
+    return 1e-6
+
+
+def read_checkpoint(folder: str | Path) -> Checkpoint | None:
+    """The final norm's facts, projection and unembedding of ``folder``
+    (config.json and its safetensors files), or None where it has no
+    unembedding or no final norm vlens can find."""
+    folder = Path(folder)
+    cfg = _config(folder)
+    norm_at, project_at = _paths(cfg)
+    wanted = {f"{norm_at}.weight", f"{norm_at}.bias"} | {f"{h}.weight" for h in _HEADS} \
+        | {f"{e}.weight" for e in _EMBEDDINGS} | {"lm_head.bias"}
+    if project_at:
+        wanted.add(f"{project_at}.weight")
+    found = _tensors(folder, wanted)
+    unembed = next((found[f"{h}.weight"] for h in _HEADS if f"{h}.weight" in found), None)
+    if unembed is None:  # tied: the input embedding is the unembedding
+        unembed = next((found[f"{e}.weight"] for e in _EMBEDDINGS if f"{e}.weight" in found),
+                       None)
+    weight = found.get(f"{norm_at}.weight")
+    if unembed is None or weight is None:
+        return None
+    bias = found.get(f"{norm_at}.bias")
+    model_type = str(cfg.get("model_type", ""))
+    layer = bias is not None or (cfg.get("rms_norm_eps") is None and any(
+        cfg.get(k) is not None for k in ("layer_norm_eps", "layer_norm_epsilon")))
+    norm = FinalNorm(
+        kind="layer" if layer else "rms", weight=weight, bias=bias, eps=_eps(cfg),
+        offset=1.0 if model_type.startswith("gemma") else 0.0,  # Gemma scales by (1 + w)
+        softcap=cfg.get("final_logit_softcapping") or None,
+    )
+    project = found.get(f"{project_at}.weight") if project_at else None
+    head_bias = found.get("lm_head.bias") if "lm_head.weight" in found else None
+    return Checkpoint(norm, unembed, project, head_bias)
+
+
+def final_norm_and_unembed(folder: str | Path
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """``(norm gain, unembedding, eps)`` float32 of ``folder`` (the gain is
+    the effective weight: Gemma's ``1 + w``); None where the checkpoint
+    lacks them. :func:`read_checkpoint` has every fact."""
+    got = read_checkpoint(folder)
+    if got is None:
+        return None, None, 1e-6
+    return got.norm.gain, got.unembed, got.norm.eps

@@ -4,10 +4,12 @@ The logit lens of vlens is the worker's (``Session.trace(logit_lens=k)``:
 :func:`vlens.protocol.sites.lens_logits` runs the served model's own final
 norm and unembedding, for every architecture). This class is its offline
 fallback, for a Run that read ``resid_post`` in full and no lens: the
-final norm and unembedding come straight from the checkpoint
-(safetensors), in float32, with no engine call, for Llama-family models
-(RMSNorm, ``lm_head`` or tied embeddings); the top-k is the worker's own
-(:func:`~vlens.protocol.sites.lens_top`).
+final norm's facts (RMSNorm or LayerNorm, Gemma's ``1 + w``, Gemma 2's
+final softcapping), any projection and the unembedding come straight from
+the checkpoint (config.json and safetensors, :mod:`vlens.checkpoint`), in
+float32, with no engine call, and go through the engine's own function
+(:func:`vlens.protocol.final_norm.final_logits`); the top-k is the
+worker's own (:func:`~vlens.protocol.sites.lens_top`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from vlens.checkpoint import final_norm_and_unembed, rms_lens_logits
+from vlens.checkpoint import Checkpoint, read_checkpoint
+from vlens.protocol.final_norm import FinalNorm
 from vlens.protocol.sites import lens_top
 from vlens.remote.client import connected_copy
 
@@ -26,9 +29,16 @@ __all__ = ["LogitLens"]
 
 @dataclass
 class LogitLens:
+    """``norm_weight``: the final norm's effective gain ``[hidden]``
+    (Gemma's ``1 + w``; what a feature's logits are scaled by);
+    ``unembed`` ``[vocab, hidden]``; ``eps``. Made by hand from these three
+    it is an RMSNorm lens; :meth:`from_pretrained` also gives it the
+    checkpoint's every fact (``checkpoint``)."""
+
     norm_weight: torch.Tensor  # [hidden]
     unembed: torch.Tensor  # [vocab, hidden]
     eps: float
+    checkpoint: Checkpoint | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> LogitLens:
@@ -37,17 +47,23 @@ class LogitLens:
         path = Path(path)
         if not any(path.glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        norm, unembed, eps = final_norm_and_unembed(path)
-        if unembed is None or norm is None:
+        got = read_checkpoint(path)
+        if got is None:
             raise ValueError(
-                f"{path} has no model.norm.weight / lm_head.weight: the logit lens "
-                "supports Llama-family checkpoints"
+                f"{path} has no final norm weight or unembedding vlens can find "
+                "(lm_head.weight or a tied embedding) for the logit lens"
             )
-        return cls(norm, unembed, eps)
+        gain = got.norm.gain
+        if gain is None:
+            gain = torch.ones(got.unembed.shape[-1])
+        return cls(gain, got.unembed, got.norm.eps, got)
 
     def logits(self, resid: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` residual stream -> ``[..., vocab]`` logits."""
-        return rms_lens_logits(resid, self.norm_weight, self.unembed, self.eps)
+        if self.checkpoint is not None:
+            return self.checkpoint.logits(resid)
+        return Checkpoint(FinalNorm("rms", self.norm_weight, eps=self.eps),
+                          self.unembed).logits(resid)
 
     def top(self, resid: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k token ids and their probabilities, each ``[..., k]``."""

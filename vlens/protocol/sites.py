@@ -31,6 +31,7 @@ from torch import nn
 from vlens.protocol.architectures import (Architecture, Layout, check_model_config,
                                           find_architecture)
 from vlens.errors import VlensError
+from vlens.protocol.final_norm import FinalNorm, final_logits, norm_of
 from vlens.protocol.head_tap import attach_taps
 from vlens.protocol.site_names import HEAD_SITES, HEAD_WRITABLE, SITES, WRITABLE
 
@@ -391,19 +392,19 @@ def lens_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lens_logits(model: nn.Module, resid: torch.Tensor) -> torch.Tensor | None:
-    """Logit lens with the model's own modules: its final norm (RMS or layer
-    norm, with bias if it has one), then any projection after it, then the
-    unembedding (``compute_logits``: tied or separate head, Gemma's final
+    """Logit lens through the model's own final norm: its facts read off the
+    module (RMS or layer norm, Gemma's ``1 + w``, a bias) and applied by
+    :func:`vlens.protocol.final_norm.final_logits`, as every lens of vlens
+    is, then any projection after it and the unembedding (the model's own
+    modules: ``compute_logits``, tied or separate head, Gemma's final
     softcapping). ``resid`` is ``[n, hidden]``; returns ``[n, vocab]``
     float32 (None on ranks that do not receive the gathered logits). On
     tensor-parallel engines every rank must call this together (the
     unembedding gathers across ranks)."""
     sites = resolve_sites(model)
-    x = resid
-    if sites.final_norm is not None:
-        x = _first(sites.final_norm(x))
-    if sites.project is not None:
-        x = _first(sites.project(x))
-    logits = model.compute_logits(x)
-    # ranks other than the driver may get None back from the gather
-    return None if logits is None else logits.float()
+    try:
+        norm = norm_of(sites.final_norm)
+    except ValueError:  # a norm of a kind the facts do not cover: the module itself
+        norm = FinalNorm("none")
+        resid = _first(sites.final_norm(resid))
+    return final_logits(resid, norm, model.compute_logits, project=sites.project)

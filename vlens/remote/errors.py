@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["NoBareErrors", "install", "vllm_error", "vllm_validation_error"]
+__all__ = ["NoBareErrors", "guarded_route", "install", "internal_error", "vllm_error",
+           "vllm_validation_error"]
 
 _log = logging.getLogger("vlens.serve")
 
@@ -100,3 +102,47 @@ class NoBareErrors:
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(data)).encode())]})
             await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def internal_error(request: Any, exc: BaseException) -> Any:
+    """A 500 for an exception no check meant (a fault of the server, not of
+    the client's request), with an id that the log line also carries."""
+    from fastapi.responses import JSONResponse
+
+    error_id = uuid.uuid4().hex[:12]
+    _log.error("vlens serve: %s %s failed (error id %s): %s: %s", request.method,
+               request.url.path, error_id, type(exc).__name__, exc, exc_info=exc)
+    message = (f"the server failed on this request (error id {error_id}: its log has the "
+               "details); this is not a fault of the request")
+    return JSONResponse({"error": {"message": message, "type": "InternalServerError",
+                                   "param": None, "code": 500, "id": error_id}}, 500)
+
+
+def guarded_route(client_errors: tuple[type[BaseException], ...]) -> type:
+    """FastAPI's route class with one rule: an exception a route raises is
+    answered by the app's handlers (a 400 naming the field, a 401 …) when it
+    is one of ``client_errors`` (vlens's checks, FastAPI's validation and
+    HTTP errors), and is otherwise a 500 with an id (:func:`internal_error`),
+    never a 400 blaming the client. vLLM's own serving code is called inside
+    the routes that answer its errors as ``vllm serve`` does."""
+    from fastapi import HTTPException
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.routing import APIRoute
+
+    passed = (*client_errors, HTTPException, RequestValidationError)
+
+    class GuardedRoute(APIRoute):
+        def get_route_handler(self) -> Any:
+            handler = super().get_route_handler()
+
+            async def run(request: Any) -> Any:
+                try:
+                    return await handler(request)
+                except passed:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a fault of the server: a 500
+                    return internal_error(request, exc)
+
+            return run
+
+    return GuardedRoute

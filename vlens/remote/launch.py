@@ -146,7 +146,7 @@ async def _serve(args: Any, argv: list[str]) -> None:
         served = (named[0] if isinstance(named, list) and named else named) or args.model
         routes = OpenAIRoutes(server, served, args.chat_template)
         routes.install(app)
-        install_docs(app, routes.bodies)
+        install_docs(app, routes.bodies, server)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level="warning", timeout_graceful_shutdown=5)
         mode = ("compiled (CUDA graphs)" if compiled and has_gpu() else "compiled (torch.compile)"

@@ -29,6 +29,7 @@ from vlens.remote.errors import vllm_error, vllm_validation_error
 from vlens.remote.guard import Refused
 from vlens.remote.openai import PENDING, BadBody, Pending, SteeredEngine, error_json
 from vlens.remote.presets import merge
+from vlens.remote.routes import token_required
 from vlens.remote.schema import ChatBody, CompletionBody, PresetBody
 
 __all__ = ["OpenAIRoutes"]
@@ -67,10 +68,17 @@ class OpenAIRoutes:
         from fastapi.responses import JSONResponse
 
         server = self.server
+        # the token, as a dependency of every route here: a 401 in OpenAI's shape
+        auth = token_required(server, lambda exc: BadBody(exc.status, exc.message))
 
-        async def models(request: Request):
+        async def refused(request: Request, exc: BadBody):
+            await drain(request, server.limits)  # the connection stays usable
+            return self._refusal(exc)
+
+        app.add_exception_handler(BadBody, refused)
+
+        async def models(request: Request, client: Any = auth):
             try:
-                client = server.authenticate(request.headers.get("authorization"))
                 self._preset(request, client)
             except Refused as exc:
                 return self._refusal(exc)
@@ -83,11 +91,14 @@ class OpenAIRoutes:
                     return JSONResponse(card)
             return JSONResponse(error_json(404, f"The model `{want}` does not exist."), 404)
 
-        async def chat(request: Request):
-            return await self._call(request, chat=True)
+        async def chat(request: Request, client: Any = auth):
+            return await self._call(request, client, chat=True)
 
-        async def completions(request: Request):
-            return await self._call(request, chat=False)
+        async def completions(request: Request, client: Any = auth):
+            return await self._call(request, client, chat=False)
+
+        async def register(request: Request, client: Any = auth):
+            return await self._register(request, client)
 
         for prefix in ("", "/presets/{preset}"):
             app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
@@ -96,11 +107,11 @@ class OpenAIRoutes:
                               summary="vLLM's chat completions, with a `vlens` object")
             app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"],
                               summary="vLLM's completions, with a `vlens` object")
-        app.add_api_route("/tokenize", self._tokenize, methods=["POST"],
+        app.add_api_route("/tokenize", self._tokenize, methods=["POST"], dependencies=[auth],
                           summary="vLLM's /tokenize (token)")
-        app.add_api_route("/detokenize", self._tokenize, methods=["POST"],
+        app.add_api_route("/detokenize", self._tokenize, methods=["POST"], dependencies=[auth],
                           summary="vLLM's /detokenize (token)")
-        app.add_api_route("/v1/presets", self._register, methods=["POST"],
+        app.add_api_route("/v1/presets", register, methods=["POST"],
                           summary="keep a `vlens` object as a preset of your own")
         self.bodies = {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionBody,
                        "/v1/presets": PresetBody}
@@ -112,6 +123,17 @@ class OpenAIRoutes:
         self.server.metrics.refused(exc.status, _reason(exc))
         return JSONResponse(error_json(exc.status, exc.message, getattr(exc, "param", None)),
                             exc.status, headers=exc.headers)
+
+    def _check_prompts(self, body: dict[str, Any]) -> None:
+        """A completion's ``prompt`` list holds at most ``--max-requests``
+        prompts (a list of ints is one prompt, as token ids), as a
+        ``/v1/generate`` call holds at most that many requests."""
+        prompt, most = body.get("prompt"), self.server.limits.requests
+        if isinstance(prompt, list) and prompt and not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in prompt) \
+                and len(prompt) > most:
+            raise BadBody(400, f"prompt holds {len(prompt)} prompts; this server takes at most "
+                               f"{most} in one call (vlens serve --max-requests)", "prompt")
 
     def _preset(self, request: Any, client: Any) -> dict[str, Any] | None:
         name = request.path_params.get("preset")
@@ -135,13 +157,6 @@ class OpenAIRoutes:
             raise BadBody(400, "the body must be a JSON object")
         return body
 
-    async def _client(self, request: Any) -> Any:
-        try:
-            return self.server.authenticate(request.headers.get("authorization"))
-        except Refused:
-            await drain(request, self.server.limits)  # the connection stays usable
-            raise
-
     # -- routes -----------------------------------------------------------------
     async def _tokenize(self, request: Request):
         from fastapi.responses import JSONResponse
@@ -152,7 +167,6 @@ class OpenAIRoutes:
 
         detok = request.url.path.endswith("/detokenize")
         try:
-            await self._client(request)
             body = await self._json(request)
         except Refused as exc:
             return self._refusal(exc)
@@ -171,12 +185,11 @@ class OpenAIRoutes:
             return JSONResponse(out.model_dump(), out.error.code)
         return JSONResponse(out.model_dump())
 
-    async def _register(self, request: Request):
+    async def _register(self, request: Any, client: Any):
         from fastapi.responses import JSONResponse
 
         server = self.server
         try:
-            client = await self._client(request)
             body = await self._json(request)
             if set(body) != {"name", "vlens"}:
                 raise BadBody(400, "send {\"name\": NAME, \"vlens\": {...}}")
@@ -192,7 +205,7 @@ class OpenAIRoutes:
             return JSONResponse(error_json(400, str(exc), "name"), 400)
         return JSONResponse({"name": body["name"], "your_presets": held})
 
-    async def _call(self, request: Any, chat: bool):
+    async def _call(self, request: Any, client: Any, chat: bool):
         from fastapi.responses import JSONResponse
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -202,8 +215,9 @@ class OpenAIRoutes:
         server = self.server
         held = None
         try:
-            client = await self._client(request)
             body = await self._json(request)
+            if not chat:
+                self._check_prompts(body)
             preset = self._preset(request, client)
             raw_vlens = body.pop("vlens", None)
             if preset is not None:

@@ -10,14 +10,36 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import Request  # module level: FastAPI reads the routes' annotations here
+from fastapi import Depends, Request  # module level: FastAPI reads the routes' annotations here
 
 import vlens
+from vlens.remote.guard import Refused
 
-__all__ = ["install_routes", "install_docs"]
+__all__ = ["install_routes", "install_docs", "token_required", "PUBLIC"]
+
+#: the only routes answered without a token
+PUBLIC = ("/health", "/ping", "/version")
 
 #: seconds /health waits for the engine to answer
 HEALTH_SECONDS = 10.0
+
+
+def token_required(server: Any, refusal: Any = None) -> Any:
+    """The FastAPI dependency every route but :data:`PUBLIC` has: the
+    client the request's bearer token names (``Depends``: a route takes it
+    as an argument, or lists it in ``dependencies``). Without a known token
+    it raises the server's 401 :class:`~vlens.remote.guard.Refused`, or
+    ``refusal(exc)`` (the OpenAI routes' error shape)."""
+
+    async def client(request: Request) -> Any:
+        try:
+            return server.authenticate(request.headers.get("authorization"))
+        except Refused as exc:
+            if refusal is None:
+                raise
+            raise refusal(exc) from None
+
+    return Depends(client)
 
 
 def install_routes(app: Any, server: Any, metrics_public: bool) -> None:
@@ -38,8 +60,6 @@ def install_routes(app: Any, server: Any, metrics_public: bool) -> None:
         return JSONResponse({"version": vllm.__version__, "vlens": vlens.__version__})
 
     async def metrics(request: Request):
-        if not metrics_public:
-            server.authenticate(request.headers.get("authorization"))
         from prometheus_client import CONTENT_TYPE_LATEST
 
         worker = await server.worker_status()
@@ -52,13 +72,15 @@ def install_routes(app: Any, server: Any, metrics_public: bool) -> None:
                       summary="as /health")
     app.add_api_route("/version", version, methods=["GET"], summary="vLLM's and vlens's versions")
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response,
+                      dependencies=[] if metrics_public else [token_required(server)],
                       summary="Prometheus text: vLLM's engine metrics, then vlens's"
                       + ("" if metrics_public else " (token)"))
 
 
-def install_docs(app: Any, bodies: dict[str, Any]) -> None:
+def install_docs(app: Any, bodies: dict[str, Any], server: Any) -> None:
     """``/openapi.json`` with ``bodies`` (``{path: pydantic model}``) as
-    the request bodies of those POST routes, and ``/docs`` (Swagger UI)."""
+    the request bodies of those POST routes, and ``/docs`` (Swagger UI),
+    both behind the token."""
     from fastapi.openapi.docs import get_swagger_ui_html
     from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse
@@ -90,8 +112,11 @@ def install_docs(app: Any, bodies: dict[str, Any]) -> None:
     async def docs(request: Request):
         return get_swagger_ui_html(openapi_url="/openapi.json", title="vlens serve")
 
-    app.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False)
+    token = [token_required(server)]
+    app.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False,
+                      dependencies=token)
+    app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False,
+                      dependencies=token)
 
 
 def _version() -> str:

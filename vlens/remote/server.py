@@ -34,12 +34,13 @@ from vlens.errors import VlensError
 from vlens.protocol.plan import PLAN_KEY, parse_plan
 from vlens.protocol.tensors import decode_tensor
 from vlens.remote.bodies import drain, read_body
-from vlens.remote.errors import install as install_errors
+from vlens.remote.body import BodyError
+from vlens.remote.errors import guarded_route, install as install_errors
 from vlens.remote.guard import Checked, Limits, Refused, check_call, check_vector
 from vlens.remote.metrics import Metrics
 from vlens.remote.names import ServerNames
 from vlens.remote.presets import Presets
-from vlens.remote.routes import install_routes
+from vlens.remote.routes import install_routes, token_required
 from vlens.remote.slots import Slots, Waiting
 from vlens.remote.tokens import TokenFile
 from vlens.remote.wire import FRAME_TYPE, WireError, logprobs_to_wire, pack, unpack_one
@@ -323,9 +324,8 @@ def _named_routes(app: Any, server: Server, who: Any) -> None:
     """A served SAE's weights, and a participant's own named vectors."""
     from fastapi.responses import Response
 
-    @app.get("/v1/saes/{name}")
+    @app.get("/v1/saes/{name}", dependencies=[who])
     async def sae(name: str, request: Request):
-        who(request)
         payload = server.names.sae_payload(name)
         if payload is None:
             raise Refused(404, f"this server has no SAE {name[:64]!r}; it has "
@@ -333,8 +333,7 @@ def _named_routes(app: Any, server: Server, who: Any) -> None:
         return Response(pack(payload), media_type=FRAME_TYPE)
 
     @app.post("/v1/vectors")
-    async def register(request: Request):
-        client = who(request)
+    async def register(request: Request, client: Any = who):
         raw = await read_body(request, server.limits.body_bytes, server.limits.body_seconds)
         try:
             body = unpack_one(raw, max_containers=16)
@@ -359,7 +358,17 @@ def make_app(server: Server, metrics_public: bool = False):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
 
+    from pydantic import ValidationError
+
     app = FastAPI(title="vlens serve", docs_url=None, redoc_url=None, openapi_url=None)
+    from vllm.exceptions import VLLMError
+
+    # an exception a route raises: a client's error (vlens's checks, validation)
+    # answered as such, vLLM's own errors as vllm serve answers them (its
+    # client errors 4xx, its server errors 5xx), anything else a 500 with an
+    # id in the log
+    app.router.route_class = guarded_route((Refused, VlensError, BodyError, WireError,
+                                            ValidationError, VLLMError))
     install_errors(app)
     install_routes(app, server, metrics_public)
 
@@ -369,25 +378,22 @@ def make_app(server: Server, metrics_public: bool = False):
         server.metrics.refused(exc.status, "vlens")
         return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
 
-    def who(request: Request) -> _Client:
-        return server.authenticate(request.headers.get("authorization"))
+    who = token_required(server)  # every route but /health, /ping and /version
 
-    @app.get("/v1/info")
+    @app.get("/v1/info", dependencies=[who])
     async def info(request: Request):
-        who(request)
         return {"model": server.info, "model_name": Path(server.model_dir).name,
                 "limits": server.limits.public(), "server": server.instance,
                 **server.names.public(),
                 "vlens": getattr(vlens, "__version__", "0")}
 
-    @app.get("/v1/tokenizer")
+    @app.get("/v1/tokenizer", dependencies=[who])
     async def tokenizer(request: Request):
-        who(request)
         return Response(server.tokenizer_frame(), media_type=FRAME_TYPE)
 
     @app.get("/v1/status")
-    async def status(request: Request):
-        return await server.status(who(request))
+    async def status(request: Request, client: Any = who):
+        return await server.status(client)
 
     def parse(raw: bytes, client: _Client) -> tuple[Any, Checked]:
         try:
@@ -406,8 +412,7 @@ def make_app(server: Server, metrics_public: bool = False):
     _named_routes(app, server, who)
 
     @app.post("/v1/generate")
-    async def generate(request: Request):
-        client = who(request)
+    async def generate(request: Request, client: Any = who):
         # the slot is taken before the body is read: a client's bodies in
         # flight count against its calls at once, and each has a deadline
         await server.admit(client)

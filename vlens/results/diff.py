@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vlens.checkpoint import final_norm_and_unembed, rms_lens_logits
+from vlens.checkpoint import Checkpoint, read_checkpoint
 from vlens.errors import VlensError
 from vlens.plots import diff_figure
 from vlens.protocol.sites import lens_top
@@ -170,7 +170,7 @@ class Diff:
         """The activation-difference lens: the mean difference at ``layer``
         over the first ``first`` tokens of every prompt (BOS left out),
         through ``through``'s final norm and unembedding (the base model's,
-        or ``"tuned"``; read from its folder: Llama-family checkpoints) or
+        or ``"tuned"``; read from its folder, as the engine's lens computes it) or
         through ``lens`` (anything with ``logits([n, hidden]) -> [n,
         vocab]``, e.g. :class:`vlens.lens.LogitLens` of a connected model);
         its top ``k`` tokens as a frame (``rank``, ``token_id``, ``token``,
@@ -198,7 +198,7 @@ class Diff:
     def _lens(self, through: str) -> Any:
         if through not in self._lenses:
             path = self.base_model if through == "base" else self.tuned_model
-            self._lenses[through] = _FinalLens.load(path)
+            self._lenses[through] = _final_lens(path)
         return self._lenses[through]
 
     def _bos(self) -> int | None:
@@ -229,30 +229,17 @@ def _num(x: torch.Tensor) -> float | None:
     return None if v != v else v
 
 
-
-
-@dataclass
-class _FinalLens:
-    """A Llama-family model's final RMSNorm and unembedding, read from its
-    folder (:mod:`vlens.checkpoint`, as :class:`vlens.lens.LogitLens` reads
-    them; that module reaches the remote client, which results may not import)."""
-
-    norm: torch.Tensor  # [hidden]
-    unembed: torch.Tensor  # [vocab, hidden]
-    eps: float
-
-    @classmethod
-    def load(cls, path: str) -> _FinalLens:
-        if not (Path(path) / "config.json").is_file():
-            raise VlensError(f"the lens reads the final norm and unembedding from the model's "
-                             f"folder, and {path} is none (a connected model?): pass "
-                             "lens=vlens.lens.LogitLens.from_pretrained(...)")
-        norm, unembed, eps = final_norm_and_unembed(path)
-        if unembed is None or norm is None:
-            raise VlensError(f"{path} has no model.norm.weight / lm_head.weight: the diff "
-                             "lens reads Llama-family checkpoints; pass lens= for others")
-        return cls(norm, unembed, eps)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> ``[n, vocab]``."""
-        return rms_lens_logits(x, self.norm, self.unembed, self.eps)
+def _final_lens(path: str) -> Checkpoint:
+    """A model's final norm, projection and unembedding, read from its folder
+    (:func:`vlens.checkpoint.read_checkpoint`, as :class:`vlens.lens.LogitLens`
+    reads them; that module reaches the remote client, which results may
+    not import); its ``logits`` is the engine's final-norm function."""
+    if not (Path(path) / "config.json").is_file():
+        raise VlensError(f"the lens reads the final norm and unembedding from the model's "
+                         f"folder, and {path} is none (a connected model?): pass "
+                         "lens=vlens.lens.LogitLens.from_pretrained(...)")
+    got = read_checkpoint(path)
+    if got is None:
+        raise VlensError(f"{path} has no final norm weight or unembedding vlens can find; "
+                         "pass lens= (anything with logits([n, hidden]) -> [n, vocab])")
+    return got

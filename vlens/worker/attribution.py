@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlens.protocol.final_norm import FinalNorm, final_logits, norm_of
 from vlens.protocol.plan import Read
 from vlens.protocol.sites import ModelSites, resolve_sites
 
@@ -52,9 +53,14 @@ __all__ = ["dla_rows", "DLA_SITES"]
 #: the sites a "dla" read may name
 DLA_SITES = ("resid_pre", "attn_out", "mlp_out", "z", "resid_post")
 
-# model -> {key: cached directions}; weights do not change under an engine
+# model -> {key: cached directions}: per (answer, wrong) pair, bounded
+# (cleared whole past _CACHE_MAX entries); weights do not change under an engine
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 _CACHE_MAX = 256
+# model -> {layer (or "project"): a probed linear layer's (weight^T, bias)}:
+# bounded by the model (one per layer), never cleared with the pairs above,
+# so a client cycling answer tokens does not re-probe every layer
+_PROBED: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _first(x: Any) -> torch.Tensor:
@@ -62,56 +68,9 @@ def _first(x: Any) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Norm:
-    """A norm as the frozen-scale maths needs it: ``kind`` "rms" or
-    "layer", the effective weight (Gemma's ``1 + w``; None: ones), bias and
-    eps, all float32."""
-
-    kind: str
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-    eps: float
-
-    @classmethod
-    def of(cls, m: nn.Module) -> Norm:
-        name = type(m).__name__
-        if isinstance(m, nn.LayerNorm) or name == "LayerNorm":
-            kind = "layer"
-        elif "RMSNorm" in name:
-            kind = "rms"
-        else:
-            raise ValueError(f"direct logit attribution knows RMSNorm and LayerNorm, not "
-                             f"{name}: this model's norms need their own rule")
-        eps = next((getattr(m, a) for a in ("variance_epsilon", "eps")
-                    if getattr(m, a, None) is not None), None)
-        if eps is None:
-            raise ValueError(f"found no epsilon on the norm {name}")
-        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
-        w = None if w is None else w.detach().float()
-        if w is not None and "Gemma" in name:  # Gemma scales by (1 + w)
-            w = 1.0 + w
-        return cls(kind, w, None if b is None else b.detach().float(), float(eps))
-
-    def scale(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n]``: the norm's divisor of each row of ``x`` ``[n, width]``."""
-        if self.kind == "layer":
-            return (x.var(-1, unbiased=False) + self.eps).sqrt()
-        return (x.pow(2).mean(-1) + self.eps).sqrt()
-
-    def direction(self, d: torch.Tensor) -> torch.Tensor:
-        """What a row is dotted with so that ``row . result / s`` is the
-        normed row's dot with ``d`` (bias aside)."""
-        out = d if self.weight is None else self.weight * d
-        return out - out.mean() if self.kind == "layer" else out
-
-    def bias_term(self, d: torch.Tensor) -> float:
-        return 0.0 if self.bias is None else float(self.bias @ d)
-
-
-@dataclass(frozen=True)
 class Target:
     """One (answer, wrong) pair's directions: ``d`` ``[hidden]`` for the
-    residual's components, the final ``Norm``, ``d0`` (after any
+    residual's components, the final norm's facts, ``d0`` (after any
     projection's transpose), ``rows`` ``[2, width]`` the unembedding rows
     (times the scale), and the bias term."""
 
@@ -120,7 +79,7 @@ class Target:
     rows: torch.Tensor
     row_bias: torch.Tensor
     bias: float
-    final: Norm | None
+    final: FinalNorm | None
 
 
 def _unembedding(model: nn.Module) -> nn.Module:
@@ -201,15 +160,29 @@ def _target(model: nn.Module, sites: ModelSites, target: tuple[int, ...]) -> Tar
     d0 = sign @ rows  # [width]
     const = float(sign @ row_bias)
     if sites.project is not None:  # logits = W_U . P(norm(x)): d0 -> P^T d0
-        p_t, p_bias, _ = _linear_t(sites.project)
+        p_t, p_bias = _weight_t(model, "project", sites.project)
         if p_bias is not None:
             const += float(p_bias @ d0)
         d0 = p_t.float() @ d0
-    final = Norm.of(sites.final_norm)
+    final = norm_of(sites.final_norm)  # no softcap: DLA is of the pre-softcap logits
     got = Target(final.direction(d0), d0, rows, row_bias, const + final.bias_term(d0), final)
     if len(cache) > _CACHE_MAX:
         cache.clear()
     cache[("target", target)] = got
+    return got
+
+
+def _weight_t(model: nn.Module, key: Any, m: nn.Module
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_linear_t`` of ``m`` (the model's layer ``key``), a probed copy
+    kept in ``_PROBED`` for the engine's life (one per layer)."""
+    probed = _PROBED.setdefault(model, {})
+    got = probed.get(key)
+    if got is None:
+        w_t, bias, copy = _linear_t(m)
+        got = (w_t, bias)
+        if copy:  # a probed weight: probe once per layer
+            probed[key] = got
     return got
 
 
@@ -225,7 +198,7 @@ def _module(root: Any, path: str | None) -> Any:
 
 
 def _heads(model: nn.Module, sites: ModelSites, layer: int, t: Target, key: tuple
-           ) -> tuple[torch.Tensor, torch.Tensor, float, Norm | None, torch.Tensor | None]:
+           ) -> tuple[torch.Tensor, torch.Tensor, float, FinalNorm | None, torch.Tensor | None]:
     """Layer ``layer``'s per-head directions ``u`` ``[heads * head_dim]``
     (``W_O^T d'``; head h's slice is its), the output projection's weight
     transposed, ``[heads * head_dim, hidden]``, its bias term ``b_O . d'``,
@@ -242,14 +215,14 @@ def _heads(model: nn.Module, sites: ModelSites, layer: int, t: Target, key: tupl
         raise ValueError(f"found no attention output projection at layer {layer} "
                          f"({lay.attn}.{lay.out_proj})")
     post_m = _module(sites.layers[layer], lay.attn_post)
-    post = Norm.of(post_m) if post_m is not None else None
+    post = norm_of(post_m) if post_m is not None else None
     d = post.direction(t.d) if post is not None else t.d
-    w_t, b_o, copy = cache.get(("proj", layer)) or _linear_t(proj)
-    if copy:  # a probed weight: probe once per layer
-        cache[("proj", layer)] = (w_t, b_o, copy)
+    w_t, b_o = _weight_t(model, layer, proj)
     u = w_t.float() @ d
     b_term = 0.0 if b_o is None else float(b_o @ d)
     got = (u, w_t, b_term, post, b_o)
+    if len(cache) > _CACHE_MAX:
+        cache.clear()
     cache[("heads", layer, key)] = got
     return got
 
@@ -282,10 +255,8 @@ def dla_rows(model: nn.Module, rows: torch.Tensor, read: Read, layer: int) -> to
         return torch.cat([per_head, bias], dim=1)
     if site == "resid_post":
         x = rows.float()
-        normed = _first(sites.final_norm(rows))
-        if sites.project is not None:
-            normed = _first(sites.project(normed))
-        logits = normed.float() @ t.rows.t() + t.row_bias  # [n, 1 or 2]
+        # through the one final-norm function (pre-softcap: t.final has none)
+        logits = final_logits(rows, t.final, t.rows, project=sites.project) + t.row_bias
         logit = logits[:, 0] - (logits[:, 1] if logits.shape[1] > 1 else 0.0)
         scale = t.final.scale(x)
         bias = torch.full_like(scale, t.bias)
