@@ -19,6 +19,7 @@ from vlens.errors import ClosedError, EngineError, TokenAxisError, VlensError, V
 
 if TYPE_CHECKING:
     from vlens.results.patching import Patching
+    from vlens.results.harvest import Harvest
     from vlens.methods.twin import Twin
     from vlens.results.saliency import Saliency
     from vlens.results.branches import Branches
@@ -48,6 +49,7 @@ __all__ = [
     "EditContext",
     "EngineError",
     "FeatureView",
+    "Harvest",
     "Patching",
     "PatchingView",
     "PerPrompt",
@@ -75,6 +77,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Ablate": "vlens.edits",
     "Patching": "vlens.results.patching",
+    "Harvest": "vlens.results.harvest",
     "Attribution": "vlens.results.attribution",
     "EditContext": "vlens.protocol.plan",
     "PerPrompt": "vlens.edits",
