@@ -51,8 +51,12 @@ def hf_reference(path, jobs, tmp_path) -> list[dict]:
 
 def _close(got, want, what: str) -> None:
     got, want = torch.as_tensor(got).float(), torch.as_tensor(want).float()
+    # 1e-4, relative above 1: the final norm's scale is the residual's RMS
+    # (about 38 on the bundled model), where float32 rounding alone moves it
+    # by ~1e-4 between a prefix-cached and a fresh prefill
     err = float((got - want).abs().max())
-    assert err <= TOL, f"{what}: off by {err:.3g} (got {got}, want {want})"
+    tol = TOL * max(1.0, float(want.abs().max()))
+    assert err <= tol, f"{what}: off by {err:.3g} (got {got}, want {want})"
 
 
 def check_against_hf(s, path, prompts, answer, wrong, position, tmp_path) -> Attribution:

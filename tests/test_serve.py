@@ -43,6 +43,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _PortTaken(Exception):
+    """Another process bound the server's port first."""
+
+
 class _Server:
     """A ``vlens serve`` subprocess and the tokens of its clients."""
 
@@ -58,7 +62,21 @@ class _Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        # the port is picked free, but the server binds it only after its
+        # engine has started (a minute on a busy machine), and any process
+        # may take it meanwhile (an outgoing connection, vLLM's own ports):
+        # then the test's set-up, not the server, picks another
+        for _ in range(3):
+            try:
+                return self._start()
+            except _PortTaken:
+                self.port = _free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+        raise RuntimeError(f"vlens serve found no free port: {self.log.read_text()[-3000:]}")
+
+    def _start(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        begin = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlens.cli", "serve", "--port", str(self.port),
              "--token-file", str(self.token_file), "--kv-cache-memory-bytes", KV,
@@ -69,7 +87,10 @@ class _Server:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vlens serve exited: {self.log.read_text()[-3000:]}")
+                log = self.log.read_bytes()[begin:].decode(errors="replace")
+                if f"address ('127.0.0.1', {self.port}): address already in use" in log:
+                    raise _PortTaken
+                raise RuntimeError(f"vlens serve exited: {log[-3000:]}")
             try:
                 if self.get("/v1/info", "c0").status_code == 200:
                     return

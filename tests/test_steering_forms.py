@@ -213,7 +213,7 @@ def _record(token_ids, start=0, steered_rows=0, restarts=0):
 def test_records_that_start_after_cached_rows_are_matched_and_checked():
     from vllm.outputs import CompletionOutput
 
-    from vlens._runner import _match
+    from vlens.rows import match_record
     from vlens.calls import RequestSpec
     from vlens.protocol.plan import Add, Plan, Read
 
@@ -224,20 +224,20 @@ def test_records_that_start_after_cached_rows_are_matched_and_checked():
     older = _record([9, 9])
     rec = _record([3, 4, 7, 8], start=2, restarts=1)
     records = [older, rec]
-    assert _match(0, "p", steer_only, comp, records) is rec and records == [older]
+    assert match_record(0, "p", steer_only, comp, records) is rec and records == [older]
     reading = RequestSpec(prompt, Plan("t", reads=(Read("resid_post", (0,)),)), 3)
     with pytest.raises(EngineError, match="rows 0 to 1 came from the prefix cache"):
-        _match(0, "p", reading, comp, [_record([3, 4, 7, 8], start=2)])
+        match_record(0, "p", reading, comp, [_record([3, 4, 7, 8], start=2)])
     with pytest.raises(EngineError, match="do not match the tokens vLLM processed"):
-        _match(0, "p", steer_only, comp, [_record([2, 4, 7, 8], start=1)])
+        match_record(0, "p", steer_only, comp, [_record([2, 4, 7, 8], start=1)])
 
 
 def test_cached_rows_count_as_steered_within_each_span():
-    from vlens._runner import _cached_adds
+    from vlens.rows import cached_adds
     from vlens.protocol.plan import Add
 
     adds = [Add("resid_post", 1, "v", 1.0, 0, -1), Add("resid_post", 1, "v", 1.0, 5, 9),
             Add("resid_post", 1, "v", 1.0, 12, -1)]
-    assert _cached_adds(adds, 0) == 0
-    assert _cached_adds(adds, 8) == 8 + 3 + 0
-    assert _cached_adds(adds, 16) == 16 + 4 + 4
+    assert cached_adds(adds, 0) == 0
+    assert cached_adds(adds, 8) == 8 + 3 + 0
+    assert cached_adds(adds, 16) == 16 + 4 + 4

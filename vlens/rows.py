@@ -22,7 +22,7 @@ __all__ = ["cached_adds", "cut_rows", "match_record", "token_logprobs"]
 
 
 def match_record(i: int, prompt: str, req: RequestSpec, comp: Any,
-           records: list[dict[str, Any]]) -> dict[str, Any]:
+                 records: list[dict[str, Any]]) -> dict[str, Any]:
     """The record of completion ``comp`` of prompt ``i`` (removed from
     ``records``): the rows it fed through the model, from the first one the
     hooks saw (``start``; earlier rows came from the prefix cache).
