@@ -33,8 +33,9 @@ import vlens
 from vlens import checks
 from vlens._progress import Progress
 from vlens.errors import VlensError
-from vlens.results.harvest import (FORMAT, MANIFEST, Harvest, file_sha256, read_manifest,
-                                   shard_name, tensor_name, write_manifest)
+from vlens.models.registry import file_sha256
+from vlens.results.harvest import (FORMAT, MANIFEST, Harvest, read_manifest, shard_name,
+                                   tensor_name, write_manifest)
 
 __all__ = ["harvest"]
 

