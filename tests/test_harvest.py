@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import vlens
-from vlens.results.harvest import file_sha256
+from vlens.models.registry import file_sha256
 
 pytestmark = pytest.mark.engine
 

@@ -1012,3 +1012,24 @@ def test_a_stream_of_deltas_rebuilds_each_partial_run(server, toy_session):
         assert seen[-1] == final[i].output_token_ids[:len(seen[-1])]
         assert final[i].output_token_ids == want[i].output_token_ids
         assert final[i].text == want[i].text
+
+
+def test_a_connected_harvest_equals_a_local_one(server, toy_session, tmp_path):
+    """s.harvest over vlens.connect (issue 52): the same shards' worth of
+    rows as a local Session's harvest of the same texts, in text order."""
+    from vlens.models.world import example_prompts
+
+    texts = example_prompts(12, seed=7)
+    kw = {"layers": [0, 3], "sites": ["resid_post", "z"], "shard_tokens": 40}
+    local = toy_session.harvest(texts, out=tmp_path / "local", **kw)
+    with server.connect("c11") as s:
+        assert s.read_budget == 64 * 2**20  # the server's --max-read-mb
+        remote = s.harvest(texts, out=tmp_path / "remote", **kw)
+    assert remote.complete and len(remote) == len(local) > 40
+    assert [sh["texts"] for sh in remote.shards] == [sh["texts"] for sh in local.shards]
+    assert len(remote.shards) > 1
+    assert torch.equal(remote.token_ids, local.token_ids)
+    for site in kw["sites"]:
+        for layer in kw["layers"]:
+            torch.testing.assert_close(remote.read(site, layer), local.read(site, layer),
+                                       atol=1e-5, rtol=0)
