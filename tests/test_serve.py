@@ -1023,7 +1023,6 @@ def test_a_connected_harvest_equals_a_local_one(server, toy_session, tmp_path):
     kw = {"layers": [0, 3], "sites": ["resid_post", "z"], "shard_tokens": 40}
     local = toy_session.harvest(texts, out=tmp_path / "local", **kw)
     with server.connect("c11") as s:
-        assert s.read_budget == 64 * 2**20  # the server's --max-read-mb
         remote = s.harvest(texts, out=tmp_path / "remote", **kw)
     assert remote.complete and len(remote) == len(local) > 40
     assert [sh["texts"] for sh in remote.shards] == [sh["texts"] for sh in local.shards]

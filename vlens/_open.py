@@ -45,13 +45,7 @@ def connect(url: str = "http://127.0.0.1:8765", token: str | None = None, *,
         raise VlensError("the token holds spaces, control or non-ASCII characters: copy it "
                          "again exactly as the workshop's operator gave it (it is not shown "
                          "here)")
-    session = Session.on_engine(RemoteEngine(url, token, timeout=timeout))
-    # the server refuses a call reading more than its limit: checked here
-    # first, and what sizes its calls by the budget (s.harvest) fits it
-    most = int(session.engine.limits.get("read_bytes") or 0)
-    if most:
-        session.read_budget = min(session.read_budget, most)
-    return session
+    return Session.on_engine(RemoteEngine(url, token, timeout=timeout))
 
 
 def open_session(model: Any = None, *, server: str | None = None, token: str | None = None,

@@ -133,7 +133,11 @@ def _run(session: Any, folder: Path, manifest: dict[str, Any], ids: list[list[in
     """Every shard still to write, in order."""
     shard_tokens = manifest["shard_tokens"]
     per_token = 4 * sum(manifest["widths"].values()) * len(manifest["layers"])
-    per_call = max(1, session.read_budget // max(per_token, 1) // 2)
+    # a connected session's server refuses a call reading past its own limit
+    # (``s.engine.limits``; a connection cuts calls by requests, not reads)
+    server = int((getattr(session.engine, "limits", None) or {}).get("read_bytes") or 0)
+    budget = min(session.read_budget, server) if server else session.read_budget
+    per_call = max(1, budget // max(per_token, 1) // 2)
     start = manifest["shards"][-1]["texts"][1] if manifest["shards"] else 0
     while start < len(ids):
         stop, gathered = start, 0
