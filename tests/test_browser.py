@@ -193,12 +193,14 @@ def _quiet_lab_settings(tmp: Path) -> None:
 
 
 @contextmanager
-def _lab_server(work: Path, tmp: Path):
+def _lab_server(work: Path, tmp: Path, env_extra: dict[str, str] | None = None):
     """(url, token) of a JupyterLab server on 127.0.0.1 over ``work``, stopped
-    afterwards (its log copied to test-artifacts/)."""
+    afterwards (its log copied to test-artifacts/); ``env_extra``: variables
+    its kernels see besides this process's."""
     ARTIFACTS.mkdir(exist_ok=True)
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ)
+    env.update(env_extra or {})
     env.update(
         JUPYTERLAB_SETTINGS_DIR=str(tmp / "lab-settings"),
         JUPYTERLAB_WORKSPACES_DIR=str(tmp / "lab-workspaces"),

@@ -436,6 +436,39 @@ def test_patching_heatmap_gaps_for_unfinished_cells_and_outlines_a_cell():
         plots.patching_heatmap(grid, [0, 2], ["a", "b"])
 
 
+def _cell_text(fig) -> list[str]:
+    """Every value a figure writes in its cells (its cell-text traces)."""
+    return [t for tr in fig.data if tr.name == "cell text" for row in tr.text for t in row if t]
+
+
+def test_grids_write_values_only_in_cells_wide_enough_for_them():
+    # a 6 x 40 patching grid on a notebook's width: 40 cells of ~17 px each,
+    # where "0.00" needs ~38 px, ran its labels together ("0.000.000.00")
+    wide = plots.patching_heatmap(torch.rand(6, 40), list(range(6)),
+                                  [f"{i}:t" for i in range(40)])
+    assert _cell_text(wide) == [] and len(wide.data) == 1
+    assert wide.data[0].hovertemplate.endswith("%{z:.3f}<extra></extra>")  # the hover has it
+    # a few columns: every value written; a wider plot fits more columns
+    narrow = plots.patching_heatmap(torch.full((6, 9), 0.25), list(range(6)),
+                                    [f"head {h}" for h in range(9)], column_title="head")
+    assert len(_cell_text(narrow)) == 54 and set(_cell_text(narrow)) == {"0.25"}
+    assert _cell_text(plots.patching_heatmap(torch.rand(6, 40), list(range(6)),
+                                             [f"{i}:t" for i in range(40)], width=2400))
+    # the logit lens of one token over 30 layers: no values in 22 px cells
+    track = plots.logit_lens_track(torch.full((30, 3), 0.5), ["a", "b", "c"], list(range(30)),
+                                   token="x")
+    assert _cell_text(track) == [] and len(track.data) == 1
+    assert len(_cell_text(plots.logit_lens_track(torch.full((3, 3), 0.5), ["a", "b", "c"],
+                                                 [0, 1, 2], token="x"))) == 9
+    # the attribution's head grid shares the width with the bars
+    from vlens.plots._attribution import attribution_figure
+
+    heads = attribution_figure(torch.zeros(6), torch.zeros(6), torch.full((6, 12), 0.5))
+    assert _cell_text(heads) == []
+    few = attribution_figure(torch.zeros(2), torch.zeros(2), torch.full((2, 3), 0.5))
+    assert len(_cell_text(few)) == 6
+
+
 def test_next_token_bars_side_by_side_on_the_union_of_tokens():
     fig = plots.next_token_bars(
         {"clean": (["fox", "cat"], [0.9, 0.05]), "corrupt": (["cat", "dog"], [0.8, 0.1]),

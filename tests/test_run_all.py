@@ -47,8 +47,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("run-all")]
 
 
 @pytest.fixture(scope="module")
-def lab_all(tmp_path_factory):
-    """A JupyterLab server over copies of every notebook (parameters set)."""
+def lab_all(tmp_path_factory, vlens_home):
+    """A JupyterLab server over copies of every notebook (parameters set).
+    Its kernels fetch registry models into the test run's ``vlens_home``
+    (11_real_model runs on SmolLM2-135M-Instruct, whatever the model
+    override: ``smollm2_folder`` fetches it there before it runs)."""
     import nbformat
 
     _browser_ready()
@@ -61,7 +64,7 @@ def lab_all(tmp_path_factory):
         set_parameters(book, model)
         nbformat.write(book, work / path.name)
     _quiet_lab_settings(tmp)
-    with _lab_server(work, tmp) as (url, token):
+    with _lab_server(work, tmp, {"VLENS_HOME": str(vlens_home)}) as (url, token):
         yield url, token, work
 
 
@@ -149,11 +152,13 @@ def _outputs_text(book) -> str:
 
 @pytest.mark.parametrize("name", [p.name for p in NOTEBOOKS],
                          ids=[p.stem for p in NOTEBOOKS])
-def test_run_all_draws_every_view(lab_all, name):
+def test_run_all_draws_every_view(lab_all, request, name):
     import nbformat
     from playwright.sync_api import sync_playwright
 
     url, token, work = lab_all
+    if name == "11_real_model.ipynb":  # its model, fetched once into the kernels' VLENS_HOME
+        request.getfixturevalue("smollm2_folder")
     n_cells = sum(c.cell_type == "code" for c in nbformat.read(work / name, as_version=4).cells)
     console: list[str] = []
     with sync_playwright() as p, _busy_machine():

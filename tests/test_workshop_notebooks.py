@@ -3,11 +3,13 @@
 docs/workshop.md tells a class to point the notebooks at one server: the
 parameters ``SERVER`` and ``TOKEN`` (or ``$VLENS_SERVER``/``$VLENS_TOKEN``).
 Here each notebook runs in a fresh kernel (nbclient) with those two set in a
-cell put after its parameters cell, as papermill does. Two servers answer:
-the bundled model with its SAE (``--sae toyworld=...``, for 08_features) and
-the bundled chat model (07_chat). A notebook passes when every cell ran
-without an error, no Session in its kernel started an engine of its own, and
-the server finished calls for it.
+cell put after its parameters cell, as papermill does. Three servers answer:
+the bundled model with its SAE (``--sae toyworld=...``, for 08_features),
+the bundled chat model (07_chat) and SmolLM2-135M-Instruct by its registry
+name (11_real_model, whose kernel reads the same fetched weights for its
+lens and twin); the last two start only when a notebook needs them. A
+notebook passes when every cell ran without an error, no Session in its
+kernel started an engine of its own, and the server finished calls for it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,21 @@ def chat_server(tmp_path_factory, world_server):
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory, world_server, smollm2_folder, vlens_home):
+    """SmolLM2-135M-Instruct served by its registry name, as docs/workshop.md
+    says for 11_real_model (``vlens serve smollm2-135m-instruct``, fetched
+    into ``vlens_home``), started only when 11 runs, on the toy world's token
+    file; a KV cache for the notebook's batches (later flags win)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLENS_HOME", str(vlens_home))
+        srv = _started(_Server(tmp_path_factory.mktemp("smollm2"), (
+            "smollm2-135m-instruct", *ROOMY, "--max-model-len", "512",
+            "--kv-cache-memory-bytes", str(512 * 2**20))), world_server)
+    yield srv
+    srv.stop()
+
+
 def _with_server(book, url: str, token: str, extra: str = "") -> None:
     """Papermill's way: a cell after the parameters cell overrides them."""
     import nbformat
@@ -139,6 +156,19 @@ def test_a_call_over_the_servers_limits_goes_as_several():
     assert [sorted(v) for _, _, v in got] == [["a", "b"], ["c"], ["a"]]
     engine.limits = {"requests": 256, "vectors": 64}  # within the limits: one call, as before
     assert engine._slices([{}] * len(params), params) == [(0, 7, engine._held)]
+    # log-probabilities count against the read limit as the server counts them:
+    # 4 bytes x the vocabulary for every row that asks (a real model's sweep)
+    engine.info = {"vocab_size": 1000}
+    engine.limits = {"requests": 256, "vectors": 64, "read_bytes": 4 * 1000 * 10}  # 10 rows
+    prompts = [{"prompt_token_ids": [1, 2, 3]}] * 5
+    generated = [SamplingParams(max_tokens=4, logprobs=0) for _ in prompts]  # 4 rows each
+    assert [(a, b) for a, b, _ in engine._slices(prompts, generated)] == [(0, 2), (2, 4), (4, 5)]
+    with_prompt = [SamplingParams(max_tokens=2, logprobs=0, prompt_logprobs=0)] * 3  # 3 + 2
+    assert [(a, b) for a, b, _ in engine._slices(prompts[:3], with_prompt)] == [(0, 2), (2, 3)]
+    plain = [SamplingParams(max_tokens=4) for _ in prompts]  # no log-probabilities asked
+    assert [(a, b) for a, b, _ in engine._slices(prompts, plain)] == [(0, 5)]
+    from vlens.remote.guard import Limits
+    assert "read_bytes" in Limits().public()  # the name the server gives it
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -146,11 +176,15 @@ def test_a_call_over_the_servers_limits_goes_as_several():
 # process while the other test process takes the rest of the suite
 @pytest.mark.engine
 @pytest.mark.xdist_group("run-all")
-def test_notebook_runs_connected(world_server, request, path, tmp_path):
+def test_notebook_runs_connected(world_server, request, path, tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 
     srv = request.getfixturevalue("chat_server") if path.stem == "07_chat" else world_server
+    if path.stem == "11_real_model":
+        srv = request.getfixturevalue("smollm2_server")
+        # its kernel reads the weights too (the exact logit lens, the twin): the same cache
+        monkeypatch.setenv("VLENS_HOME", str(request.getfixturevalue("vlens_home")))
     before = srv.status()["calls_done"]
     book = nbformat.read(path, as_version=4)
     # 10_what_if diffs two models: the chat model's server beside the story's

@@ -12,14 +12,16 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from vlens.plots._cells import FONT_PX, cell_text_traces, readable
+from vlens.plots._cells import FONT_PX, PLOT_PX, cell_text_traces, labels_fit, readable
 from vlens.plots._common import as_float
 
 __all__ = ["attribution_figure"]
 
 ATTN, MLP = "#1f77b4", "#ff7f0e"
-#: up to this many head cells the grid writes each value in its cell
+#: up to this many head cells the grid writes each value in its cell (when it fits)
 LABELLED_CELLS = 200
+#: the head grid's share of the plot's width (the bars take the rest), at PLOT_PX
+HEAD_GRID_PX = 0.43 * (PLOT_PX - 200)
 
 
 def attribution_figure(attn: object, mlp: object, heads: object | None = None, *,
@@ -64,8 +66,9 @@ def _head_grid(fig: go.Figure, h, layers: Sequence[str], metric: str) -> None:
         hovertemplate="%{y}, head %{x}: %{z:.4g}<extra></extra>", xaxis="x2", yaxis="y2",
     )
     fig.add_trace(heat, row=1, col=2)
-    if h.numel() <= LABELLED_CELLS:
-        text = [[f"{v:.2f}" for v in row] for row in h.tolist()]
+    text = [[f"{v:.2f}" for v in row] for row in h.tolist()]
+    # only where each value fits its cell: 12 heads share about 300 px
+    if h.numel() <= LABELLED_CELLS and labels_fit(text, HEAD_GRID_PX / max(1, h.shape[1])):
         for t in cell_text_traces(heat, text):
             fig.add_trace(t, row=1, col=2)
     fig.update_xaxes(title_text="head", tickfont={"size": FONT_PX}, row=1, col=2)

@@ -18,11 +18,15 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-__all__ = ["FONT_PX", "cell_text_traces", "colour_at", "contrast_ratio", "readable",
-           "text_colour", "wrap_title"]
+__all__ = ["CHAR_PX", "FONT_PX", "PLOT_PX", "cell_text_traces", "colour_at", "contrast_ratio",
+           "labels_fit", "readable", "text_colour", "wrap_title"]
 
 #: every figure's text (axes, ticks, hovers, cell labels): readable from the back row
 FONT_PX = 14
+#: the width of one character of cell text at FONT_PX, roughly (px)
+CHAR_PX = 8
+#: the width a figure that fills the page is assumed to get: a notebook's (px)
+PLOT_PX = 900
 TITLE_PX = 17
 BLACK, WHITE = "#000000", "#ffffff"
 #: what a cell with no value shows (the figures set their plot background to it)
@@ -121,6 +125,15 @@ def cell_text_traces(heat: go.Heatmap, text: Sequence[Sequence[str]],
             hoverinfo="skip", name="cell text", xaxis=heat.xaxis, yaxis=heat.yaxis,
         ))
     return out
+
+
+def labels_fit(text: Sequence[Sequence[str]], cell_px: float) -> bool:
+    """Whether every label of ``text`` (``[rows][cols]``) fits in a cell
+    ``cell_px`` wide, with a few pixels either side. A figure that writes
+    values in its cells writes them only then: in narrower cells the labels
+    run into each other ("0.000.000.00") and the hover has the value."""
+    longest = max((len(t) for row in text for t in row), default=0)
+    return longest * CHAR_PX + 6 <= cell_px
 
 
 def wrap_title(text: str, chars: int = 90) -> str:

@@ -22,13 +22,12 @@ from typing import Any
 import plotly.graph_objects as go
 import torch
 
-from vlens.plots._cells import FONT_PX, cell_text_traces, readable
+from vlens.plots._cells import CHAR_PX, FONT_PX, cell_text_traces, labels_fit, readable
 from vlens.plots._common import as_float, plain_text, token_labels, token_text
 
 __all__ = ["lens_token_values", "logit_lens_grid", "logit_lens_track"]
 
 ROW_PX = 24  # one token row: room for 14 px text and no overlap
-CHAR_PX = 8  # width of one character at FONT_PX, roughly
 MARGIN = {"l": 130, "r": 20, "t": 90, "b": 20}
 
 
@@ -37,10 +36,14 @@ def _fit(text: str, chars: int) -> str:
     return text if len(text) <= chars else text[: max(1, chars - 1)] + "…"
 
 
+def _cell_px(n_layers: int, width: int) -> float:
+    """One cell's width when the plot is ``width`` px."""
+    return (width - MARGIN["l"] - MARGIN["r"] - 90) / max(1, n_layers)  # 90: colour bar
+
+
 def _cell_chars(n_layers: int, width: int) -> int:
     """How many characters fit in one cell when the plot is ``width`` px."""
-    cell = (width - MARGIN["l"] - MARGIN["r"] - 90) / max(1, n_layers)  # 90: colour bar
-    return max(2, int(cell / CHAR_PX) - 1)
+    return max(2, int(_cell_px(n_layers, width) / CHAR_PX) - 1)
 
 
 def _rows_marks(span: tuple[int, int] | None, n_prompt: int | None, n: int) -> list[dict]:
@@ -179,7 +182,9 @@ def logit_lens_track(
     Read it as "after token ``i``, how sure is layer ``l`` that ``token``
     comes next?". Unknown cells (the token was not in a top-``k`` read)
     show ``–``, their hover says the probability is below ``floor``
-    (``[n_layers, n_tokens]``, the k-th probability there).
+    (``[n_layers, n_tokens]``, the k-th probability there). The values are
+    written in the cells only where they fit (at ``width`` px, default 900,
+    four characters fit up to 17 layers); the hover always has them.
     """
     if quantity not in ("probability", "rank"):
         raise ValueError(f"quantity must be 'probability' or 'rank', got {quantity!r}")
@@ -230,7 +235,8 @@ def logit_lens_track(
         hovertemplate="after %{y}, %{x}<br>%{customdata}<extra></extra>",
         **scale,
     )
-    fig = go.Figure([heat, *cell_text_traces(heat, text)])
+    fits = labels_fit(text, _cell_px(n_l, width or 900))
+    fig = go.Figure([heat, *(cell_text_traces(heat, text) if fits else [])])
     _layout(fig, title or f"logit lens: {quantity} of {word!r} next, per layer", labels,
             n_t, _rows_marks(span, n_prompt, n_t), width)
     return fig

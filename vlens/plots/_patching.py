@@ -14,14 +14,16 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from vlens.plots._cells import FONT_PX, cell_text_traces, readable
+from vlens.plots._cells import FONT_PX, PLOT_PX, cell_text_traces, labels_fit, readable
 from vlens.plots._common import as_float, plain_text
 
 __all__ = ["next_token_bars", "patching_heatmap"]
 
 OUTLINE = {"color": "#111111", "width": 3}
-#: up to this many cells the grid writes each value in its cell
+#: up to this many cells the grid writes each value in its cell (when it fits)
 LABELLED_CELLS = 400
+#: what the layer labels and the colour bar take of the figure's width (px)
+AXES_PX = 200
 
 
 def patching_heatmap(
@@ -33,6 +35,7 @@ def patching_heatmap(
     column_title: str = "position",
     metric: str = "restored",
     title: str | None = None,
+    width: int | None = None,
 ) -> go.Figure:
     """Heatmap of ``grid`` ``[n_layers, n_columns]``: layers down, columns
     (token positions ``"pos:token"``, or heads) across.
@@ -40,7 +43,10 @@ def patching_heatmap(
     Colours: red-white-blue centred on 0 with 1 (the clean answer fully
     restored) deep blue; the range widens to cover values past ``[-1, 1]``.
     ``NaN`` cells (not finished) are ``None``: a gap. Up to
-    ``LABELLED_CELLS`` cells print their value. ``cell`` ``(row, col)``
+    ``LABELLED_CELLS`` cells print their value, where a cell is wide enough
+    for it on a plot ``width`` px wide (default ``PLOT_PX``, a notebook's;
+    the figure still takes the page's width): a 6 x 40 grid prints none,
+    the hover has each. ``cell`` ``(row, col)``
     (indices into ``grid``) is outlined (a shape named ``"cell"``).
     ``customdata`` holds each cell's ``[row, col]``.
     """
@@ -53,15 +59,16 @@ def patching_heatmap(
     reach = max([1.0] + [abs(v) for v in finite])
     ys = [f"layer {x}" for x in layers]
     xs = [plain_text(c) for c in columns]
-    labelled = g.numel() <= LABELLED_CELLS
+    # each value in its cell, black or white against the cell's colour
+    text = [["" if v is None else f"{v:.2f}" for v in row] for row in z]
+    cell_px = ((width or PLOT_PX) - AXES_PX) / max(1, len(columns))
+    labelled = g.numel() <= LABELLED_CELLS and labels_fit(text, cell_px)
     heat = go.Heatmap(
         z=z, x=xs, y=ys, zmin=-reach, zmax=reach, zmid=0, colorscale="RdBu",
         customdata=[[[r, c] for c in range(len(columns))] for r in range(len(layers))],
         colorbar={"title": {"text": metric}},
         hovertemplate=f"%{{y}}, {column_title} %{{x}}<br>{metric} %{{z:.3f}}<extra></extra>",
     )
-    # each value in its cell, black or white against the cell's colour
-    text = [["" if v is None else f"{v:.2f}" for v in row] for row in z]
     fig = go.Figure([heat, *(cell_text_traces(heat, text) if labelled else [])])
     shapes = []
     if cell is not None and 0 <= cell[0] < len(layers) and 0 <= cell[1] < len(columns):

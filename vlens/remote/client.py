@@ -245,24 +245,42 @@ class RemoteEngine:
             raise VlensError(REMOTE_EDIT)
         raise VlensError(f"{method} is not available on a connected session")
 
+    def _logprob_bytes(self, prompt: Any, sp: Any) -> int:
+        """What one request's log-probabilities count against the server's
+        read limit (vLLM works them out over the whole vocabulary for every
+        row that asks: each prompt row, each generated one), as the server
+        counts them (``vlens.remote.guard.check_call``)."""
+        rows = (len(prompt["prompt_token_ids"]) if sp.prompt_logprobs is not None else 0) + (
+            (sp.n or 1) * (sp.max_tokens or 0) if sp.logprobs is not None else 0)
+        return 4 * int(self.info.get("vocab_size") or 0) * rows
+
     def _slices(self, prompts: list[Any], params: list[Any]
                 ) -> list[tuple[int, int, dict[str, Any]]]:
         """One call as consecutive ``(start, stop, vectors)`` slices that each
-        fit the server's per-call limits on requests and steering vectors
-        (a patching grid or a head sweep can hold thousands of requests): the
-        server then answers them one after another, as one call."""
+        fit the server's per-call limits on requests, steering vectors and
+        the log-probabilities' share of its read limit (a patching grid or a
+        head sweep can hold thousands of requests; the losses of a batch of
+        prompts on a real model ask for log-probabilities over its whole
+        vocabulary at every prompt token): the server then answers them one
+        after another, as one call."""
         most = int(self.limits.get("requests") or len(prompts) or 1)
         most_vectors = int(self.limits.get("vectors") or len(self._held) or 1)
-        if len(prompts) <= most and len(self._held) <= most_vectors:
+        most_bytes = int(self.limits.get("read_bytes") or 0)  # 0: not counted
+        costs = ([self._logprob_bytes(p, sp) for p, sp in zip(prompts, params)] if most_bytes
+                 else [0] * len(params))
+        if (len(prompts) <= most and len(self._held) <= most_vectors
+                and (not most_bytes or sum(costs) <= most_bytes)):
             return [(0, len(prompts), dict(self._held))]
         slices: list[tuple[int, int, dict[str, Any]]] = []
-        start, named = 0, set()
+        start, named, spent = 0, set(), 0
         for i, sp in enumerate(params):
             needs = set(_held_names(params_to_wire(sp).get("extra_args"), self._held))
-            if i > start and (i - start >= most or len(named | needs) > most_vectors):
+            if i > start and (i - start >= most or len(named | needs) > most_vectors
+                              or (most_bytes and spent + costs[i] > most_bytes)):
                 slices.append((start, i, {v: self._held[v] for v in named}))
-                start, named = i, set()
+                start, named, spent = i, set(), 0
             named |= needs
+            spent += costs[i]
         slices.append((start, len(params), {v: self._held[v] for v in named}))
         return slices
 
