@@ -93,13 +93,19 @@ class Runs:
             return job.key
         return self._actions[0].key if self._actions else None
 
-    def _replace(self, key: str) -> tuple[Job, Job | None]:
-        """A new newest setting; the previous one is cancelled (under the lock)."""
+    def _add(self, key: str, queue: bool = False) -> tuple[Job, Job | None]:
+        """A new job and the one it runs after (under the lock): a setting
+        becomes the newest and cancels the setting before it; an action
+        (``queue``) goes behind the last queued action."""
         idle = self.under_way() is None
         job = Job(key)
-        previous, self._latest = self._latest, job
-        if previous is not None:
-            previous.cancelled.set()
+        if queue:
+            previous = self._actions[-1] if self._actions else None
+            self._actions.append(job)
+        else:
+            previous, self._latest = self._latest, job
+            if previous is not None:
+                previous.cancelled.set()
         if idle:
             self._on_busy(True)
         return job, previous
@@ -129,15 +135,7 @@ class Runs:
         replaced run to neither. ``queue``: an action (see the module's
         text), run after the actions asked for before it and never replaced."""
         with self._lock:
-            if queue:
-                idle = self.under_way() is None
-                job = Job(key)
-                previous = self._actions[-1] if self._actions else None
-                self._actions.append(job)
-                if idle:
-                    self._on_busy(True)
-            else:
-                job, previous = self._replace(key)
+            job, previous = self._add(key, queue)
             thread = threading.Thread(target=self._body, args=(job, previous, fn, on_error,
                                                                 on_success),
                                       name=f"vlens-{key}", daemon=True)
@@ -168,7 +166,7 @@ class Runs:
         if self.current is not None:
             return fn()
         with self._lock:
-            job, previous = self._replace(key)
+            job, previous = self._add(key)
         try:
             if previous is not None:
                 previous.done.wait()
