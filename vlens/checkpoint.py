@@ -19,7 +19,7 @@ import torch
 from vlens.protocol.architectures import find_architecture
 from vlens.protocol.final_norm import FinalNorm, final_logits, softcap
 
-__all__ = ["Checkpoint", "final_norm_and_unembed", "read_checkpoint"]
+__all__ = ["Checkpoint", "read_checkpoint"]
 
 # a multimodal checkpoint keeps its language model under one of these
 _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -127,13 +127,3 @@ def read_checkpoint(folder: str | Path) -> Checkpoint | None:
     head_bias = found.get("lm_head.bias") if "lm_head.weight" in found else None
     return Checkpoint(norm, unembed, project, head_bias)
 
-
-def final_norm_and_unembed(folder: str | Path
-                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    """``(norm gain, unembedding, eps)`` float32 of ``folder`` (the gain is
-    the effective weight: Gemma's ``1 + w``); None where the checkpoint
-    lacks them. :func:`read_checkpoint` has every fact."""
-    got = read_checkpoint(folder)
-    if got is None:
-        return None, None, 1e-6
-    return got.norm.gain, got.unembed, got.norm.eps
