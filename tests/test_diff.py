@@ -92,9 +92,14 @@ def test_diff_equals_hugging_face(llama_session, tiny_llama, tuned_llama):
                 assert t.ids[n:] == own[n - 1:-1].argmax(-1).tolist()
         assert torch.equal(d.kl(i), d.text(i, "prompt").kl)
         assert len(d.kl(i)) == len(d.text(i, "prompt").ids)
-    # the direction: the mean of each prompt's mean difference over its tokens but BOS
-    want = torch.stack([d.text(i).delta["resid_post"][1, 1:].mean(0) for i in range(2)]).mean(0)
-    torch.testing.assert_close(d.direction(1), want)
+    # the direction: the mean of each prompt's mean difference over its tokens ("prompt":
+    # every token, BOS included, as in every call; slice(1, None) leaves the BOS out)
+    rows = [d.text(i).delta["resid_post"][1] for i in range(2)]
+    torch.testing.assert_close(d.direction(1), torch.stack([r.mean(0) for r in rows]).mean(0))
+    torch.testing.assert_close(d.direction(1, slice(1, None)),
+                               torch.stack([r[1:].mean(0) for r in rows]).mean(0))
+    with pytest.raises(vlens.VlensError, match=r"write \[0, 2\] for those positions"):
+        d.direction(1, (0, 2))
     assert d.direction(1, "last").shape == (llama_session.hidden_size,)
     lens = d.lens(2, first=3, k=5)
     assert list(lens["rank"]) == [1, 2, 3, 4, 5] and lens["prob"].is_monotonic_decreasing

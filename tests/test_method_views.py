@@ -90,8 +90,8 @@ def test_attention_view_says_what_is_wrong_and_keeps_working(run):
     assert "layer 1 has no attention pattern" in view.error and "[0, 2]" in view.error
     view.layer = 2
     assert view.error == "" and view.heatmap.layout.title.text == "layer 2, head 0"
-    view.show(causal_patterns(1, 2, 3), ["a", "b", "c"], query_heads=[1, 3])  # query_heads= read
-    assert view.query_heads == [1, 3] and view.head == 1
+    view.show(causal_patterns(1, 2, 3), ["a", "b", "c"], heads=[1, 3])  # heads= read
+    assert view.heads == [1, 3] and view.head == 1
     view.head = 3
     assert view.heatmap.layout.title.text == "layer 0, head 3" and view.error == ""
     view.head = 2
@@ -129,10 +129,10 @@ def test_attention_view_on_a_real_trace_shows_the_copy_head(toy_session):
     assert to[first] > 0.5 and view.chips.shade[first] == pytest.approx(to[first])
     assert view.error == ""
     # a trace of one head: the view numbers it as read
-    one = toy_session.trace(ANIMAL, sites=["attn_pattern"], layers=[layer], query_heads=[head],
+    one = toy_session.trace(ANIMAL, sites=["attn_pattern"], layers=[layer], heads=[head],
                             max_new_tokens=1)
-    small = AttentionView(one, query_heads=[head])
-    assert (small.layers, small.query_heads, small.head) == ([layer], [head], head)
+    small = AttentionView(one, heads=[head])
+    assert (small.layers, small.heads, small.head) == ([layer], [head], head)
     assert torch.allclose(small.pattern(), t.attention(layer)[head], atol=1e-6)
     assert list(small.thumbnails.data[0].meta) == [layer, head] and small.error == ""
 
@@ -154,7 +154,7 @@ def test_steering_panel_ablation_mode_knocks_out_heads(toy_session):
     panel.head_picker._buttons[head].value = True  # a click on the head's button
     assert panel.ablate_heads == [head]
     ab = panel.ablation()
-    assert (ab.site, ab.layer, list(ab.query_heads), ab.kind, ab.span) == (
+    assert (ab.site, ab.layer, list(ab.heads), ab.kind, ab.span) == (
         "z", layer, [head], "zero", "all")
     assert panel.site_picker.layout.display == "none"  # always z in this mode
     # The bundled model copies the animal with a team of redundant heads of
@@ -218,7 +218,7 @@ def test_patching_view_streams_the_grid_and_shows_a_clicked_cell(toy_session):
 @engine
 def test_patching_view_of_a_result_and_its_argument_checks(toy_session):
     corrupt = ANIMAL.replace("sad duck", "sad cat")
-    result = toy_session.patch(ANIMAL, corrupt, site="z", per_head=True)
+    result = toy_session.patch(ANIMAL, corrupt, site="z", heads="all")
     view = PatchingView(result)
     assert view.session is None and view.cells_done == result.grid.numel()
     assert list(view.heatmap.data[0].x) == [f"head {h}" for h in range(toy_session.info["n_heads"])]

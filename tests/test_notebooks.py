@@ -24,7 +24,7 @@ def test_notebooks_exist():
     assert names == ["01_tour.ipynb", "02_steering.ipynb", "03_token_axis.ipynb",
                      "04_clone_reads.ipynb", "05_patching.ipynb", "06_attention.ipynb",
                      "07_chat.ipynb", "08_features.ipynb", "09_circuits.ipynb",
-                     "10_what_if.ipynb", "11_real_model.ipynb"]
+                     "10_what_if.ipynb", "11_real_model.ipynb", "12_real_features.ipynb"]
     for p in NOTEBOOKS:  # stored clean: outputs are made by running them
         book = nbformat.read(p, as_version=4)
         assert all(not c.get("outputs") for c in book.cells if c.cell_type == "code"), p.name

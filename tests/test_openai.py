@@ -11,6 +11,7 @@ every answer must equal.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -174,7 +175,7 @@ def _bad_bodies() -> list[tuple[dict, str]]:
                           "scale": [None, "big", [], 1e30, True, "1", {}, -1e30],
                           "site": [None, "nowhere", 3, "attn_pattern", "", "resid_post ",
                                    ["resid_post"]],
-                          "span": ["everywhere", [5, 2], [1], 7, "user", [0, 500], "", [0],
+                          "span": ["everywhere", [5, 2], [1], 700, "user", [0, 500], "", [0],
                                    [-1, 3], ["a", "b"], {"a": 1}],
                           "relative": ["yes", 1, None], "bogus": [1], "feature": [2]}),
         "feat": (feat, {"sae": ["nope", 5, None], "feature": [-1, 1024, "3", None, 2.5, 10**9, [], True],
@@ -293,3 +294,118 @@ def test_sixteen_streamed_chats_half_steered_equal_their_runs_alone(oai, directi
     assert len({a for a, (_, vl, _) in zip(alone, jobs) if vl}) >= 4  # different steers
     # 16 calls of TOKENS tokens each, one after another, take >= 16 * TOKENS steps
     assert together < 16 * TOKENS / 2, together
+
+
+# -- one parser: the Session's and the server's answers to any body (#50) ------------
+
+def _body_strategy():
+    """``vlens`` bodies, right and wrong: every field drawn from values that
+    pass and values that do not, keys left out at random."""
+    from hypothesis import strategies as st
+
+    span = st.one_of(
+        st.sampled_from(["all", "prompt", "generated", "last", "user", "bogus", ""]),
+        st.integers(-14, 14),
+        st.lists(st.one_of(st.integers(-14, 14), st.none()), min_size=2, max_size=2),
+        st.builds(lambda p: {"positions": p}, st.lists(st.integers(-14, 14), max_size=4)),
+        st.sampled_from([[1], [1, 2, 3], 2.5, {"rows": [1]}, None]))
+
+    def entry(**fields):
+        drawn = st.fixed_dictionaries({}, optional={k: v for k, v in fields.items()})
+        return drawn.map(lambda d: {k: v for k, v in d.items() if v is not None})
+
+    steer = entry(vector=st.sampled_from(["mood", "nope", 3]),
+                  sae=st.sampled_from(["toy", None, None, None]),
+                  feature=st.sampled_from([None, None, 3, -1, 5000]),
+                  layer=st.sampled_from([0, 1, 3, 99, -1, 1.5, "1", True]),
+                  scale=st.sampled_from([0.5, 2.0, -3.0, 1e30, "x", True]),
+                  site=st.sampled_from(["resid_post", "mlp_out", "nowhere", "attn_pattern"]),
+                  span=span, relative=st.sampled_from([False, True, 1]),
+                  bogus=st.sampled_from([None, None, None, None, 1]))
+    ablate = entry(site=st.sampled_from(["resid_post", "z", "mlp_out", "nowhere"]),
+                   layer=st.sampled_from([0, 1, 99, "all", [0, 1], "0"]),
+                   kind=st.sampled_from(["zero", "mean", "half"]),
+                   heads=st.sampled_from([None, [0], [0, 0], [9], "0"]),
+                   mean=st.sampled_from([None, None, "mood", "nope"]),
+                   direction=st.sampled_from([None, None, None, "mood"]), span=span)
+    clamp = entry(sae=st.sampled_from(["toy", "toy", "nope"]),
+                  feature=st.sampled_from([3, 12, -1, 5000, "1"]),
+                  value=st.sampled_from([1.0, 6.0, -2.0, 1e5, "x"]), span=span)
+    return st.fixed_dictionaries({}, optional={
+        "steer": st.lists(steer, max_size=2), "ablate": st.lists(ablate, max_size=2),
+        "clamp": st.lists(clamp, max_size=2), "bogus": st.just([])})
+
+
+def _served_rules(srv) -> dict[str, float]:
+    text = srv.get("/metrics", "c3").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vlens_rule_calls{"):
+            out[line.split('"')[1]] = float(line.split()[-1])
+    return out
+
+
+def test_the_session_and_the_server_accept_and_refuse_the_same_bodies(oai, direction,
+                                                                       toy_session):
+    """A property test over ``vlens`` bodies: the Session's path (the body's
+    typed models, then its edits fitted to the prompt, in this process) and
+    ``vlens serve``'s (a real /v1/completions call) accept the same bodies
+    and refuse the same ones naming the same field; on an accepted body
+    each side runs the Steer rule once per steer and clamp and the Ablate
+    rule once per ablation layer (vlens.checks.rules.CALLS, and the
+    server's /metrics)."""
+    from hypothesis import HealthCheck, example, given, settings
+
+    from vlens.checks import rules
+    from vlens.remote.schema import BodyError, parse_body
+
+    facts = toy_session.facts
+    vectors = {"mood": direction}
+    saes = {"toy": vlens.SAE.load(oai.sae_dir)}
+    ids = toy_session.tokenize(_prompts(2)[0])
+    max_tokens = 3
+    url, headers, model = oai.url + "/v1/completions", oai.headers("c3"), _model(oai)
+    seen = {"accepted": 0, "refused": 0}
+
+    # a fixed seed (the same bodies every run) and, beside the drawn ones, a few
+    # bodies that must pass, so both sides' acceptance is always exercised
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=_body_strategy())
+    @example(body={"steer": [{"vector": "mood", "layer": 1, "scale": 2.0, "span": [1, None]}]})
+    @example(body={"ablate": [{"site": "z", "layer": 1, "heads": [0], "span": "last"}]})
+    @example(body={"clamp": [{"sae": "toy", "feature": 3, "value": 6.0,
+                              "span": {"positions": [0, -1]}}]})
+    @example(body={"steer": [{"sae": "toy", "feature": 12, "scale": 2.0, "span": -2}],
+                   "ablate": [{"site": "resid_post", "layer": "all", "direction": "mood"}]})
+    @example(body={"ablate": [{"site": "mlp_out", "layer": 0, "kind": "mean", "mean": "mood",
+                               "span": "prompt"}]})
+    def check(body):
+        before = dict(rules.CALLS)
+        try:
+            edits = parse_body(json.loads(json.dumps(body)), facts, vectors.get, saes.get)
+            steers, _ = edits.fit(facts, len(ids), max_tokens)
+            local = None
+        except BodyError as exc:
+            local = exc.field
+        ran = {k: rules.CALLS[k] - before.get(k, 0) for k in ("steer", "ablate")}
+        served_before = _served_rules(oai)
+        resp = httpx.post(url, headers=headers, timeout=60, json={
+            "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "vlens": body})
+        if local is None:
+            assert resp.status_code == 200, (body, resp.text)
+            seen["accepted"] += 1
+            n_steer = len(edits.steers)
+            n_layers = sum(len(ab.layers(facts.n_layers)) for ab in edits.ablates)
+            assert ran == {"steer": n_steer, "ablate": n_layers}, (body, ran)
+            served = _served_rules(oai)
+            assert {k: served.get(k, 0) - served_before.get(k, 0) for k in ran} == ran, body
+        else:
+            assert resp.status_code == 400, (body, local, resp.text)
+            assert resp.json()["error"]["param"] == local, (body, local, resp.json())
+            seen["refused"] += 1
+
+    check()
+    assert seen["accepted"] >= 5 and seen["refused"] >= 20, seen  # both sides exercised
+    assert oai.status()["hook_errors"] == 0

@@ -178,10 +178,10 @@ def test_patching_view_says_what_it_will_patch(toy_session):
     assert plain.settings_text == ("runs with: site resid_post · layers every · span all · "
                                    "per position · answer: each run's top next token")
     some = PatchingView(toy_session, clean=PROMPT, corrupt=PROMPT, auto_run=False,
-                        layers=[1, 2], per_head=True, span="prompt",
+                        layers=[1, 2], heads="all", span="prompt",
                         answer=(" happy", " sad"))
     line = html_text(some._settings.value)
     assert line == some.settings_text
-    assert "layers [1, 2]" in line and "span prompt" in line and "per head" in line
+    assert "layers [1, 2]" in line and "span prompt" in line and "heads all" in line
     assert "answer (' happy', ' sad')" in line
     assert some._settings.layout.display != "none" and some.patching is None  # nothing ran

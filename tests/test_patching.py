@@ -112,7 +112,7 @@ def test_patch_with_given_answers_layers_and_span(grid, patch_session):
 
 def test_per_head_patching_of_z_equals_hugging_face(patch_session, tiny_llama4, tmp_path):
     s = patch_session
-    p = s.patch(CLEAN, CORRUPT, site="z", per_head=True, span=list(range(SWAPPED - 2, 40)))
+    p = s.patch(CLEAN, CORRUPT, site="z", heads="all", span=list(range(SWAPPED - 2, 40)))
     assert p.grid.shape == (4, s.info["n_heads"]) and p.heads == [0, 1, 2, 3]
     ref = _hf_patch(tiny_llama4, s, p, tmp_path, heads=True)
     assert (p.grid.double() - ref["grid"]).abs().max() <= 1e-4
@@ -154,7 +154,9 @@ def test_a_loaded_engine_patches_the_same(grid, tiny_llama4, engine_options):
     (dict(corrupt=CLEAN), r"both predict .* pass answer=\(clean_token, corrupt_token\)"),
     (dict(site="nope"), r"unknown patch site 'nope'"),
     (dict(site="attn_pattern"), r"'attn_pattern' cannot be written"),
-    (dict(per_head=True), r"per_head=True .* use site='z'"),
+    (dict(heads="all"), r"heads= gives one cell per head.*use site='z'"),
+    (dict(site="z", heads=True), r"heads='all'"),
+    (dict(site="z", heads=[0, 9]), r"head 9 does not exist"),
     (dict(layers=[7]), r"layer 7 does not exist"),
     (dict(span=[40]), r"position 40 is outside the prompt"),
     (dict(answer=("w3", "w3")), r"same token twice"),

@@ -55,6 +55,9 @@ def plans(draw, tag: str):
             [("full", 0), ("norm", 0), ("logit_lens", 2), ("logit_lens", 3), ("vocab_logprobs", 0)]),
             max_size=3, unique=True))
     )
+    if draw(st.booleans()):  # a read of one prompt position (from the end, when negative)
+        reads += (Read("mlp_out", (1,), "dla", target=(3, -1),
+                       position=draw(st.integers(-prompt_len, prompt_len - 1))),)
     return Plan(
         tag=tag, reads=reads,
         adds=tuple(draw(st.lists(add_entries(prompt_len), max_size=3))),
@@ -135,15 +138,23 @@ def test_read_groups_and_edits_belong_to_their_requests(step, reader):
             continue
         assert sp.requests[span.key] == (plan, span)
         for read in plan.reads:
-            if reader or read.reduce in COLLECTIVE:
-                want |= {(read.site, layer, read.key, read.k, span.key) for layer in read.layers}
+            if not (reader or read.reduce in COLLECTIVE):
+                continue
+            at = read.at(plan.prompt_len)
+            if at is None:
+                want |= {(read.site, layer, read.key, read.k, *span) for layer in read.layers}
+            elif span.first_position <= at < span.first_position + span.length:
+                # one position: its row alone, where this step holds it
+                row = span.start + at - span.first_position
+                want |= {(read.site, layer, read.key, read.k, span.key, row, row + 1, at)
+                         for layer in read.layers}
     got = set()
     for (site, layer), groups in sp.reads.items():
         assert len({(g.read.key, g.read.k) for g in groups}) == len(groups)
         for g in groups:
+            assert g.rows().tolist() == [r for sp_ in g.spans for r in range(sp_.start, sp_.stop)]
             for span in g.spans:
-                assert sp.layout.spans[ids.index(span.key)] == span
-                got.add((site, layer, g.read.key, g.read.k, span.key))
+                got.add((site, layer, g.read.key, g.read.k, *span))
     assert got == want
     for calls in sp.edits.values():
         for call in calls:
@@ -296,6 +307,68 @@ def test_records_describe_one_clean_pass_through_restarts(reqs):
 from vlens.protocol.tensors import decode_tensor  # noqa: E402
 
 
+@given(schedules(), st.data())
+@settings(max_examples=150, deadline=None)
+def test_a_one_position_read_keeps_that_row_through_chunks_and_restarts(reqs, data):
+    """Journaled records (the step log, as the hooks keep them): a read of
+    one prompt position gets the row of that position alone, from whichever
+    chunk ran it, whatever recompute came after; a full read beside it in
+    the same group keeps every row; a position served from the prefix
+    cache is an error, never another row."""
+    from vlens.worker.records import StepLog
+
+    records: dict[str, RequestRecord] = {}
+    plans_of, at_of = {}, {}
+    for rid, prompt_len, _, _, _, _ in reqs:
+        position = data.draw(st.integers(-prompt_len, prompt_len - 1))
+        full = data.draw(st.booleans())
+        reads = (Read("mlp_out", (0, 2), "dla", target=(3, -1), position=position),
+                 *((Read("resid_post", (1,), "norm"),) if full else ()))
+        plans_of[rid] = Plan(tag=rid, reads=reads, prompt_len=prompt_len)
+        at_of[rid] = position % prompt_len
+    queues = {r[0]: list(r[4]) for r in reqs}
+    number = {r[0]: i for i, r in enumerate(reqs)}
+    while any(queues.values()):
+        batch = [(rid, q.pop(0)) for rid, q in queues.items() if q]
+        ids = ["other"] + [rid for rid, _ in batch]
+        counts = [3] + [n for _, (_, n) in batch]
+        first = [0] + [p for _, (p, _) in batch]
+        qsl = [0]
+        for c in counts:
+            qsl.append(qsl[-1] + c)
+        sp = plan_step(ids, [None] + [plans_of[r] for r, _ in batch], qsl, first)
+        values = torch.full((qsl[-1], 3), -1.0)
+        for span in sp.layout.spans:
+            if span.key in number:
+                pos = torch.arange(span.first_position, span.first_position + span.length)
+                values[span.start : span.stop] = (number[span.key] * 1000 + pos)[:, None].float()
+        log = StepLog()
+        for rid, (plan, span) in sp.requests.items():
+            pos = list(range(span.first_position, span.first_position + span.length))
+            records.setdefault(rid, RequestRecord(plan, rid)).begin_step(
+                span.first_position, span.length, [p + 7 for p in pos], pos, log)
+        for (site, layer), groups in sp.reads.items():
+            for g in groups:  # what the hooks do: one gather for the group, kept in the log
+                log.put((g.read.key, "value", layer), values.index_select(0, g.index_on("cpu")), g)
+    for rid, prompt_len, length, start, pieces, _ in reqs:
+        packed = records[rid].pack()
+        first_seen = min(p for p, _ in pieces)
+        at = at_of[rid]
+        key = plans_of[rid].reads[0].key
+        if at < first_seen:  # from the prefix cache: said, not filled with another row
+            assert any(f"position {at} never reached the hooks" in e for e in packed["errors"])
+            assert key not in packed["reads"]
+            continue
+        assert packed["errors"] == []
+        assert packed["reads"][key]["position"] == at
+        got = decode_tensor(packed["reads"][key]["value"])  # [2 layers, 1, 3]
+        assert torch.equal(got, torch.full((2, 1, 3), number[rid] * 1000.0 + at))
+        if len(plans_of[rid].reads) > 1:
+            got = decode_tensor(packed["reads"]["resid_post:norm"]["value"])
+            want = (number[rid] * 1000 + torch.arange(first_seen, length)).float()
+            assert torch.equal(got[0, :, 0], want)
+
+
 def test_a_gap_in_the_rows_is_reported_not_hidden():
     rec = RequestRecord(Plan(tag="t"), "r")
     rec.begin_step(0, 4)
@@ -387,6 +460,10 @@ def test_a_decode_step_reusing_the_last_plan_plans_what_a_fresh_one_would(run):
         edges = {x for p in plan_list if p is not None for a in p.adds
                  for x in (a.start, a.stop) if x > 0}
         crossings = {s for s in range(1, n_steps) for p in start if p + s in edges}
+        # a one-position read's row is in one step only: the steps at it and after it
+        crossings |= {s for s in range(1, n_steps) for p, plan in zip(start, plan_list)
+                      if plan is not None for r in plan.reads if r.position is not None
+                      and r.at(plan.prompt_len) in (p + s, p + s - 1)}
         if not crossings:
             assert reused == n_steps - 1
 

@@ -50,8 +50,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("run-all")]
 def lab_all(tmp_path_factory, vlens_home):
     """A JupyterLab server over copies of every notebook (parameters set).
     Its kernels fetch registry models into the test run's ``vlens_home``
-    (11_real_model runs on SmolLM2-135M-Instruct, whatever the model
-    override: ``smollm2_folder`` fetches it there before it runs)."""
+    (11_real_model and 12_real_features run on SmolLM2-135M-Instruct,
+    whatever the model override: ``smollm2_folder`` fetches it there before
+    they run, ``moby_dick_folder`` 12's corpus)."""
     import nbformat
 
     _browser_ready()
@@ -129,6 +130,24 @@ def _wait_run_all(page, n_cells: int, deadline: float) -> list[str]:
         time.sleep(2)
 
 
+def _saved_with_every_run(page, path: Path, wait: float = 60.0) -> None:
+    """Wait until the file on disk holds every code cell's run: an autosave
+    from before the last cells finished can land just before the shortcut's
+    save (seen on a loaded machine), so the shortcut is pressed again (the
+    notebook's panel focused) until the saved file is the finished one, or
+    ``wait`` seconds pass and the check below names what is missing."""
+    import nbformat
+
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        book = nbformat.read(path, as_version=4)
+        if all(c.get("execution_count") for c in book.cells if c.cell_type == "code"):
+            return
+        time.sleep(5)
+        page.locator(".jp-NotebookPanel-notebook").first.click(position={"x": 5, "y": 5})
+        page.keyboard.press("Control+s")
+
+
 def _shut_kernels(url: str, token: str) -> None:
     """Shut every kernel of the server down (each holds an engine)."""
     with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=10) as r:
@@ -157,8 +176,11 @@ def test_run_all_draws_every_view(lab_all, request, name):
     from playwright.sync_api import sync_playwright
 
     url, token, work = lab_all
-    if name == "11_real_model.ipynb":  # its model, fetched once into the kernels' VLENS_HOME
+    if name in ("11_real_model.ipynb", "12_real_features.ipynb"):
+        # its model (and 12's corpus), fetched once into the kernels' VLENS_HOME
         request.getfixturevalue("smollm2_folder")
+        if name == "12_real_features.ipynb":
+            request.getfixturevalue("moby_dick_folder")
     n_cells = sum(c.cell_type == "code" for c in nbformat.read(work / name, as_version=4).cells)
     console: list[str] = []
     with sync_playwright() as p, _busy_machine():
@@ -184,6 +206,7 @@ def test_run_all_draws_every_view(lab_all, request, name):
                             full_page=False)
             page.keyboard.press("Control+s")  # the outputs, to read back below
             page.locator(".jp-mod-dirty").first.wait_for(state="detached", timeout=30_000)
+            _saved_with_every_run(page, work / name)
         finally:
             (ARTIFACTS / f"run-all-{Path(name).stem}-console.log").write_text("\n".join(console))
             browser.close()

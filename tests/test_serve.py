@@ -84,7 +84,7 @@ class _Server:
              "--max-read-mb", "64",
              "--body-timeout", "3", "--stall-timeout", "3", *self.extra],
             env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # a start beside the suite's other engines
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 log = self.log.read_bytes()[begin:].decode(errors="replace")
@@ -281,20 +281,20 @@ def test_head_sites_ablation_and_patching_match_a_local_session(server, toy_sess
     """The methods that travel as data (head reads, Ablate, directional
     Ablate, patch) work remotely."""
     prompts = _prompts(3)
-    ablate = vlens.PerPrompt([[vlens.Ablate("z", 1, query_heads=[0]),
+    ablate = vlens.PerPrompt([[vlens.Ablate("z", 1, heads=[0]),
                                vlens.Ablate("resid_post", "all", direction=direction)],
                               vlens.Ablate("mlp_out", 2, kind="mean")])
     story = "one day, a {} bear lived in a blue cabin near the meadow. the sky was"
     clean, corrupt = story.format("happy"), story.format("lonely")
     with server.connect("c7") as s:
         results = [
-            s.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], query_heads=[0, 2],
+            s.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
                     max_new_tokens=4),
             s.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
         ]
         grid = s.patch(clean, corrupt, layers=[0, 2], span=[5, -1])
     want = [
-        toy_session.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], query_heads=[0, 2],
+        toy_session.trace(prompts, layers=[1, 2], sites=["z", "attn_pattern"], heads=[0, 2],
                           max_new_tokens=4),
         toy_session.trace(prompts, layers=[3], ablate=ablate, max_new_tokens=5),
     ]
@@ -785,7 +785,7 @@ def test_an_overflowing_steer_on_the_server_spoils_no_other_client(server, toy_s
                "start": 0, "stop": -1, "relative": False}
         resp = server.post(pack(_plan_body(ids, {"adds": [add]}, {vector_id(d): vec})), "c2")
         assert resp.status_code == 400 and "a write may put at most" in resp.json()["error"]
-        with pytest.raises(vlens.VlensError, match="Ablate mean .* would overflow"):
+        with pytest.raises(vlens.VlensError, match=r"Ablate \(layer 1, resid_post\) mean: .* would overflow"):
             wild.trace("the wind was", ablate=vlens.Ablate(
                 "resid_post", 1, kind="mean", mean=torch.full((d.numel(),), 1e30)))
         huge = torch.full((d.numel(),), 1e30)

@@ -151,23 +151,27 @@ def test_vector_files_load_one_finite_1d_tensor_and_never_pickle(tmp_path):
             parse_named(bad, "--vector")
 
 
-def test_the_documented_schema_and_the_body_checks_agree():
-    """/openapi.json's models of the ``vlens`` object name the keys the
-    checks take, and the page's example validates under both."""
+def test_the_documented_schema_is_the_parser():
+    """/openapi.json documents the very models that parse a body (one
+    copy of its shape), and the page's example validates under them."""
     import json
     import re
     from pathlib import Path
 
-    from vlens.remote import body
-    from vlens.remote.schema import AblateEntry, ClampEntry, SteerEntry, VlensBody
+    from vlens import edit_schema
+    from vlens.remote import schema
+    from vlens.remote.schema import VlensBody
 
-    assert set(SteerEntry.model_fields) == body._STEER
-    assert set(AblateEntry.model_fields) == body._ABLATE
-    assert set(ClampEntry.model_fields) == body._CLAMP
-    assert set(VlensBody.model_fields) == set(body.BODY_KEYS)
+    assert schema.ChatBody.model_fields["vlens"].annotation == (VlensBody | None)
+    assert set(VlensBody.model_fields) == set(schema.BODY_KEYS)
+    # each entry is its edit's field model plus the names of tensors
+    assert issubclass(schema.SteerEntry, edit_schema.SteerFields)
+    assert issubclass(schema.AblateEntry, edit_schema.AblateFields)
+    assert issubclass(schema.ClampEntry, edit_schema.ClampFields)
+    assert not (Path(schema.__file__).parent / "body.py").exists()
     page = (Path(__file__).resolve().parents[1] / "docs" / "openai.md").read_text()
     example = json.loads(re.search(r"```json\n(.*?)```", page, re.S).group(1))["vlens"]
-    VlensBody.model_validate(example)
+    VlensBody.model_validate(example, context={"wire": True})
     with pytest.raises(Exception, match="sclae"):
         VlensBody.model_validate({"steer": [{"vector": "mood", "layer": 1, "sclae": 2}]})
 

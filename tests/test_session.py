@@ -61,9 +61,9 @@ def test_old_and_misspelt_keywords_are_a_type_error_naming_the_real_one(llama_se
     s = llama_session
     clean, corrupt = "w1 w2 w3", "w1 w4 w3"
     cases = [
-        (lambda: s.trace(clean, sites=["attn_pattern"], heads=[0]), "query_heads"),
+        (lambda: s.trace(clean, sites=["attn_pattern"], query_heads=[0]), "heads="),
         (lambda: s.patch(clean, corrupt, positions=[0]), "span"),
-        (lambda: s.patch(clean, corrupt, site="z", heads=True), "per_head"),
+        (lambda: s.patch(clean, corrupt, site="z", per_head=True), "heads='all'"),
         (lambda: list(s.stream_patch(clean, corrupt, positions=[0])), "span"),
         (lambda: s.direction(["w1 w2"], ["w3 w4"], layer=0, position="last"), "span"),
         (lambda: s.trace(clean, layer=3), "layers"),

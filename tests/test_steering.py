@@ -127,7 +127,7 @@ def test_span_limits_the_rows_steered(llama_session, direction):
     (lambda d: vlens.Steer(torch.full((128,), float("nan")), layer=1), r"NaN or inf"),
     (lambda d: vlens.Steer(d, layer=3), r"Steer layer 3 does not exist"),
     (lambda d: vlens.Steer(d, layer=1, span=(2, 900)), r"reaches past the sequence"),
-    (lambda d: vlens.Steer(d, layer=1, span=(5, 5)), r"empty or negative"),
+    (lambda d: vlens.Steer(d, layer=1, span=(5, 5)), r"is empty: give \(start, stop\) with start < stop"),
     (lambda d: vlens.Steer(d, layer=1, span="middle"), r"span 'middle' is unknown"),
     (lambda d: vlens.Steer(d, layer=1, site="positions"), r"cannot be written"),
     (lambda d: vlens.PerPrompt([vlens.Steer(d, layer=1), None]), r"2 per-prompt entries for 1 prompts"),

@@ -44,7 +44,7 @@ TWO_GREEDY = dict(n=2, temperature=1.0, top_k=1)  # n > 1 needs sampling in vLLM
 WORDS = [f"w{(5 + 13 * i) % 240}" for i in range(39)]
 CLEAN = " ".join(WORDS)
 CORRUPT = " ".join(WORDS[:20] + ["w239"] + WORDS[21:])  # one word swapped, at position 21
-ABLATE = dict(site="z", layer=1, query_heads=[1])  # head 1's dims of layer 1's z
+ABLATE = dict(site="z", layer=1, heads=[1])  # head 1's dims of layer 1's z
 
 
 def _sharpen(path: Path) -> None:
@@ -98,7 +98,7 @@ def _hf(path: Path, ids: list[list[int]], jobs: list[dict], tmp: Path) -> dict:
 def _ablate_job(t, ab: vlens.Ablate, head_dim: int) -> dict:
     return {"kind": "ablate", "ids": t.token_ids, "site": ab.site, "layer": ab.layer,
             "span": [0, None],
-            "dims": [ab.query_heads[0] * head_dim, (ab.query_heads[-1] + 1) * head_dim],
+            "dims": [ab.heads[0] * head_dim, (ab.heads[-1] + 1) * head_dim],
             "value": "zero", "mean_over": []}
 
 
@@ -116,7 +116,7 @@ def _exercise(s) -> dict:
     # may predict the same top token for both prompts)
     top = s.trace(CLEAN, max_new_tokens=1)[0].output_token_ids[0]
     other = next(w for w in ("w239", "w6") if s.tokenize(w)[-1] != top)
-    patched = s.patch(CLEAN, CORRUPT, site="z", per_head=True, span=list(range(19, 40)),
+    patched = s.patch(CLEAN, CORRUPT, site="z", heads="all", span=list(range(19, 40)),
                       answer=(top, other))
     return {"one": one, "crowded": crowded, "ablate": ab, "ablated": ablated,
             "patched": patched}

@@ -176,7 +176,7 @@ def test_a_comparison_figure_names_its_divergence_and_its_edit():
 def test_run_label_says_what_the_edits_did():
     vec = torch.ones(8)
     assert run_label(vlens.Steer(vec, 1, 2.0)) == "steered"
-    assert run_label([vlens.Ablate("z", 1, query_heads=[0])]) == "ablated"
+    assert run_label([vlens.Ablate("z", 1, heads=[0])]) == "ablated"
     assert run_label(vlens.PerPrompt([None, vlens.Ablate("resid_post", 0)])) == "ablated"
     assert run_label([vlens.Steer(vec, 1, 2.0), vlens.Ablate("resid_post", 0)]) == "edited"
     from vlens.models import toyworld_sae_path

@@ -158,7 +158,7 @@ def test_attribution_patch_equals_hf_autograd(llama_session, tiny_llama):
     assert torch.allclose(p.grid, cells / (clean_diff - corrupt_diff), atol=1e-4, rtol=0)
     assert float(cells.abs().max()) > 1e-3  # the cells are not all zero
 
-    h = s.attribution_patch(CLEAN, CORRUPT, site="z", heads=True, answer=p.answer)
+    h = s.attribution_patch(CLEAN, CORRUPT, site="z", heads="all", answer=p.answer)
     n_heads = s.facts.n_heads
     assert h.grid.shape == (s.n_layers, n_heads) and h.heads == list(range(n_heads))
     zprods, _, _ = _reference_atp(tiny_llama, *ids, "z", p.answer)  # [L, T, heads * hd]
@@ -184,8 +184,9 @@ def test_attribution_patch_arguments(llama_session):
     assert torch.allclose(own.grid, p.grid, atol=1e-6)
     for kwargs, match in [
         ({"site": "q"}, "takes gradients at"),
-        ({"heads": True}, "only site 'z'"),
-        ({"heads": 1}, "True or False"),
+        ({"heads": "all"}, "only site 'z'"),
+        ({"heads": True}, "write heads='all'"),
+        ({"heads": "some"}, "'all' or a non-empty list of query heads"),
         ({"answer": ("w3", "w3")}, "same token twice"),
         ({"answer": "w3"}, "clean_token, corrupt_token"),
         ({"metric": "kl"}, "logit_diff"),
@@ -202,8 +203,10 @@ def test_attribution_patch_arguments(llama_session):
         s.attribution_patch(CLEAN, CLEAN, answer=(ids[1], ids[2]))
     with pytest.raises(VlensError, match="same length"):
         s.attribution_patch(CLEAN, "w3 w14")
-    with pytest.raises(TypeError, match="heads"):  # s.patch's name, here heads=
+    with pytest.raises(TypeError, match="heads='all'"):  # the old name of heads=
         s.attribution_patch(CLEAN, CORRUPT, per_head=True)
+    with pytest.raises(VlensError, match="heads='all'"):  # the old flag: what it is now
+        s.attribution_patch(CLEAN, CORRUPT, site="z", heads=True)
     assert s.trace(CLEAN, max_new_tokens=1, layers=[0])[0].n_tokens > 0  # still serving
 
 
@@ -219,8 +222,8 @@ def test_atp_beside_activation_patching_on_the_bundled_pair(toy_session):
         assert abs(atp.corrupt_diff - act.corrupt_diff) <= 1e-3
         print(f"bundled model, {kw['site']} grid {tuple(act.grid.shape)}: AtP vs activation "
               f"patching r = {_corr(atp.grid, act.grid):.3f}")
-    atp = s.attribution_patch(ANIMAL, ANIMAL_CORRUPT, site="z", heads=True)
-    act = s.patch(ANIMAL, ANIMAL_CORRUPT, site="z", per_head=True)
+    atp = s.attribution_patch(ANIMAL, ANIMAL_CORRUPT, site="z", heads="all")
+    act = s.patch(ANIMAL, ANIMAL_CORRUPT, site="z", heads="all")
     assert atp.grid.shape == act.grid.shape
     print(f"bundled model, z per head {tuple(act.grid.shape)}: AtP vs activation patching "
           f"r = {_corr(atp.grid, act.grid):.3f}")

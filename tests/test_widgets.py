@@ -781,7 +781,8 @@ def test_contexts_html_tints_each_token_and_escapes_it():
     frame = pd.DataFrame([{"prompt": 2, "position": 5, "activation": 4.0, "start": 4,
                            "tokens": ["<s>", " cat"], "values": [1.0, 4.0]}])
     page = contexts_html(frame, 4.0)
-    assert "&lt;s&gt;" in page and "<s>" not in page and "\u00b7cat" in page
+    assert "&lt;s&gt;" in page and "<s>" not in page
+    assert "> cat</span>" in page  # a token's own space, as the text reads (not "\u00b7cat")
     assert "rgba(255,127,14,0.250)" in page and "rgba(255,127,14,1.000)" in page
     assert page.count("outline") == 1 and "token 5: 4" in page  # the strongest, outlined
     assert "fires on none" in contexts_html(frame.iloc[:0], 0.0, "feature 3")
@@ -877,3 +878,49 @@ def test_feature_view_token_feature_steer_and_clamp(toy_session, tmp_path):
         vlens.FeatureView(s, "path/to/sae", stories)
     with pytest.raises(vlens.VlensError, match="needs prompts"):
         vlens.FeatureView(s, sae, [])
+
+
+@engine
+def test_feature_view_draws_its_contexts_from_a_harvest(toy_session, tmp_path):
+    """``harvest=``: the contexts, histogram and count come from the
+    harvest's texts, encoded on the client (each text's first token aside),
+    with the tokens the tokenizer gives them."""
+    from vlens.models import toyworld_sae_path
+
+    s, sae = toy_session, vlens.SAE.load(toyworld_sae_path())
+    texts = _stories(8)
+    h = s.harvest(texts, layers=[sae.layer], sites=[sae.site], out=tmp_path / "h",
+                  shard_tokens=64)
+    fv = vlens.FeatureView(s, sae, texts[:2], harvest=h, feature=0)
+    assert fv.harvest is h and fv.error == ""
+    column = sae.encode(h.read(sae.site, sae.layer))[:, 0]
+    for start, _ in h.spans:
+        column[start] = 0
+    per_text = [column[a:b] for a, b in h.spans]
+    best = max(range(len(texts)), key=lambda t: float(per_text[t].max()))
+    ctx = fv.contexts()
+    assert ctx["prompt"].iloc[0] == best
+    assert ctx["position"].iloc[0] == int(per_text[best].argmax())
+    assert abs(ctx["activation"].iloc[0] - float(per_text[best].max())) < 1e-3
+    a, b = h.spans[best]
+    strings = s.token_strings(h.token_ids[a:b].tolist())
+    assert ctx["tokens"].iloc[0] == strings[ctx["start"].iloc[0]:][:len(ctx["tokens"].iloc[0])]
+    n_on = int((column > 0).sum())
+    assert f"fires on {n_on} of {len(h)} tokens of {len(texts)} texts" in fv._header.value
+    assert "text " in fv._contexts.value
+
+
+def test_contexts_keep_a_byte_level_vocabularys_own_spaces():
+    """Tokens that carry their spaces (" whale") sit side by side with them;
+    a word-level vocabulary's get a gap each."""
+    import pandas as pd
+
+    from vlens.widgets.features import contexts_html
+
+    frame = pd.DataFrame([{"prompt": 0, "position": 1, "activation": 2.0, "start": 0,
+                           "tokens": ["The", " whale", "\n"], "values": [0.0, 2.0, 0.0]}])
+    page = contexts_html(frame, 2.0, unit="text")
+    assert ">The</span>" in page and "> whale</span>" in page and "margin-right:0;" in page
+    assert "text 0, token 1" in page and "\u21b5" in page  # a lone newline still drawn
+    frame.at[0, "tokens"] = ["the", "whale", "swam"]
+    assert "margin-right:0.4em" in contexts_html(frame, 2.0)

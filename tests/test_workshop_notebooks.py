@@ -6,8 +6,9 @@ Here each notebook runs in a fresh kernel (nbclient) with those two set in a
 cell put after its parameters cell, as papermill does. Three servers answer:
 the bundled model with its SAE (``--sae toyworld=...``, for 08_features),
 the bundled chat model (07_chat) and SmolLM2-135M-Instruct by its registry
-name (11_real_model, whose kernel reads the same fetched weights for its
-lens and twin); the last two start only when a notebook needs them. A
+name with its shipped SAE (11_real_model, whose kernel reads the same
+fetched weights for its lens and twin, and 12_real_features); the last two
+start only when a notebook needs them. A
 notebook passes when every cell ran without an error, no Session in its
 kernel started an engine of its own, and the server finished calls for it.
 """
@@ -93,15 +94,21 @@ def chat_server(tmp_path_factory, world_server):
 
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory, world_server, smollm2_folder, vlens_home):
-    """SmolLM2-135M-Instruct served by its registry name, as docs/workshop.md
-    says for 11_real_model (``vlens serve smollm2-135m-instruct``, fetched
-    into ``vlens_home``), started only when 11 runs, on the toy world's token
-    file; a KV cache for the notebook's batches (later flags win)."""
+    """SmolLM2-135M-Instruct served by its registry name with the SAE vlens
+    ships for it, as docs/workshop.md says for 11_real_model and
+    12_real_features (``vlens serve smollm2-135m-instruct --sae
+    smollm2-135m-instruct-sae=PATH``, fetched into ``vlens_home``), started
+    only when one of them runs, on the toy world's token file; a KV cache for
+    the notebooks' batches (later flags win)."""
+    from vlens.models import registry
+
+    sae = registry.get("smollm2-135m-instruct-sae")  # shipped in the package: no fetch
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLENS_HOME", str(vlens_home))
         srv = _started(_Server(tmp_path_factory.mktemp("smollm2"), (
             "smollm2-135m-instruct", *ROOMY, "--max-model-len", "512",
-            "--kv-cache-memory-bytes", str(512 * 2**20))), world_server)
+            "--kv-cache-memory-bytes", str(512 * 2**20),
+            "--sae", f"smollm2-135m-instruct-sae={sae}")), world_server)
     yield srv
     srv.stop()
 
@@ -181,10 +188,13 @@ def test_notebook_runs_connected(world_server, request, path, tmp_path, monkeypa
     from nbclient import NotebookClient
 
     srv = request.getfixturevalue("chat_server") if path.stem == "07_chat" else world_server
-    if path.stem == "11_real_model":
+    if path.stem in ("11_real_model", "12_real_features"):
         srv = request.getfixturevalue("smollm2_server")
-        # its kernel reads the weights too (the exact logit lens, the twin): the same cache
+        # its kernel reads the weights too (11: the exact logit lens, the twin;
+        # 12: the corpus, the SAE's measured.json): the same cache
         monkeypatch.setenv("VLENS_HOME", str(request.getfixturevalue("vlens_home")))
+        if path.stem == "12_real_features":
+            request.getfixturevalue("moby_dick_folder")
     before = srv.status()["calls_done"]
     book = nbformat.read(path, as_version=4)
     # 10_what_if diffs two models: the chat model's server beside the story's

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vlens.results import Comparison, Sweep
     from vlens.widgets import FeatureView, explore
     from vlens._open import connect, open_session
+    from vlens.sae_training import train_sae
 
 __all__ = [
     "Ablate",
@@ -70,6 +71,7 @@ __all__ = [
     "explore",
     "open_session",
     "supported_architectures",
+    "train_sae",
 ]
 
 __version__ = "0.1.0"
@@ -104,6 +106,7 @@ _LAZY = {
     "connect": "vlens._open",
     "open_session": "vlens._open",
     "supported_architectures": "vlens.protocol.architectures",
+    "train_sae": "vlens.sae_training",
 }
 
 

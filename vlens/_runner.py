@@ -26,7 +26,6 @@ from vlens.calls import Call, RequestSpec
 from vlens.protocol.tensors import decode_tensor
 from vlens.checks import ModelFacts, check_budget, check_plan_size
 from vlens.errors import ClosedError, EngineError, VlensError, VlensWarning
-from vlens.protocol.plan import PLAN_KEY
 from vlens.results import Run, Trace
 from vlens.edits import engine_prompt
 from vlens.prompts import prompt_parts
@@ -199,7 +198,7 @@ class Runner:
                 # requests may reuse KV made under the same steers (their
                 # cache_salt)
                 skip_reading_prefix_cache=True if needs_rows else None,
-                extra_args={PLAN_KEY: plan.to_wire()} if plan else None,
+                extra_args=spec.extra_args(),
                 **args,
             )
         except Exception as exc:  # vLLM's own validation errors vary by version
@@ -288,8 +287,8 @@ class Runner:
                       for r in requests if r.plan is not None], self.facts, budget)
         vectors = {vid: v for r in requests for vid, v in r.vectors.items()}
         saes = {sid: sae for r in requests for sid, sae in r.saes.items()}
-        running = _InFlight(engine, [engine_prompt(r.ids, r.plan) for r in requests], params,
-                            [r.plan.tag for r in requests if r.plan is not None])
+        running = _InFlight(engine, [engine_prompt(r.ids, r.plan, r.prefix) for r in requests],
+                            params, [r.plan.tag for r in requests if r.plan is not None])
         # a local engine's driver runs overlapping calls side by side; a
         # connection answers one call at a time
         alone = engine.lock if engine.remote else nullcontext()

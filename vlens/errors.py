@@ -7,11 +7,21 @@ Messages say what was wrong and what would be right.
 
 from __future__ import annotations
 
-__all__ = ["VlensError", "TokenAxisError", "EngineError", "ClosedError", "VlensWarning"]
+__all__ = ["VlensError", "FieldError", "TokenAxisError", "EngineError", "ClosedError",
+           "VlensWarning"]
 
 
 class VlensError(ValueError):
     """Bad input or an unusable request, caught before or after a run."""
+
+
+class FieldError(VlensError):
+    """Bad input about one field of an edit: ``field`` names it (``layer``,
+    ``span``, ``heads`` ...), so a body's error can say ``vlens.steer[0].layer``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class EngineError(RuntimeError):

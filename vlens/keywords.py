@@ -31,20 +31,24 @@ SAMPLING = (
 #: old keyword names (v0.3) and the names that replaced them; no shims: an
 #: old name is a TypeError that says the new one
 RENAMED = {
-    "heads": "query_heads",
+    "query_heads": "heads",
+    "per_head": "heads",
     "positions": "span",
     "position": "span",
 }
 
 #: per method, where one old name became something else
-RENAMED_IN = {"patch": {"heads": "per_head"}, "stream_patch": {"heads": "per_head"},
-              "Clamp": {"scale": "value"}}
+RENAMED_IN = {"Clamp": {"scale": "value"}}
+
+#: an old name whose values changed too: what to write now
+HOW = {"per_head": "heads='all' (per_head=True) or leave it out (per_head=False)"}
 
 
 def _refuse(method: str, key: str, named: Sequence[str], sampling: bool) -> TypeError:
     new = RENAMED_IN.get(method, {}).get(key) or RENAMED.get(key)
     if new is not None and new in named:
-        return TypeError(f"{method}() takes {new}= now ({key}= was its old name)")
+        how = HOW.get(key, f"{new}=")
+        return TypeError(f"{method}() takes {how} now ({key}= was its old name)")
     pool = list(named) + (list(SAMPLING) if sampling else [])
     close = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}=?" if close else ""

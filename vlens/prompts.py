@@ -14,7 +14,7 @@ A prompt is one of
 A list of these is a batch. :func:`normalise` makes a :class:`Prompt` of
 each: its ids, the formatted text, each token's character span in it and
 each token's role (the role of the message whose content it holds, None
-for the template's own tokens). :func:`resolve_roles` turns the role spans
+for the template's own tokens). :func:`resolve_spans` turns the role spans
 of Steers and Ablates (``span="user"``) into token positions, so the
 workers only ever see positions.
 """
@@ -26,12 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlens import spans
 from vlens.edits import ROLE_SPANS
 from vlens.errors import VlensError
 from vlens.tokens import TokenReader
 
 __all__ = ["Prompt", "content_spans", "is_conversation", "normalise",
-           "resolve_roles", "role_ranges"]
+           "resolve_spans", "role_ranges"]
 
 
 _FORMS = ("a string, a conversation (a list of {'role': ..., 'content': ...} dicts), "
@@ -243,33 +244,40 @@ def role_ranges(roles: Sequence[str | None], role: str) -> list[tuple[int, int]]
     return out
 
 
-def resolve_roles(edits: Sequence[Any], prompt: Prompt, i: int,
+def resolve_spans(edits: Sequence[Any], prompt: Prompt, i: int,
                   max_new_tokens: int | None = None) -> list[Any]:
-    """Steers or Ablates of prompt ``i`` with role spans (``span="user"``)
-    as copies over token positions, one per run of that role's tokens;
-    ``"assistant"`` also covers the reply being generated (the rows fed
-    back: none when ``max_new_tokens`` is 1 or less, as for patching's
-    prompt positions)."""
+    """Steers or Ablates of prompt ``i`` whose span is a run of rows only the
+    prompt can say -- a role (``span="user"``), ``"last"`` or explicit
+    positions -- as copies over ``(start, stop)`` ranges, one per run of
+    consecutive rows; ``"assistant"`` also covers the reply being generated
+    (the rows fed back: none when ``max_new_tokens`` is 1 or less, as for
+    patching's prompt positions). Names and ranges pass as they are."""
     out = []
+    n = len(prompt.ids)
     for ed in edits:
-        if not (isinstance(ed.span, str) and ed.span in ROLE_SPANS):
+        span = ed.span
+        what = getattr(ed, "what", type(ed).__name__)
+        # a Clamp is made from its SAE, not from its fields: it says how to move it
+        move = getattr(ed, "with_span", None) or (lambda r, ed=ed: dataclasses.replace(ed, span=r))
+        if span == "last" or isinstance(span, spans.Positions):
+            total = n + max(0, (max_new_tokens or 1) - 1)
+            out.extend(move(r) for r in spans.runs(spans.rows(span, n, total, None, what)))
+            continue
+        if not (isinstance(span, str) and span in ROLE_SPANS):
             out.append(ed)
             continue
-        what = getattr(ed, "what", type(ed).__name__)
         if prompt.kind != "chat":
             raise VlensError(
-                f"{what} span {ed.span!r} names a role, but prompt {i} is "
+                f"{what} span {span!r} names a role, but prompt {i} is "
                 f"{'token ids' if prompt.kind == 'ids' else 'a plain string'} with no roles: "
                 "pass the prompt as a conversation, or use span='all'/'prompt'/(start, stop)")
-        ranges: list[Any] = role_ranges(prompt.roles, ed.span)
-        if ed.span == "assistant" and (max_new_tokens is None or max_new_tokens > 1):
+        ranges: list[Any] = role_ranges(prompt.roles, span)
+        if span == "assistant" and (max_new_tokens is None or max_new_tokens > 1):
             ranges.append("generated")  # the reply being written is the assistant's
         if not ranges:
             found = sorted({r for r in prompt.roles if r})
-            raise VlensError(f"{what} span {ed.span!r}: prompt {i} has no {ed.span} message "
+            raise VlensError(f"{what} span {span!r}: prompt {i} has no {span} message "
                              f"content (its roles: {found})")
-        # a Clamp is made from its SAE, not from its fields: it says how to move it
-        move = getattr(ed, "with_span", None) or (lambda r, ed=ed: dataclasses.replace(ed, span=r))
         out.extend(move(r) for r in ranges)
     return out
 

@@ -67,6 +67,9 @@ def cut_rows(rec: dict[str, Any], n: int, adds: Sequence[Add]) -> dict[str, Any]
     start = rec.get("start", 0)
     reads = {}
     for key, parts in rec["reads"].items():
+        if parts.get("position", n) < start + n:  # one prompt position's row: kept whole
+            reads[key] = parts
+            continue
         cut = dict(parts)
         for part, value in parts.items():
             if isinstance(value, dict):

@@ -150,7 +150,7 @@ class Session:
         steer: Any = None, ablate: Any = None, clamp: Any = None,
         edit: Any = None, edit_at: Sequence[tuple[str, int]] | None = None,
         reduce: str = "full", logit_lens: int = 0,
-        query_heads: int | Sequence[int] | None = None,
+        heads: int | Sequence[int] | None = None,
         saes: Any = None, features_top_k: int = 0,
         progress: Any = None,
         **sampling: Any,
@@ -174,7 +174,7 @@ class Session:
           the call; in-process engines only);
         * ``reduce``: ``"full"`` or ``"norm"`` (the worker ships only norms);
           ``logit_lens=k`` also reads the logit lens top-k of ``resid_post``;
-        * ``query_heads``: the query heads an ``attn_pattern`` read computes
+        * ``heads``: the query heads an ``attn_pattern`` read computes
           (None: all; it costs ``heads x T x T`` floats per layer);
         * ``saes``: a :class:`~vlens.SAE` or a list, encoded in the worker
           (``t.features(sae)``); ``features_top_k=k`` ships each token's k
@@ -234,9 +234,9 @@ class Session:
         """Difference of means: ``mean(positive) - mean(negative)`` of ``site``
         at ``layer``, ``[hidden]`` float32 (at ``z``: ``[heads * head_dim]``,
         flat, as a Steer there takes it). Each prompt's rows of ``span`` are
-        averaged first: ``"last"`` its last token, ``"prompt"`` every token
-        but BOS (the same for every prompt), ``"all"``, a role, a slice or
-        positions."""
+        averaged first, ``span`` in the one span grammar (docs/concepts.md):
+        ``"last"`` its last token, ``"prompt"`` every token (BOS included;
+        ``slice(1, None)`` leaves it out), a role, a range or positions."""
         return directions.difference_of_means(self, positive, negative, layer=layer,
                                               site=site, span=span, progress=progress)
 
@@ -307,29 +307,29 @@ class Session:
     # -- methods: patching ---------------------------------------------------
     @keywords
     def patch(self, clean: str, corrupt: str, *, site: str = "resid_post", layers: Any = None,
-              span: Any = None, answer: Any = None, per_head: bool = False,
+              span: Any = None, answer: Any = None, heads: Any = None,
               progress: Any = None) -> patching.Patching:
         """Activation patching: for every (layer, position) cell, the clean
         run's ``site`` row written into the corrupt run; ``.grid``
         ``[layers, positions]`` of the normalised logit difference (1: the
         clean answer restored, 0: the corrupt run's). ``span``: the clean
-        prompt's positions (None: all; a role, a slice or positions);
+        prompt's positions (None: all; the span grammar of docs/concepts.md);
         ``answer=(clean, corrupt)`` token texts or ids (None: each run's top
-        next token). ``site="z", per_head=True``: one cell per (layer, head)
-        over all of ``span`` (``[layers, heads]``). One call in two engine
+        next token). ``site="z", heads="all"`` (or a list of heads): one cell
+        per (layer, head) over all of ``span`` (``[layers, heads]``). One call in two engine
         batches (see docs/methods.md); ``progress`` counts both."""
-        call = patching.patch_call(self, clean, corrupt, site, layers, span, answer, per_head,
+        call = patching.patch_call(self, clean, corrupt, site, layers, span, answer, heads,
                                    progress)
         return self.run_call(call)
 
     @keywords
     def stream_patch(self, clean: str, corrupt: str, *, site: str = "resid_post",
                      layers: Any = None, span: Any = None, answer: Any = None,
-                     per_head: bool = False, progress: Any = None
+                     heads: Any = None, progress: Any = None
                      ) -> Iterator[patching.Patching]:
         """``patch``, filling in: after every engine step a Patching with NaN
         where a cell has not finished; the last item equals ``patch``'s."""
-        call = patching.patch_call(self, clean, corrupt, site, layers, span, answer, per_head,
+        call = patching.patch_call(self, clean, corrupt, site, layers, span, answer, heads,
                                    progress)
         return self._runner.stream(call, budget=self.read_budget)
 
@@ -371,11 +371,11 @@ class Session:
 
     @keywords
     def attribution_patch(self, clean: str, corrupt: str, *, site: str = "resid_post",
-                          layers: Any = None, span: Any = None, heads: bool = False,
+                          layers: Any = None, span: Any = None, heads: Any = None,
                           answer: Any = None, metric: Any = "logit_diff") -> patching.Patching:
         """``patch``'s grid by attribution patching on ``s.twin()``: cell =
         grad metric(corrupt) . (clean - corrupt) at its site row, normalised
-        as ``patch``'s. ``heads=True`` at ``z``: ``[layers, heads]`` summed
+        as ``patch``'s. ``heads="all"`` (or a list) at ``z``: ``[layers, heads]`` summed
         over ``span``. ``metric``: ``"logit_diff"`` of ``answer`` (as
         ``patch``), or ``fn(last logits [vocab]) -> scalar``."""
         return gradients.attribution_patch(self, self.twin(), clean, corrupt, site, layers,

@@ -120,26 +120,53 @@ def check_generation(max_new_tokens: Any, sampling: dict[str, Any], facts: Model
         )
 
 
+def _head_numbers(heads: Any, facts: ModelFacts, what: str) -> list[int]:
+    """Query head numbers of this model, as a list (an int is one head)."""
+    if is_int(heads):
+        heads = [heads]
+    if (isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range))
+            or not heads or not all(is_int(h) for h in heads)):
+        raise VlensError(f"{what} heads= must be {'None (all), ' if 'trace' in what else ''}"
+                         f"'all' or a non-empty list of query heads, got {heads!r:.60}")
+    bad = [h for h in heads if not 0 <= h < facts.n_heads]
+    if bad:
+        raise VlensError(f"head {bad[0]} does not exist: this model has {facts.n_heads} "
+                         f"attention heads, numbered 0 to {facts.n_heads - 1}")
+    return [int(h) for h in heads]
+
+
 def check_heads(heads: Any, sites: list[str], facts: ModelFacts) -> tuple[int, ...]:
     """``heads=`` of a trace: None (every head) or query head numbers; it
     selects the heads of ``attn_pattern`` only."""
     if heads is None:
         return ()
     if "attn_pattern" not in sites:
-        raise VlensError("query_heads= selects heads of the attn_pattern read: add "
-                         "'attn_pattern' to sites=, or leave query_heads out")
-    if is_int(heads):
-        heads = [heads]
-    if isinstance(heads, range):
-        heads = list(heads)
-    if not isinstance(heads, (list, tuple)) or not heads or not all(is_int(h) for h in heads):
-        raise VlensError(f"query_heads must be None (all), an int or a non-empty list of ints, "
-                         f"got {heads!r}")
-    bad = [h for h in heads if not 0 <= h < facts.n_heads]
-    if bad:
-        raise VlensError(f"head {bad[0]} does not exist: this model has {facts.n_heads} "
-                         f"attention heads, numbered 0 to {facts.n_heads - 1}")
-    return tuple(dict.fromkeys(heads))
+        raise VlensError("heads= selects heads of the attn_pattern read: add "
+                         "'attn_pattern' to sites=, or leave heads out")
+    if heads == "all":
+        return tuple(range(facts.n_heads))
+    return tuple(dict.fromkeys(_head_numbers(heads, facts, "trace")))
+
+
+def check_head_cells(heads: Any, site: Any, facts: ModelFacts, what: str) -> list[int] | None:
+    """``heads=`` of a grid method (``patch``, ``attribution_patch``): None
+    (one cell per position), ``"all"`` or a list of query heads (one cell per
+    head, at site ``z``, which holds each head's output apart)."""
+    if heads is None:
+        return None
+    if isinstance(heads, bool):
+        raise VlensError(
+            f"{what} heads={heads!r}: heads= takes 'all' (one cell per head) or a list of heads "
+            "now; for one cell per head write heads='all' (it was per_head=True / heads=True), "
+            "for one per position leave heads= out")
+    heads = list(range(facts.n_heads)) if heads == "all" else _head_numbers(heads, facts, what)
+    if len(set(heads)) != len(heads):
+        raise VlensError(f"{what} heads= {heads} names a head twice")
+    if site != "z":
+        raise VlensError(
+            f"{what} heads= gives one cell per head, which only site 'z' holds apart (each "
+            f"head's output before o_proj); use site='z', or leave heads= out at {site!r}")
+    return heads
 
 
 def check_reads(sites: list[str], layers: list[int], reduce: str, k: Any,
@@ -262,7 +289,7 @@ def check_budget(requests: Sequence[tuple[int, Sequence[Read], int, int]],
             f"this call would read about {total / 2**30:.2f} GiB of activations, over the "
             f"session's read budget of {budget / 2**30:.2f} GiB. Reduce it: reduce='norm' "
             "(the worker ships one number per token), fewer layers=, fewer sites=, fewer "
-            "or shorter prompts, smaller max_new_tokens=, query_heads= for attn_pattern (it "
+            "or shorter prompts, smaller max_new_tokens=, heads= for attn_pattern (it "
             "grows with the square of the tokens); or raise s.read_budget (bytes)"
             + (f" (most of it is the full {biggest} reads)" if biggest else "")
         )

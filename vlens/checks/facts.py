@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from vlens import spans
 from vlens.errors import VlensError
 from vlens.protocol.site_names import HEAD_WRITABLE, WRITABLE
 
@@ -164,9 +165,16 @@ def check_span_fits(what: str, span: Any, prompt_len: int, max_new_tokens: int) 
             "generated token is sampled, never fed back. Ask for max_new_tokens >= 2, "
             "or span='all'/'prompt'"
         )
-    if isinstance(span, tuple) and span[1] > total:
-        raise VlensError(
-            f"{what} span {span} reaches past the sequence: this request runs {total} "
-            f"tokens ({prompt_len} prompt + {max_new_tokens - 1} fed back), positions 0 "
-            f"to {total - 1}"
-        )
+    if isinstance(span, spans.Positions):
+        spans.rows(span, prompt_len, total, None, what)  # each row must run
+    elif isinstance(span, tuple):
+        start, stop = span
+        a = start + prompt_len if start < 0 else start
+        b = total if stop is None else (stop + prompt_len if stop < 0 else stop)
+        if b > total or not 0 <= a < b:
+            raise VlensError(
+                f"{what} span {span} reaches past the sequence or selects no row: this "
+                f"request runs {total} tokens ({prompt_len} prompt + {max_new_tokens - 1} fed "
+                f"back), positions 0 to {total - 1} (negative ones count back from the "
+                "prompt's end)"
+            )

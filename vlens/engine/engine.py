@@ -22,6 +22,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
+from vlens.engine import prefix_cache
 from vlens.engine.doctor import require_startable
 from vlens.engine.driver import STEP, Driver
 from vlens.engine.env import apply_env_defaults
@@ -76,6 +77,10 @@ class Engine:
     model: str
     compiled: bool
     generate_calls: int
+    #: whether requests marked with ``prefix_cache.PREFIX_KEY`` read and
+    #: register prefix-cache blocks up to their mark only (an in-process core
+    #: with prefix caching on): patching's cells then go without a cache salt
+    prefix_marks: bool = False
 
     def __init__(self, model: str | Path, *, verbose: bool | None = None,
                  **llm_kwargs: Any) -> None:
@@ -184,6 +189,9 @@ class Engine:
         if all(s.get("kv_cache_bytes") for s in setups):  # every rank's share
             setup["kv_cache_bytes"] = sum(s["kv_cache_bytes"] for s in setups)
         engine = self.llm.llm_engine
+        # requests marked with prefix_cache.PREFIX_KEY (patching's cells) share the
+        # prefix cache up to their mark only; out of process they stay salted
+        self.prefix_marks = self.in_process and prefix_cache.install(engine)
         self.info: dict[str, Any] = engine_info(
             setup, engine.model_config, engine.vllm_config, compiled=self.compiled,
             checkpoint=checkpoint)

@@ -30,12 +30,13 @@ import torch
 
 from vlens import calls
 from vlens.calls import Call
-from vlens.checks import check_set_values, check_span_fits, check_write_site
+from vlens.checks import check_span_fits, rules
 from vlens.edits import Ablate, vector_id
 from vlens.errors import VlensError
 from vlens.protocol.plan import Read, Set
 
-__all__ = ["check_ablates", "means_first", "per_layer", "plan_parts", "to_sets"]
+__all__ = ["check_ablate", "check_ablates", "check_overlap", "means_first", "per_layer",
+           "plan_parts", "to_sets"]
 
 
 def per_layer(ab: Ablate, facts: Any) -> list[Ablate]:
@@ -53,58 +54,54 @@ def per_layer(ab: Ablate, facts: Any) -> list[Ablate]:
     return [replace(ab, layer=x) for x in layers]
 
 
-def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int) -> None:
-    """An Ablate that fits this model and can land on the request."""
-    check_write_site("Ablate", ab.site, ab.layer, facts)
-    if ab.query_heads is not None:
-        if ab.site != "z":
+def check_ablate(ab: Ablate, facts: Any, prompt_len: int, max_new_tokens: int, *,
+                 span: bool = True) -> None:
+    """An Ablate (one layer) that fits this model, by the one Ablate rule
+    (:func:`vlens.checks.rules.ablate`), and (``span``) can land on the
+    request."""
+    rules.ablate(f"Ablate (layer {ab.layer}, {ab.site})", ab.site, ab.layer, ab.heads,
+                 None if ab.mean is None else (ab.mean.numel(), float(ab.mean.abs().max())),
+                 None if ab.direction is None else ab.direction.numel(), facts)
+    if span:
+        check_span_fits("Ablate", ab.span, prompt_len, max_new_tokens)
+
+
+def check_overlap(ablates: Sequence[Ablate], i: int) -> None:
+    """Two Ablates of prompt ``i`` may not write the same dims of one (site,
+    layer) (the second would undo the first's difference)."""
+    seen: dict[tuple[str, int], set] = {}
+    for ab in ablates:
+        heads = set(ab.heads) if ab.heads is not None else {"all"}
+        taken = seen.setdefault((ab.site, ab.layer), set())
+        if taken & heads or (taken and "all" in heads | taken):
             raise VlensError(
-                f"Ablate query_heads= is for site 'z' (each head's output before o_proj); site "
-                f"{ab.site!r} mixes the heads: use site='z', or drop query_heads= to ablate the row"
+                f"prompt {i}: two Ablates write site {ab.site!r} at layer {ab.layer} over "
+                "the same dims; give each (site, layer) once (list several heads in one "
+                "Ablate's heads=)"
             )
-        n_heads = facts.n_heads
-        if max(ab.query_heads) >= n_heads:
-            raise VlensError(
-                f"Ablate heads {list(ab.query_heads)}: this model has {n_heads} heads, numbered "
-                f"0 to {n_heads - 1}"
-            )
-    width = facts.width(ab.site)  # z: heads * head_dim; the others: hidden
-    if ab.mean is not None and ab.mean.numel() != width:
-        raise VlensError(
-            f"Ablate mean has {ab.mean.numel()} elements; site {ab.site!r} rows have {width}"
-        )
-    if ab.direction is not None and ab.direction.numel() != width:
-        raise VlensError(
-            f"Ablate direction has {ab.direction.numel()} values; site {ab.site!r} rows have "
-            f"{width}: take the direction at the site it is ablated from"
-        )
-    if ab.mean is not None:
-        check_set_values(f"Ablate mean (layer {ab.layer}, {ab.site})",
-                         float(ab.mean.abs().max()), facts)
-    check_span_fits("Ablate", ab.span, prompt_len, max_new_tokens)
+        taken |= heads
 
 
 def check_ablates(per_prompt: list[list[Ablate]], facts: Any, prompt_lens: Sequence[int],
                   max_new_tokens: int) -> list[list[Ablate]]:
-    """Every prompt's Ablates; two on one prompt may not write the same dims
-    of one (site, layer) (the second would undo the first's difference).
-    Returns them with one layer each (:func:`per_layer`)."""
+    """Every prompt's Ablates, each checked once (one Ablate object on many
+    prompts meets the rule once; its span on each prompt), none two over
+    the same dims. Returns them with one layer each (:func:`per_layer`)."""
     out = []
+    ruled: set[int] = set()
     for i, (ablates, n) in enumerate(zip(per_prompt, prompt_lens)):
-        seen: dict[tuple[str, int], set] = {}
-        ablates = [x for ab in ablates for x in per_layer(ab, facts)]
-        out.append(ablates)
+        each = []
         for ab in ablates:
-            check_ablate(ab, facts, n, max_new_tokens)
-            heads = set(ab.query_heads) if ab.query_heads is not None else {"all"}
-            taken = seen.setdefault((ab.site, ab.layer), set())
-            if taken & heads or (taken and "all" in heads | taken):
-                raise VlensError(
-                    f"prompt {i}: two Ablates write site {ab.site!r} at layer {ab.layer} over "
-                    "the same dims; give each (site, layer) once (list several heads in one "
-                    "Ablate's query_heads=)"
-                )
-            taken |= heads
+            layers = per_layer(ab, facts)
+            for x in layers:
+                if id(ab) in ruled:  # met the rule on an earlier prompt: its span here
+                    check_span_fits("Ablate", x.span, n, max_new_tokens)
+                else:
+                    check_ablate(x, facts, n, max_new_tokens)
+            ruled.add(id(ab))
+            each.extend(layers)
+        check_overlap(each, i)
+        out.append(each)
     return out
 
 
@@ -159,7 +156,7 @@ def to_sets(ablates: Sequence[Ablate], prompt_len: int, head_dim: int
             vid = vector_id(ab.mean)
             vectors[vid] = ab.mean
         start, stop = ab.positions(prompt_len)
-        for lo, hi in _dim_ranges(ab.query_heads, head_dim):
+        for lo, hi in _dim_ranges(ab.heads, head_dim):
             sets.append(Set(ab.site, ab.layer, vid, lo, hi, start, stop))
     return sets, vectors
 

@@ -4,9 +4,11 @@ One request per prompt (one generated token, so the prompt runs once),
 each reading with the worker's ``"dla"`` reduction the embeddings (layer
 0's ``resid_pre``), every layer's ``attn_out``, ``mlp_out`` and ``z`` (per
 head) and the last layer's ``resid_post`` (the final norm's scale, the bias
-term and the engine's own logit difference). The worker ships one float
-per component per row (:mod:`vlens.worker.attribution`); here each
-prompt's row at ``position`` is divided by the frozen scale.
+term and the engine's own logit difference), at ``position`` only
+(``Read.position``: the worker picks each request's row at it out of the
+step, in whichever prefill chunk holds it, before it reduces). The worker
+ships one float per component (:mod:`vlens.worker.attribution`); here
+each is divided by the frozen scale.
 """
 
 from __future__ import annotations
@@ -89,18 +91,22 @@ def logit_attribution_call(session: Any, prompts: Any, answer: Any, wrong: Any,
     requests = []
     for i, (p, a, w) in enumerate(zip(plist, answers, wrongs)):
         target = (a, -1 if w is None else w)
-        reads = [Read("resid_pre", (0,), "dla", target=target),
-                 Read("attn_out", all_layers, "dla", target=target),
-                 Read("mlp_out", all_layers, "dla", target=target),
-                 *([Read("z", all_layers, "dla", target=target)] if with_heads else []),
-                 Read("resid_post", (facts.n_layers - 1,), "dla", target=target)]
+        # position as given (-1: each prompt's last token): prompts of one
+        # call share one plan group in the worker when their reads are equal
+        at = dict(target=target, position=int(position))
+        reads = [Read("resid_pre", (0,), "dla", **at),
+                 Read("attn_out", all_layers, "dla", **at),
+                 Read("mlp_out", all_layers, "dla", **at),
+                 *([Read("z", all_layers, "dla", **at)] if with_heads else []),
+                 Read("resid_post", (facts.n_layers - 1,), "dla", **at)]
         requests.append(calls.request(f"{tag}-{i}", i, p.ids, reads=reads, max_new_tokens=1,
                                       logprobs=False, clone=False, source=p))
 
     def assemble(outputs: list, collected: dict, runs: calls.Assembler) -> Attribution:
         run = runs.build_run([p.label for p in plist], requests, outputs, collected, False)
-        parts = [_parts(t, k, {r.site: r.key for r in req.plan.reads})
-                 for t, k, req in zip(run, positions, requests)]
+        # each read holds the one row at the prompt's position: [layers, 1, ...]
+        parts = [_parts(t, 0, {r.site: r.key for r in req.plan.reads})
+                 for t, req in zip(run, requests)]
         texts = [session.token_strings([a])[0] for a in answers]
         return Attribution(
             prompts=[p.label for p in plist],
@@ -119,8 +125,8 @@ def _stack(values: Sequence[Any]) -> torch.Tensor | None:
 
 
 def _parts(t: Any, k: int, keys: dict[str, str]) -> dict[str, Any]:
-    """One trace's components at position ``k``, divided by the frozen scale
-    (``keys``: each site's read key)."""
+    """One trace's components at row ``k`` of its reads, divided by the
+    frozen scale (``keys``: each site's read key)."""
     x, scale, bias, logit = t.activations(keys["resid_post"])[0, k].unbind(-1)
     attn = t.activations(keys["attn_out"])[:, k, 0] / scale
     heads = t.activations(keys["z"])[:, k] / scale if "z" in keys else None

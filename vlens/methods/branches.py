@@ -4,14 +4,29 @@ gone the other way.
 ``Session.branches`` is one call in two stages. The first runs the prompt
 as it goes (greedy unless sampling settings say otherwise), asking vLLM for
 the top ``k + 1`` logprobs at every generated position (``logprobs=k+1``:
-the alternatives, other than the token taken, at each one). Its
-``assemble`` makes the second stage: one request per branch, whose prompt
-is the prompt's ids, the generated tokens before the branch point and the
-forced token, generating the rest of ``max_new_tokens``; all branches (and
-any ``background`` traffic) in ONE engine batch. A branch request reads
-nothing and asks for no prompt logprobs, so vLLM serves the prefix it
-shares with the first run from the prefix cache (its ``cached_tokens``:
-every full KV block of that prefix, when prefix caching is on).
+the alternatives, other than the token taken, at each one), as far as the
+last branch point only (and one token past it: vLLM checks a stop token
+after the length limit, so the first stage's own last token is one whose
+stop check it would skip; that token is made again). Its ``assemble``
+makes the second stage: the original's continuation from there (its
+prompt the prompt and the tokens up to the last branch point, the same
+steers, the top ``k + 1`` logprobs) and one request per branch, whose
+prompt is the prompt's ids, the generated tokens before the branch point
+and the forced token, generating the rest of ``max_new_tokens``; all of
+them (and any ``background`` traffic) in ONE engine batch, so the
+original's second half and the branches share their decode steps. These
+requests read nothing and ask for no prompt logprobs, so vLLM serves the
+prefix they share with the first run from the prefix cache (their
+``cached_tokens``: every full KV block of that prefix, when prefix
+caching is on). Sampling settings whose outcome depends on the output
+so far (stop strings, penalties, ``min_tokens``, a temperature above 0)
+keep the original whole in the first stage: a continuation would not
+make the same tokens.
+
+The original's continuation decodes in a batch with the branches: its
+tokens are the ones it would make alone, its logprobs equal within the
+last bits (vLLM's CPU build decodes a batch of several requests with other
+kernels than one request alone), as the branches' own are.
 
 Steering (``steer=``): ``steer_from="start"`` steers every run the whole
 way (spans mean what they mean on the original prompt: ``"generated"`` is
@@ -96,8 +111,10 @@ class _Fork:
 
 
 def _span(st: Steer, end: int) -> tuple[int, int]:
-    start, stop = st.positions(0) if st.span == "all" else st.span  # type: ignore[misc]
-    return start, end if stop < 0 else stop
+    if st.span == "all":
+        return 0, end
+    start, stop = st.span  # a range (names and runs are resolved per prompt first)
+    return start, end if stop is None else stop
 
 
 def _with_span(st: Steer, span: Any) -> Steer:
@@ -160,14 +177,16 @@ def _text(tokenizer: Any, prompt: list[int], out: list[int]) -> str:
 # -- the branch batch ---------------------------------------------------------------
 
 def _branch_stage(fork: _Fork, base: Trace, forks: Sequence[tuple[int, int, float | None]],
-                  background: Sequence[list[int]], finish: Callable[[list[Trace]], Any],
+                  background: Sequence[list[int]], finish: Callable[..., Any],
                   extra: Sequence[calls.RequestSpec] = (),
                   forced_lp: Callable[[list], list[float | None]] | None = None) -> Any:
     """One request per fork ``(position, token id, its logprob)`` of
     ``base``'s generation that has tokens left to make (with ``extra``
     requests first and ``background`` last), and an ``assemble`` that hands
-    ``finish`` the branch traces. ``forced_lp(outputs)``: the forced tokens'
-    logprobs from the outputs (when the forks do not bring them)."""
+    ``finish(branch traces, outputs, collected, runs)`` the branch traces
+    (and the stage's all, for the ``extra`` requests' own).
+    ``forced_lp(outputs)``: the forced tokens' logprobs from the outputs
+    (when the forks do not bring them)."""
     n0, m = fork.n0, fork.max_new_tokens
     tag = calls.new_tag()
     requests: list[calls.RequestSpec] = list(extra)
@@ -193,7 +212,7 @@ def _branch_stage(fork: _Fork, base: Trace, forks: Sequence[tuple[int, int, floa
         made = [_branch_trace(fork, base, a, tok, lp, None if s is None else
                               raw[s - len(extra)])
                 for (a, tok, _), lp, s in zip(forks, lps, slots)]
-        return finish(made)
+        return finish(made, outputs, collected, runs)
 
     if not requests:  # every branch ends at its forced token
         return assemble([], {}, None)  # type: ignore[arg-type]
@@ -243,27 +262,90 @@ def branch_call(session: Any, prompt: Any, at: Any, *, k: Any = 3, max_new_token
     for a in positions:  # a steer that cannot start at a branch point: refused now
         fork.steers_at(fork.end, fork.n0 + a)
     bg = [p.ids for p in session.prompts(list(background))] if background else []
+    m = fork.max_new_tokens
+    # the first stage's tokens: up to the last branch point and one more (the
+    # stop check of the last branch point's token), unless that is all of them
+    split = max(positions, default=m) + 2
+    if split >= m or not _continues(fork.sampling):
+        split = m
+    steers = fork.steers_at(fork.end, None)
     first = calls.request(f"{calls.new_tag()}-0", 0, fork.prompt.ids,
-                          max_new_tokens=fork.max_new_tokens, logprobs=True, clone=False,
-                          steers=fork.steers_at(fork.end, None), sampling=fork.sampling,
+                          max_new_tokens=split, logprobs=True, clone=False,
+                          steers=steers, sampling=fork.sampling,
                           score={"logprobs": k + 1}, source=fork.prompt)
 
     def assemble(outputs: list, collected: dict, runs: calls.Assembler) -> Any:
-        original = runs.build_run([fork.prompt.label], [first], outputs, collected, True)[0]
-        comp = outputs[0].outputs[0]
-        top = [{int(i): float(x.logprob) for i, x in entry.items()}
-               for entry in (comp.logprobs or [])]
-        alts = alternatives_of(top, original.output_token_ids, k, runs.token_strings)
-        made = len(original.output_token_ids)
+        head = runs.build_run([fork.prompt.label], [first], outputs, collected, True)[0]
+        top = _top(outputs[0].outputs[0])
+        made = len(head.output_token_ids)
         late = [a for a in positions if a >= made]
         if late:
             raise VlensError(f"at={late[0]}: the run stopped after {made} generated tokens "
                              f"(positions 0 to {made - 1}), so there is nothing to branch there")
+        extra: list[calls.RequestSpec] = []
+        if split < m and made == split:  # not stopped: the rest runs beside the branches
+            kept = head.output_token_ids[:split - 1]
+            extra.append(calls.request(
+                f"{calls.new_tag()}-0", 0, list(fork.prompt.ids) + kept,
+                max_new_tokens=m - len(kept), logprobs=True, clone=False, steers=steers,
+                sampling=fork.sampling, score={"logprobs": k + 1, "prompt_logprobs": None},
+                source=fork.prompt))
+
+        def finish(branches: list[Trace], outs: list, got: dict, runs2: Any) -> Branches:
+            original, tops = head, top
+            if extra:
+                rest = runs2.build_run([fork.prompt.label], extra, outs[:1], got, True)[0]
+                original = _joined(fork, head, rest, split - 1, first.plan.adds)
+                tops = top[:split - 1] + _top(outs[0].outputs[0])
+            alts = alternatives_of(tops, original.output_token_ids, k, runs.token_strings)
+            return Branches([original, *branches], positions, alts, k)
+
+        alts = alternatives_of(top, head.output_token_ids, k, runs.token_strings)
         forks = [(a, alt.id, alt.logprob) for a in positions for alt in alts[a]]
-        return _branch_stage(fork, original, forks, bg, lambda made: Branches(
-            [original, *made], positions, alts, k))
+        return _branch_stage(fork, head, forks, bg, finish, extra=extra)
 
     return Call([first], assemble)
+
+
+#: sampling settings under which a run continued from its own tokens makes
+#: what the whole run makes (greedy or not, nothing that looks back at the
+#: output so far); any other setting keeps the original whole
+_CONTINUABLE = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "ignore_eos",
+                          "stop_token_ids", "logit_bias", "allowed_token_ids",
+                          "skip_special_tokens", "spaces_between_special_tokens"})
+
+
+def _continues(sampling: dict[str, Any]) -> bool:
+    """Whether the original's tail may run as a continuation of its head:
+    greedy, and no setting that looks at the output so far."""
+    return (set(sampling) <= _CONTINUABLE
+            and float(sampling.get("temperature", 0.0) or 0.0) == 0.0)
+
+
+def _top(comp: Any) -> list[dict[int, float]]:
+    """Each generated position's top logprobs, ``{token id: logprob}``."""
+    return [{int(i): float(x.logprob) for i, x in entry.items()}
+            for entry in (comp.logprobs or [])]
+
+
+def _joined(fork: _Fork, head: Trace, rest: Trace, cut: int, adds: Sequence[Any]) -> Trace:
+    """The original as one generation: ``head``'s first ``cut`` generated
+    tokens (and the prompt's logprobs), then ``rest``'s continuation of
+    them. ``adds``: the original's steering adds (its steered rows)."""
+    n0 = fork.n0
+    out = head.output_token_ids[:cut] + list(rest.output_token_ids)
+    fed = list(fork.prompt.ids) + out[:-1]
+    logprobs = head.logprobs[:n0 + cut] + rest.logprobs[n0 + cut:]
+    return Trace(index=head.index, prompt=head.prompt, sample=head.sample,
+                 prompt_token_ids=list(fork.prompt.ids), output_token_ids=out,
+                 text=_text(fork.tokenizer, list(fork.prompt.ids), out), token_ids=fed,
+                 tokens=fork.names(fed), output_tokens=fork.names(out),
+                 positions=list(range(len(fed))), logprobs=logprobs,
+                 finish_reason=rest.finish_reason,
+                 steered_rows=sum(a.rows_in(0, len(fed)) for a in adds),
+                 step_rows=head.step_rows + rest.step_rows, cached_tokens=head.cached_tokens,
+                 restarts=head.restarts + rest.restarts,
+                 **prompt_parts(fork.prompt, n0, fed, head.cached_tokens))
 
 
 def continue_call(session: Any, trace: Any, position: Any, token: Any, *,
@@ -295,7 +377,7 @@ def continue_call(session: Any, trace: Any, position: Any, token: Any, *,
         entry = (outputs[0].outputs[0].logprobs or [{}])[0]
         return [float(entry[tok].logprob) if tok in entry else None]
 
-    return _branch_stage(fork, trace, [(position, tok, None)], [], lambda made: made[0],
+    return _branch_stage(fork, trace, [(position, tok, None)], [], lambda made, *_: made[0],
                          extra=[probe], forced_lp=forced_lp)
 
 

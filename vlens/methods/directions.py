@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from vlens import checks
+from vlens import spans
 from vlens.errors import VlensError
-from vlens.edits import ROLE_SPANS
 from vlens.prompts import is_conversation
 from vlens.results.run import span_mean
 
@@ -24,10 +24,10 @@ def difference_of_means(session: Any, positive: Sequence[Any], negative: Sequenc
     at ``layer`` over one traced batch of both sets, each prompt's rows of
     ``span`` averaged first."""
     facts = session.facts
-    if not (span == "last" or isinstance(span, (slice, int, list, tuple, range))
-            or span in ("all", "prompt") or span in ROLE_SPANS) or isinstance(span, bool):
-        raise VlensError(f"direction span must be 'last', 'prompt', 'all', a role, a slice or "
-                         f"positions, got {span!r:.60}")
+    parsed = spans.parse(span, "direction", was_positions=True)  # checked before any run
+    if parsed == "generated":
+        raise VlensError("direction span='generated' names no prompt row: a direction averages "
+                         "the prompts' rows ('last', 'prompt', a role, a range or positions)")
     for name, group in (("positive", positive), ("negative", negative)):
         if (isinstance(group, str) or not isinstance(group, (list, tuple)) or not group
                 or is_conversation(group)):
@@ -40,12 +40,11 @@ def difference_of_means(session: Any, positive: Sequence[Any], negative: Sequenc
                          "has one per token pair: use 'z' or a residual site")
     run = session.trace(list(positive) + list(negative), layers=[layer], sites=[site],
                         max_new_tokens=1, logprobs=False, progress=progress)
-    bos = session.tokenizer.bos_token_id
     means = []
     for t in run:
         rows = t.activations(site, layer=layer)  # [prompt tokens, hidden]
         rows = rows.reshape(rows.shape[0], -1)  # head sites: heads * head_dim, flat
-        means.append(span_mean(rows, span, t.token_ids, t.roles, bos, f"prompt {t.index}"))
+        means.append(span_mean(rows, span, t.roles, f"prompt {t.index}"))
     stacked = torch.stack(means)
     k = len(positive)
     return stacked[:k].mean(0) - stacked[k:].mean(0)

@@ -83,27 +83,23 @@ def _top(session: Any, logits: torch.Tensor) -> Dist:
     return session.token_strings(ids.tolist()), vals.tolist()
 
 
-def _check(session: Any, twin: Any, site: Any, heads: Any) -> None:
+def _check(session: Any, twin: Any, site: Any, heads: Any) -> list[int] | None:
     if not isinstance(site, str) or site not in twin.sites or site not in session.facts.sites:
         offered = [s for s in twin.sites if s in session.facts.sites]
         raise VlensError(f"attribution_patch site {site!r}: the twin takes gradients at "
                          f"{', '.join(offered)}")
-    if not isinstance(heads, bool):
-        raise VlensError(f"heads must be True or False, got {heads!r}")
-    if heads and site != "z":
-        raise VlensError(f"heads=True gives one cell per head, which only site 'z' holds "
-                         f"apart; use site='z' with heads=True, or heads=False at {site!r}")
+    return checks.check_head_cells(heads, site, session.facts, "attribution_patch")
 
 
 def _attribution_patch(session: Any, twin: Any, clean: Any, corrupt: Any,
                       site: str = "resid_post", layers: Any = None, span: Any = None,
-                      heads: bool = False, answer: Any = None,
+                      heads: Any = None, answer: Any = None,
                       metric: Any = "logit_diff") -> Patching:
     """AtP on ``twin``: a :class:`Patching` shaped as ``s.patch`` makes it
     (``grid`` ``[layers, positions]``, or ``[layers, heads]`` with
-    ``heads=True`` at ``z``, each head's cell summed over ``span``);
+    ``heads=`` (``"all"`` or a list) at ``z``, each head's cell summed over ``span``);
     ``diffs`` the estimated metric of each patched run."""
-    _check(session, twin, site, heads)
+    heads = _check(session, twin, site, heads)
     ids = [_one_prompt(session, p, "attribution_patch's " + w)
            for p, w in ((clean, "clean"), (corrupt, "corrupt"))]
     if len(ids[0]) != len(ids[1]):
@@ -112,7 +108,8 @@ def _attribution_patch(session: Any, twin: Any, clean: Any, corrupt: Any,
             "attribution patching compares them position by position, so they must have "
             "the same length: change the corrupt prompt word for word")
     layers = checks.check_layers(layers, session.facts)
-    positions = span_positions(span, session.prompts(clean)[0], len(ids[0]))
+    positions = span_positions(span, session.prompts(clean)[0], len(ids[0]),
+                               "attribution_patch")
     with torch.no_grad(), twin.capture([site], layers) as got:
         clean_logits = twin.logits(ids[0])[-1].float()
         clean_acts = {i: twin.rows(site, got[site][i]).detach() for i in layers}
@@ -131,7 +128,8 @@ def _attribution_patch(session: Any, twin: Any, clean: Any, corrupt: Any,
         delta = clean_acts[layer] - twin.rows(site, x).detach()
         g = torch.zeros_like(delta) if g is None else twin.rows(site, g)
         prod = (g * delta)[positions].float().cpu()  # [P, width] or [P, heads, head_dim]
-        cells.append(prod.sum(-1).sum(0) if heads else prod.reshape(len(positions), -1).sum(-1))
+        cells.append(prod.sum(-1).sum(0)[heads] if heads is not None
+                     else prod.reshape(len(positions), -1).sum(-1))
     diffs = torch.stack(cells)
     span_ = m_clean - m_corr
     if abs(span_) < 1e-6:
@@ -139,7 +137,7 @@ def _attribution_patch(session: Any, twin: Any, clean: Any, corrupt: Any,
                          "there is nothing to restore; pick answers the prompts disagree on")
     tokens = session.token_strings([ids[0][p] for p in positions])
     return Patching(
-        site, layers, positions, list(range(twin.n_heads)) if heads else None, tokens,
+        site, layers, positions, heads, tokens,
         chosen, texts, (diffs / span_).float(), (m_corr + diffs).float(), m_clean, m_corr,
         [], _top(session, clean_logits), _top(session, corrupt_logits.detach()))
 

@@ -18,8 +18,18 @@ tokens); then every cell is its own request -- one ``Set`` in its plan
 writes the clean row at its (layer, position) -- and all cells, with an
 unpatched clean and corrupt run beside them, go to the engine in ONE batch,
 each asking vLLM for the log-probabilities of the answer tokens
-(``logprob_token_ids``) of its one generated token. Patched KV is salted
-apart in the prefix cache like any edit.
+(``logprob_token_ids``) of its one generated token.
+
+On the prefix cache: a patch at position ``p`` cannot change a row before
+``p``, so on an engine that honours prefix marks (an in-process core,
+:mod:`vlens.engine.prefix_cache`) each cell goes without a cache salt,
+reads the corrupt run's cached KV blocks that end at or before its first
+written position (the read stage computed and cached them) and computes
+only the rest; the scheduler registers none of its blocks from that
+position on, so no later request can take patched KV for the plain
+prompt's. Elsewhere (``vlens serve``, an engine core in another process)
+patched KV is salted apart like any edit's and every cell computes its
+whole prompt. ``Patching.rows_computed`` / ``rows_cached`` say which it was.
 
 ``cell_logprobs`` covers a candidate set, not the whole vocabulary: the two
 answers, the clean and corrupt runs' top ``TOP_K`` tokens and the cell's own
@@ -41,9 +51,9 @@ from vlens._progress import Stages
 from vlens.calls import Call
 from vlens.errors import EngineError, VlensError
 from vlens.protocol.plan import Read, Set
-from vlens.edits import ROLE_SPANS, vector_id
+from vlens import spans
+from vlens.edits import vector_id
 from vlens.methods.answers import answer_pair
-from vlens.prompts import resolve_roles
 from vlens.results.patching import Dist, Patching
 
 __all__ = ["Patching", "patch_call", "TOP_K"]
@@ -53,15 +63,9 @@ TOP_K = 10
 
 # -- building the call ---------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Span:
-    """A role span of a patch's ``span=`` (as vlens.prompts resolves it)."""
-
-    span: Any
-    what = "patch span="
-
 def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
-                span: Any, per_head: Any) -> tuple[list[list[int]], list[int], list[int]]:
+                span: Any, heads: Any) -> tuple[list[list[int]], list[int], list[int],
+                                                 list[int] | None]:
     facts = session.facts
     if not isinstance(site, str) or site not in facts.sites:
         raise facts.no_such_site(site, "patch site")
@@ -69,13 +73,7 @@ def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
         raise VlensError(
             f"patch site {site!r} cannot be written: use one of {', '.join(facts.writable)}"
         )
-    if not isinstance(per_head, bool):
-        raise VlensError(f"per_head must be True or False, got {per_head!r}")
-    if per_head and site != "z":
-        raise VlensError(
-            f"per_head=True patches each head's output, which only site 'z' holds "
-            f"separately; use site='z' with per_head=True, or per_head=False for site {site!r}"
-        )
+    heads = checks.check_head_cells(heads, site, facts, "patch")
     pair = [session.prompts(p) for p in (clean, corrupt)]
     if any(len(p) != 1 for p in pair):
         raise VlensError("patch takes two prompts (each a string, a conversation or "
@@ -88,36 +86,22 @@ def _check_args(session: Any, clean: Any, corrupt: Any, site: Any, layers: Any,
             "change the corrupt prompt word for word (s.tokenize shows the tokens)"
         )
     layers = checks.check_layers(layers, facts)
-    return ids, layers, span_positions(span, pair[0][0], len(ids[0]))
+    return ids, layers, span_positions(span, pair[0][0], len(ids[0])), heads
 
 
-def span_positions(span: Any, clean: Any, n: int) -> list[int]:
-    """``span=`` of a patch as the clean prompt's positions: None, "all" or
-    "prompt" (every one), a role, a slice, a position or a list of them."""
-    if span is None or span in ("all", "prompt"):
+def span_positions(span: Any, clean: Any, n: int, what: str = "patch") -> list[int]:
+    """``span=`` of a patch (or an attribution patch) as the clean prompt's
+    positions, by the one span grammar (:mod:`vlens.spans`); None: every
+    position. Only prompt rows are written, so ``"all"`` is the prompt and
+    ``"generated"`` names nothing."""
+    if span is None:
         return list(range(n))
+    span = spans.parse(span, what, was_positions=True)
     if span == "generated":
-        raise VlensError("patch span='generated' names no prompt token: patching writes the "
-                         "prompt's rows (span=None, 'prompt', a role, a slice or positions)")
-    if isinstance(span, str) and span in ROLE_SPANS:  # the clean prompt's role
-        ranges = resolve_roles([_Span(span)], clean, 0, max_new_tokens=0)
-        span = [k for r in ranges for k in range(*r.span)]
-    if isinstance(span, slice):
-        span = list(range(n))[span]
-    if isinstance(span, int) and not isinstance(span, bool):
-        span = [span]
-    if isinstance(span, range):
-        span = list(span)
-    if (not isinstance(span, (list, tuple)) or not span
-            or not all(isinstance(p, int) and not isinstance(p, bool) for p in span)):
-        raise VlensError(f"patch span must be None (all), 'prompt', a role, a slice, a position "
-                         f"or a list of positions, got {span!r:.60}")
-    bad = [p for p in span if not -n <= p < n]
-    if bad:
-        raise VlensError(f"position {bad[0]} is outside the prompt: it has {n} tokens, 0 to {n - 1}")
-    return list(dict.fromkeys(p % n for p in span))
-
-
+        raise VlensError(f"{what} span='generated' names no prompt token: patching writes the "
+                         "prompt's rows (span=None, 'prompt', a role, a range or positions)")
+    roles = clean.roles if getattr(clean, "kind", None) == "chat" else None
+    return spans.rows(span, n, n, roles, what)
 
 
 def _top(comp: Any) -> dict[int, float]:
@@ -133,11 +117,28 @@ def _check_records(requests: Sequence[Any], collected: dict[str, list[dict]]) ->
                 raise EngineError(f"patching request {req.plan.tag}: " + "; ".join(rec["errors"]))
 
 
+def prefill_rows(outputs: Sequence[Any]) -> tuple[int, int]:
+    """``(computed, cached)``: the prompt rows vLLM computed and read from
+    the prefix cache over these outputs (None: not counted); a preempted
+    request's recomputed rows are not counted again. A connected session's
+    outputs do not say what was cached: all its rows count as computed."""
+    computed = cached = 0
+    for out in outputs:
+        if out is None:
+            continue
+        hit = int(getattr(out, "num_cached_tokens", 0) or 0)
+        cached += hit
+        computed += len(out.prompt_token_ids or ()) - hit
+    return computed, cached
+
+
 def _read_stage(ids: list[list[int]], site: str, layers: list[int], then: Any,
                 progress: Any) -> Call:
-    """Clean and corrupt in one batch: ``then(activations, tops)`` with
-    their activations ``[layers, T, width]`` and their first next-token
-    top-``TOP_K`` log-probabilities gives the next stage."""
+    """Clean and corrupt in one batch: ``then(activations, tops, rows)``
+    with their activations ``[layers, T, width]``, their first next-token
+    top-``TOP_K`` log-probabilities and their :func:`prefill_rows` gives
+    the next stage. They are unedited: their KV blocks go to the prefix
+    cache, where the cells find the corrupt run's."""
     tag = calls.new_tag()
     reads = [Read(site, tuple(layers), "full")]
     requests = [calls.request(f"{tag}-{name}", i, row, reads=reads, max_new_tokens=1,
@@ -148,7 +149,7 @@ def _read_stage(ids: list[list[int]], site: str, layers: list[int], then: Any,
         run = runs.build_run(["clean", "corrupt"], requests, outputs, collected, False)
         acts = [t.activations(site) for t in run]
         acts = [a.reshape(a.shape[0], a.shape[1], -1) for a in acts]  # z: [L, T, heads*hd]
-        return then(acts, [_top(o.outputs[0]) for o in outputs])
+        return then(acts, [_top(o.outputs[0]) for o in outputs], prefill_rows(outputs))
 
     return Call(requests, assemble, progress=progress)
 
@@ -160,6 +161,7 @@ class _Cells:
     requests: list[Any]
     cells: list[tuple[int, int]]  # (row, column) of the grid, in request order after 2
     empty: Patching
+    read_rows: tuple[int, int] = (0, 0)  # the read stage's prefill_rows
 
     def result(self, outputs: Sequence[Any], runs: calls.Assembler) -> Patching:
         """The Patching of these vLLM outputs (None or unfinished: NaN)."""
@@ -194,10 +196,12 @@ class _Cells:
                     "restore; pick answers the two prompts disagree on (answer=(clean, corrupt))"
                 )
             grid = (diffs - corrupt_diff) / span
+        computed, cached = (a + b for a, b in zip(self.read_rows, prefill_rows(outputs)))
         return Patching(
             p.site, p.layers, p.positions, p.heads, p.tokens, p.answer, p.answer_text,
             grid.float(), diffs.float(), clean_diff, corrupt_diff, cell_lp,
             base[0][1] if base[0] else None, base[1][1] if base[1] else None,
+            computed, cached,
         )
 
     def assemble(self, outputs: list, collected: dict, runs: calls.Assembler) -> Patching:
@@ -207,20 +211,21 @@ class _Cells:
 
 def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                layers: Any = None, span: Any = None, answer: Any = None,
-               per_head: bool = False, progress: Any = None) -> Call:
+               heads: Any = None, progress: Any = None) -> Call:
     """Check the arguments, and make the patch as one call in two stages:
     the clean and corrupt runs read, then every cell's request (streamed:
     NaN where a cell has not finished). ``progress`` counts the requests of
     both stages."""
-    ids, layers, positions = _check_args(session, clean, corrupt, site, layers, span, per_head)
-    facts = session.facts
+    ids, layers, positions, heads = _check_args(session, clean, corrupt, site, layers, span,
+                                                heads)
     answer = answer_pair(session, answer)  # checked before anything runs
     # one progress over both stages (made after the checks above; closed when the call
     # ends, whichever way: no bar is left behind)
-    n_cells = len(layers) * (facts.n_heads if per_head else len(positions))
+    n_cells = len(layers) * (len(heads) if heads is not None else len(positions))
     stages = Stages(progress, 2 + n_cells + 2)
 
-    def cells(acts: list[torch.Tensor], tops: list[dict[int, float]]) -> Call:
+    def cells(acts: list[torch.Tensor], tops: list[dict[int, float]],
+              rows: tuple[int, int]) -> Call:
         chosen = answer
         if chosen is None:
             chosen = (max(tops[0], key=tops[0].get), max(tops[1], key=tops[1].get))
@@ -231,7 +236,8 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
                     "no difference to patch; pass answer=(clean_token, corrupt_token) with "
                     "the two tokens whose logit difference to measure"
                 )
-        pc = _cell_batch(session, ids, site, layers, positions, per_head, chosen, acts, tops)
+        pc = _cell_batch(session, ids, site, layers, positions, heads, chosen, acts, tops)
+        pc.read_rows = rows
         return Call(pc.requests, pc.assemble, partial=pc.result, progress=stages.at(2))
 
     first = _read_stage(ids, site, layers, cells, stages.at(0))
@@ -240,10 +246,13 @@ def patch_call(session: Any, clean: str, corrupt: str, site: str = "resid_post",
 
 
 def _cell_batch(session: Any, ids: list[list[int]], site: str, layers: list[int],
-                positions: list[int], per_head: bool, answer: tuple[int, int],
+                positions: list[int], heads: list[int] | None, answer: tuple[int, int],
                 acts: list[torch.Tensor], tops: list[dict[int, float]]) -> _Cells:
-    """Every cell's request beside an unpatched clean and corrupt run."""
+    """Every cell's request beside an unpatched clean and corrupt run.
+    On an engine with prefix marks a cell is marked with its first written
+    position (module docstring); elsewhere it is salted."""
     facts = session.facts
+    marks = bool(getattr(session.engine, "prefix_marks", False))
     cands = list(dict.fromkeys([*answer, *(sorted(tops[0], key=lambda t: -tops[0][t])),
                                 *(sorted(tops[1], key=lambda t: -tops[1][t]))]))
     score = {"logprob_token_ids": cands}
@@ -258,11 +267,11 @@ def _cell_batch(session: Any, ids: list[list[int]], site: str, layers: list[int]
         for p in positions:
             row = acts[0][i, p]
             vecs[(i, p)] = (vector_id(row), row)
-    columns: list[Any] = positions if not per_head else list(range(facts.n_heads))
+    columns: list[Any] = positions if heads is None else heads
     hd = facts.head_dim
     for i, layer in enumerate(layers):
         for j, col in enumerate(columns):
-            if per_head:
+            if heads is not None:
                 sets = [Set(site, layer, vecs[(i, p)][0], col * hd, (col + 1) * hd, p, p + 1)
                         for p in positions]
                 used = {vecs[(i, p)][0]: vecs[(i, p)][1] for p in positions}
@@ -271,12 +280,13 @@ def _cell_batch(session: Any, ids: list[list[int]], site: str, layers: list[int]
                 sets, used = [Set(site, layer, vid, 0, -1, col, col + 1)], {vid: row}
             requests.append(calls.request(
                 f"{tag}-{i}.{j}", len(requests), corrupt_ids, max_new_tokens=1, logprobs=False,
-                clone=False, sets=sets, vectors=used, score=score))
+                clone=False, sets=sets, vectors=used, score=score,
+                prefix=min(st.start for st in sets) if marks else None))
             cells.append((i, j))
     shape = (len(layers), len(columns))
     toks = session.token_strings([ids[0][p] for p in positions])
     empty = Patching(
-        site, layers, positions, columns if per_head else None, toks, answer,
+        site, layers, positions, heads, toks, answer,
         tuple(session.token_strings(list(answer))), torch.full(shape, math.nan),
         torch.full(shape, math.nan),
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vlens.edit_schema import CLAMP_MAX, ClampFields, checked
 from vlens.edits import Steer
 from vlens.errors import VlensError
 from vlens.keywords import keywords
@@ -29,9 +30,6 @@ from vlens.protocol.tensors import encode_tensor
 
 __all__ = ["CLAMP_MAX", "Clamp", "SAE", "feature_reads", "hook_site"]
 
-#: the largest ``|value|`` a Clamp may set a feature to: the write is
-#: ``(value - f(x)) * W_dec[i]``, and it must stay finite in any dtype
-CLAMP_MAX = 1e4
 
 #: TransformerLens hook names -> vlens sites
 HOOKS = {"hook_resid_pre": "resid_pre", "hook_resid_mid": "resid_mid",
@@ -271,11 +269,8 @@ class Clamp(Steer):
                  ) -> None:
         if not isinstance(sae, SAE):
             raise VlensError(f"Clamp needs a vlens.SAE, got {type(sae).__name__}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                abs(float(value)) <= CLAMP_MAX):
-            raise VlensError(f"Clamp value must be a finite number with |value| <= {CLAMP_MAX:g} "
-                             f"(the bound on a clamp's write), got {value!r}")
-        super().__init__(sae.decoder(feature), sae.layer, float(value), sae.site, span)
+        f = checked(ClampFields, "Clamp", feature=feature, value=value, span=span)
+        super().__init__(sae.decoder(f.feature), sae.layer, f.value, sae.site, f.span)
         object.__setattr__(self, "sae", sae)
         object.__setattr__(self, "feature", feature)
 

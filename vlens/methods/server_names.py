@@ -12,7 +12,7 @@ from typing import Any
 
 from vlens.errors import VlensError
 from vlens.methods.sae import SAE
-from vlens.models import toyworld_sae_path
+from vlens.models import registry, toyworld_sae_path
 
 __all__ = ["local_sae", "server"]
 
@@ -28,11 +28,16 @@ def server(engine: Any, what: str) -> Any:
 def local_sae(name: Any, model: str) -> Any:
     """The SAE ``name`` of a local session: a path to an SAE folder or file
     (SAELens's layout or vlens's ``.npz``), ``"toyworld-sae"`` (the bundled
-    one, as ``vlens path`` names it), or the name of an SAE kept with the
-    session's model (a folder ``saes/NAME`` beside its weights)."""
+    one, as ``vlens path`` names it), an SAE's name in vlens's registry
+    (``"smollm2-135m-instruct-sae"``: ``vlens models list``), or the name of
+    an SAE kept with the session's model (a folder ``saes/NAME`` beside its
+    weights). A local path of the same name wins over a registry name."""
     if not isinstance(name, (str, os.PathLike)):
         raise VlensError(f"s.sae takes an SAE's name or path, got {type(name).__name__}")
     path = toyworld_sae_path() if name == "toyworld-sae" else Path(name)
+    entry = registry.REGISTRY.get(name) if isinstance(name, str) else None
+    if isinstance(entry, registry.Bundled) and not path.exists():
+        path = registry.get(name)
     bundled = Path(model) / "saes" / str(name)
     if not path.exists() and bundled.exists():
         path = bundled

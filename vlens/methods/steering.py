@@ -20,7 +20,7 @@ from vlens.edits import Ablate, Steer
 from vlens.errors import VlensError
 from vlens.methods import ablation
 from vlens.methods.traces import ablates_each, steers_each
-from vlens.prompts import Prompt, resolve_roles
+from vlens.prompts import Prompt, resolve_spans
 from vlens.protocol.plan import Read
 from vlens.results import Comparison, Run, Sweep, generated_kl, run_label
 
@@ -44,7 +44,7 @@ def compare_call(plist: Sequence[Prompt], facts: checks.ModelFacts, *, steer: An
     none = [[] for _ in plist]
 
     def build(ablates: list[list[Ablate]]) -> Call:
-        ablates = [resolve_roles(a, p, i, max_new_tokens)
+        ablates = [resolve_spans(a, p, i, max_new_tokens)
                    for i, (a, p) in enumerate(zip(ablates, plist))]
         call = _arms_call(plist, [("b", none, none), ("s", steers, ablates)], facts,
                           max_new_tokens, sampling, clone)
@@ -85,7 +85,7 @@ def sweep_call(plist: Sequence[Prompt], facts: checks.ModelFacts, *, steer: Any,
     label = run_label([x for x in (steer, ablate, clamp) if x is not None])
 
     def build(ablates: list[list[Ablate]]) -> Call:
-        ablates = [resolve_roles(a, p, i, max_new_tokens)
+        ablates = [resolve_spans(a, p, i, max_new_tokens)
                    for i, (a, p) in enumerate(zip(ablates, plist))]
         arms: list[Arm] = []
         for j, (x, each) in enumerate(zip(scales, arms_steers)):

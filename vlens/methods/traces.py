@@ -20,7 +20,7 @@ from vlens.calls import Call
 from vlens.edits import Ablate, Steer, per_prompt
 from vlens.errors import VlensError
 from vlens.methods import ablation, sae
-from vlens.prompts import Prompt, resolve_roles
+from vlens.prompts import Prompt, resolve_spans
 from vlens.protocol.plan import Edit, Read
 
 __all__ = ["TraceSpec", "steers_each", "trace_call"]
@@ -44,7 +44,7 @@ class TraceSpec:
     edit_at: Any = None
     reduce: str = "full"
     logit_lens: int = 0
-    query_heads: Any = None
+    heads: Any = None
     saes: Any = None
     features_top_k: int = 0
     clamp: Any = None
@@ -77,7 +77,7 @@ def steers_each(steer: Any, clamp: Any, plist: Sequence[Prompt], max_new_tokens:
                 if id(st) not in seen:
                     checks.check_steer_fits(st, facts)
                     seen.add(id(st))
-        each = [resolve_roles(e, p, i, max_new_tokens) for i, (e, p) in enumerate(zip(each, plist))]
+        each = [resolve_spans(e, p, i, max_new_tokens) for i, (e, p) in enumerate(zip(each, plist))]
         for n, entries in zip(lens, each):
             for st in entries:
                 checks.check_span_fits("Steer", st.span, n, max_new_tokens)
@@ -99,7 +99,7 @@ def trace_call(spec: TraceSpec) -> Call:
     layers = checks.check_layers(spec.layers, facts)
     sites = checks.check_sites(spec.sites, facts)
     reads = checks.check_reads(sites, layers, spec.reduce, spec.logit_lens, facts,
-                               checks.check_heads(spec.query_heads, sites, facts))
+                               checks.check_heads(spec.heads, sites, facts))
     feature_reads, saes = sae.feature_reads(spec.saes, spec.features_top_k, facts)
     reads += feature_reads
     checks.check_generation(m, spec.sampling, facts)
@@ -109,7 +109,7 @@ def trace_call(spec: TraceSpec) -> Call:
                               remote=spec.remote)
 
     def build(ablates: list[list[Ablate]]) -> Call:
-        ablates = [resolve_roles(a, p, i, m) for i, (a, p) in enumerate(zip(ablates, plist))]
+        ablates = [resolve_spans(a, p, i, m) for i, (a, p) in enumerate(zip(ablates, plist))]
         return _trace_stage(spec, reads, saes, steers, ablates, pairs)
 
     return ablation.means_first(plist, ablates, build)

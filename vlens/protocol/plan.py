@@ -71,6 +71,18 @@ class Read:
     #: (or the answer's logit alone) the components are projected onto; part
     #: of the key (``"attn_out:dla:17:-1"``), so reads of two targets never mix
     target: tuple[int, ...] = ()
+    #: a read of one prompt position only (negative: from the prompt's end,
+    #: -1 its last token; None: every row): the worker picks that row out of
+    #: the step before it reduces, and ships ``[1, ...]`` per layer. Not part
+    #: of the key: requests reading one position and every row share a group
+    position: int | None = None
+
+    def at(self, prompt_len: int) -> int | None:
+        """The sequence position this read keeps (None: every row), for a
+        request whose prompt has ``prompt_len`` tokens."""
+        if self.position is None:
+            return None
+        return self.position + prompt_len if self.position < 0 else self.position
 
     @cached_property
     def key(self) -> str:
@@ -160,7 +172,8 @@ class Plan:
                 {"site": r.site, "layers": list(r.layers), "reduce": r.reduce, "k": r.k,
                  **({"heads": list(r.heads)} if r.heads else {}),
                  **({"sae": r.sae} if r.sae else {}),
-                 **({"target": list(r.target)} if r.target else {})}
+                 **({"target": list(r.target)} if r.target else {}),
+                 **({"position": r.position} if r.position is not None else {})}
                 for r in self.reads
             ],
             "adds": [
@@ -201,17 +214,29 @@ def parse_plan(raw: Any) -> Plan:
     """Wire form -> :class:`Plan`. Raises ValueError on a malformed plan."""
     if not isinstance(raw, dict) or raw.get("v") != PLAN_VERSION:
         raise ValueError(f"not a vlens plan (version {PLAN_VERSION}): {raw!r:.200}")
+    prompt_len = int(raw.get("prompt_len", 0))
+    reads = tuple(
+        Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
+             int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()),
+             str(r.get("sae", "")), tuple(int(x) for x in r.get("target") or ()),
+             None if r.get("position") is None else int(r["position"]))
+        for r in raw.get("reads") or ()
+    )
+    for r in reads:
+        if r.position is None:
+            continue
+        if r.site == "attn_pattern":
+            raise ValueError("an attn_pattern read covers every row (its keys): it takes no "
+                             "position")
+        if not -prompt_len <= r.position < prompt_len:
+            raise ValueError(f"read {r.key}: position {r.position} is outside the prompt "
+                             f"({prompt_len} tokens)")
     return Plan(
         tag=str(raw["tag"]),
         index=int(raw.get("index", 0)),
         clone=bool(raw.get("clone", False)),
-        prompt_len=int(raw.get("prompt_len", 0)),
-        reads=_shared(tuple(
-            Read(str(r["site"]), tuple(int(x) for x in r["layers"]), str(r.get("reduce", "full")),
-                 int(r.get("k", 0)), tuple(int(h) for h in r.get("heads") or ()),
-                 str(r.get("sae", "")), tuple(int(x) for x in r.get("target") or ()))
-            for r in raw.get("reads") or ()
-        )),
+        prompt_len=prompt_len,
+        reads=_shared(reads),
         adds=_shared(tuple(
             Add(str(w["site"]), int(w["layer"]), str(w["vec"]), float(w["scale"]),
                   int(w.get("start", 0)), int(w.get("stop", -1)),

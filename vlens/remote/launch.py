@@ -14,7 +14,7 @@ from typing import Any
 from vlens.checks import ModelFacts
 from vlens.errors import VlensError
 from vlens.models.recipes import is_toyworld
-from vlens.remote.body import parse_body
+from vlens.remote.schema import parse_body
 from vlens.remote.guard import Limits
 from vlens.remote.names import ServerNames, parse_named
 from vlens.remote.openai_routes import OpenAIRoutes

@@ -22,7 +22,7 @@ from vlens.edits import vector_id
 from vlens.errors import VlensError
 from vlens.methods.sae import CLAMP_MAX, SAE
 from vlens.protocol.tensors import encode_tensor
-from vlens.remote.body import NAME
+from vlens.edit_schema import NAME
 
 __all__ = ["ServerNames", "load_vector", "parse_named"]
 

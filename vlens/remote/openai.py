@@ -12,8 +12,9 @@ templates, logprobs and usage counts are ``vllm serve``'s. The one change
 is the engine they call: :class:`SteeredEngine` is the AsyncLLM with
 ``generate`` wrapped. When vLLM hands it a request (token ids known,
 template applied), it builds that request's vlens plan from the body's
-``vlens`` object (checked before vLLM sees the request,
-:mod:`vlens.remote.body`), re-checks the plan with the rules every plan
+``vlens`` object (parsed and checked before vLLM sees the request,
+:mod:`vlens.edit_schema`; its spans and ablations on the prompt by
+:meth:`~vlens.edit_schema.BodyEdits.fit`), re-checks the plan with the rules every plan
 passes (:func:`vlens.checks.check_plan`), holds the vectors it names in
 the workers under the participant's prefix, and runs it exactly as a
 ``vlens.connect`` call runs: the plan in ``extra_args``, the edits'
@@ -32,14 +33,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from vlens.checks import check_plan, check_span_fits
-from vlens.edits import ROLE_SPANS, engine_prompt
+from vlens.checks import check_plan
+from vlens.remote.schema import BodyEdits, BodyError
+from vlens.edits import engine_prompt
 from vlens.errors import VlensError
-from vlens.methods.ablation import check_ablates, to_sets
-from vlens.prompts import normalise, resolve_roles
+from vlens.methods.ablation import to_sets
+from vlens.prompts import normalise
 from vlens.protocol.plan import PLAN_KEY, Add, Plan
 from vlens.protocol.tensors import encode_tensor
-from vlens.remote.body import BodyEdits
 from vlens.remote.guard import Refused
 
 __all__ = ["BadBody", "PENDING", "Pending", "SteeredEngine", "error_json"]
@@ -167,24 +168,17 @@ class SteeredEngine:
         server, edits = self._server, pending.edits
         facts, n = server.facts, len(ids)
         owner = pending.client.name
-        roles = None
-        steers, ablates = [], []
-        for where, group, out in ((edits.steer_fields, edits.steers, steers),
-                                  (edits.ablate_fields, edits.ablates, ablates)):
-            for field, ed in zip(where, group):
-                try:
-                    if isinstance(ed.span, str) and ed.span in ROLE_SPANS:
-                        roles = roles or self._roles(pending, ids, field)
-                        out.extend(resolve_roles([ed], roles, 0, max_tokens))
-                    else:
-                        check_span_fits(type(ed).__name__, ed.span, n, max_tokens)
-                        out.append(ed)
-                except VlensError as exc:
-                    raise BadBody(400, f"{field}.span: {exc}", f"{field}.span") from None
-        try:
-            ablates = check_ablates([ablates], facts, [n], max_tokens)[0]
-        except VlensError as exc:
-            raise BadBody(400, f"vlens.ablate: {exc}", "vlens.ablate") from None
+        held: dict[str, Any] = {}
+
+        def roles(field: str) -> Any:  # the conversation, normalised once
+            if "p" not in held:
+                held["p"] = self._roles(pending, ids, field)
+            return held["p"]
+
+        try:  # spans on this prompt, the Ablate rule: as a Session's own call runs them
+            steers, ablates = edits.fit(facts, n, max_tokens, roles)
+        except BodyError as exc:
+            raise BadBody(400, str(exc), exc.field) from None
         tensors: dict[str, Any] = {}
         adds = []
         for st in steers:
@@ -202,8 +196,10 @@ class SteeredEngine:
                     sets=tuple(sets), prompt_len=n)
         sizes = {f"{owner}/{vid}": (int(v.numel()), float(v.abs().max()))
                  for vid, v in tensors.items()}
+        # the steering writes met the Steer rule in the body's parse: not again here
+        ruled = {(a.site, a.layer, a.vec, a.scale, a.relative, a.sae, a.feature) for a in adds}
         try:
-            check_plan(plan, facts, sizes, max_tokens)  # the rules every plan passes
+            check_plan(plan, facts, sizes, max_tokens, seen=ruled)  # the rules every plan passes
             server.names.check_plan_saes(plan)
         except VlensError as exc:
             raise BadBody(400, f"vlens: {exc}", "vlens") from None

@@ -24,13 +24,12 @@ from fastapi import Request  # module level: FastAPI reads the routes' annotatio
 
 from vlens.errors import VlensError
 from vlens.remote.bodies import drain, read_body
-from vlens.remote.body import BodyError, parse_body
 from vlens.remote.errors import vllm_error, vllm_validation_error
 from vlens.remote.guard import Refused
 from vlens.remote.openai import PENDING, BadBody, Pending, SteeredEngine, error_json
 from vlens.remote.presets import merge
 from vlens.remote.routes import token_required
-from vlens.remote.schema import ChatBody, CompletionBody, PresetBody
+from vlens.remote.schema import BodyError, ChatBody, CompletionBody, PresetBody, parse_body
 
 __all__ = ["OpenAIRoutes"]
 

@@ -22,7 +22,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
-from vlens.remote.body import BODY_KEYS, NAME
+from vlens.edit_schema import NAME
+from vlens.remote.schema import BODY_KEYS
 from vlens.errors import VlensError
 
 __all__ = ["Presets", "load_presets", "merge"]

@@ -34,7 +34,7 @@ from vlens.errors import VlensError
 from vlens.protocol.plan import PLAN_KEY, parse_plan
 from vlens.protocol.tensors import decode_tensor
 from vlens.remote.bodies import drain, read_body
-from vlens.remote.body import BodyError
+from vlens.remote.schema import BodyError
 from vlens.remote.errors import guarded_route, install as install_errors
 from vlens.remote.guard import Checked, Limits, Refused, check_call, check_vector
 from vlens.remote.metrics import Metrics

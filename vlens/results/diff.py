@@ -159,9 +159,10 @@ class Diff:
                   text: str = "prompt") -> torch.Tensor:
         """The mean activation difference (tuned - base) at ``layer``,
         ``[hidden]``: each prompt's rows of ``span`` averaged, then the
-        prompts. ``span``: ``"last"``, ``"prompt"`` (every token but BOS),
-        ``"all"``, a slice or positions (of ``text``'s tokens)."""
-        means = [span_mean(rows, span, t.ids, (), self._bos()) for rows, t in
+        prompts. ``span``: a span of the one grammar (:mod:`vlens.spans`)
+        over ``text``'s tokens: ``"last"``, ``"prompt"`` (every token, BOS
+        included: ``slice(1, None)`` leaves it out), a range or positions."""
+        means = [span_mean(rows, span, (), "the text", "Diff.direction") for rows, _t in
                  self._rows(site, layer, text)]
         return torch.stack(means).mean(0)
 

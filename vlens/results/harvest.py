@@ -125,7 +125,9 @@ class Harvest:
                 f"{state})")
 
     # -- reading ---------------------------------------------------------------
-    def _check(self, site: str, layer: int) -> str:
+    def tensor_of(self, site: str, layer: int) -> str:
+        """The shards' tensor name of ``site`` at ``layer``; a pair this
+        harvest did not read is an error naming what it read."""
         if site not in self.manifest["sites"]:
             raise VlensError(f"site {site!r} was not harvested: this harvest read "
                              f"{self.sites}")
@@ -134,7 +136,8 @@ class Harvest:
                              f"{self.layers}")
         return tensor_name(site, layer)
 
-    def _load(self, shard: dict[str, Any], name: str) -> torch.Tensor:
+    def shard_tensor(self, shard: dict[str, Any], name: str) -> torch.Tensor:
+        """Tensor ``name`` of one finished shard (an entry of ``h.shards``)."""
         with safe_open(str(self.folder / shard["file"]), framework="pt") as f:
             return f.get_tensor(name)
 
@@ -144,8 +147,8 @@ class Harvest:
         in text order, one shard at a time into one tensor."""
         if layer is None and len(self.layers) == 1:
             layer = self.layers[0]
-        name = self._check(site, layer)
-        parts = [self._load(shard, name) for shard in self.manifest["shards"]]
+        name = self.tensor_of(site, layer)
+        parts = [self.shard_tensor(shard, name) for shard in self.manifest["shards"]]
         if not parts:
             return torch.zeros(0, self.widths[site], dtype=torch.float32)
         return torch.cat(parts)
@@ -153,7 +156,7 @@ class Harvest:
     @property
     def token_ids(self) -> torch.Tensor:
         """The ids of every harvested token (int64 ``[len(h)]``), in text order."""
-        parts = [self._load(shard, "token_ids") for shard in self.manifest["shards"]]
+        parts = [self.shard_tensor(shard, "token_ids") for shard in self.manifest["shards"]]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
     def text_rows(self, i: int, site: str = "resid_post", layer: int | None = None
@@ -164,10 +167,10 @@ class Harvest:
                              "are")
         if layer is None and len(self.layers) == 1:
             layer = self.layers[0]
-        name = self._check(site, layer)
+        name = self.tensor_of(site, layer)
         shard = next(s for s in self.manifest["shards"] if s["texts"][0] <= i < s["texts"][1])
         start, stop = self.spans[i]
-        return self._load(shard, name)[start - shard["tokens"][0]:stop - shard["tokens"][0]]
+        return self.shard_tensor(shard, name)[start - shard["tokens"][0]:stop - shard["tokens"][0]]
 
     def verify(self) -> None:
         """Check every finished shard against its sha256 (a VlensError naming

@@ -19,7 +19,7 @@ Dist = tuple[list[str], list[float]]  # (tokens, log-probabilities), most likely
 @dataclass
 class Patching:
     """The result of ``Session.patch``: ``grid`` ``[layers, positions]``
-    float32 (``[layers, heads]`` with ``heads=True``) of the normalised
+    float32 (``[layers, heads]`` with ``heads=``) of the normalised
     metric, NaN where a cell has not finished (``stream_patch``).
 
     ``tokens``: the clean prompt's token strings at ``positions``;
@@ -28,7 +28,14 @@ class Patching:
     cell's; ``cell_logprobs[i][j]``: cell (i, j)'s next-token
     ``(tokens, logprobs)``, most likely first (None until it finished), and
     ``clean_logprobs`` / ``corrupt_logprobs`` the same for the unpatched
-    runs."""
+    runs.
+
+    ``rows_computed`` / ``rows_cached``: the prompt rows the engine
+    computed and read from its prefix cache, summed over the call's
+    requests (both stages; vLLM's ``num_cached_tokens``). On an in-process
+    engine each cell reads the corrupt run's cached blocks before its
+    first patched position; ``rows_cached`` is 0 for the cells where they
+    are salted apart (``vlens serve``, an engine core in another process)."""
 
     site: str
     layers: list[int]
@@ -44,6 +51,8 @@ class Patching:
     cell_logprobs: list[list[Dist | None]] = field(default_factory=list)
     clean_logprobs: Dist | None = None
     corrupt_logprobs: Dist | None = None
+    rows_computed: int = 0
+    rows_cached: int = 0
 
     @property
     def done(self) -> int:

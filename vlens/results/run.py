@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vlens import spans
 from vlens.errors import VlensError
 from vlens.protocol.plan import read_key
 
@@ -303,33 +304,18 @@ class Run(Sequence[Trace]):
         return pd.DataFrame(cols)
 
 
-def span_mean(rows: torch.Tensor, span: Any, ids: Sequence[int], roles: Sequence[Any] = (),
-              bos: int | None = None, what: str = "the text") -> torch.Tensor:
-    """``rows`` ``[T, width]`` of one text (token ``ids``, per-token ``roles``)
-    averaged over ``span``: ``"last"`` its last row, ``"prompt"`` every row
-    but a BOS, ``"all"``, a role, a slice, a position or positions.
-    ``s.direction`` and ``Diff.direction`` both take it."""
+def span_mean(rows: torch.Tensor, span: Any, roles: Sequence[Any] = (),
+              what: str = "the text", call: str = "direction") -> torch.Tensor:
+    """``rows`` ``[T, width]`` of one text (per-token ``roles``) averaged over
+    ``span``, a span of the one grammar (:mod:`vlens.spans`; the rows are
+    the prompt's, so ``"all"`` is ``"prompt"``, BOS included, and
+    ``"generated"`` names none). ``s.direction`` and ``Diff.direction``
+    both take it."""
     n = rows.shape[0]
-    if span == "last":
-        return rows[-1]
-    if span == "prompt":
-        skip = 1 if bos is not None and ids[0] == bos and n > 1 else 0
-        return rows[skip:].mean(0)
-    if span == "all":
-        return rows.mean(0)
-    if isinstance(span, str):  # a role of a conversation
-        picked = [k for k, role in enumerate(list(roles)[:n]) if role == span]
-    elif isinstance(span, slice):
-        picked = list(range(n))[span]
-    elif isinstance(span, (int, Sequence, range)) and not isinstance(span, bool):
-        picked = [span] if isinstance(span, int) else list(span)
-        bad = [k for k in picked if isinstance(k, bool) or not isinstance(k, int)
-               or not -n <= k < n]
-        if bad:
-            raise VlensError(f"span position {bad[0]!r} is outside {what} ({n} tokens)")
-    else:
-        raise VlensError(f"span must be 'last', 'prompt', 'all', a role, a slice or "
-                         f"positions, got {span!r:.60}")
-    if not picked:
-        raise VlensError(f"span {span!r:.40} selects no token of {what} ({n} tokens)")
+    parsed = spans.parse(span, call, was_positions=True)
+    if parsed == "generated":
+        raise VlensError(f"{call} span='generated' names no prompt row: a direction averages "
+                         "the prompts' rows ('last', 'prompt', a role, a range or positions)")
+    has_roles = any(r not in (None, "generated") for r in roles)
+    picked = spans.rows(parsed, n, n, list(roles) if has_roles else None, f"{call} ({what})")
     return rows[picked].mean(0)

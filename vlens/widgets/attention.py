@@ -46,8 +46,8 @@ class AttentionView(View):
     and column, for a run's first trace.
 
     ``AttentionView(run)`` shows a Run that read ``attn_pattern`` (at the
-    layers it read; a run read with ``query_heads=[...]`` needs the same
-    ``query_heads=`` here, since a trace does not say which heads it holds);
+    layers it read; a run read with ``heads=[...]`` needs the same
+    ``heads=`` here, since a trace does not say which heads it holds);
     ``view.show(patterns, tokens)`` shows a tensor ``[layers, heads, T, T]``
     instead. Traits: ``head``, ``token`` (the
     picked query token, -1 for none; the chips' hover sets it), ``run``;
@@ -68,14 +68,14 @@ class AttentionView(View):
         n_layers: int | None = None,
         layer: int | None = None,
         head: int = 0,
-        query_heads: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
     ) -> None:
         if run is None and n_layers is None:
             raise ValueError("give a run to show, or n_layers= for one to come")
         self._patterns: torch.Tensor | None = None  # [layers read, heads, T, T]
         self._layers: list[int] = []
         self._heads: list[int] = []
-        self._run_heads = None if query_heads is None else [int(h) for h in query_heads]
+        self._run_heads = None if heads is None else [int(h) for h in heads]
         self._tokens: list[str] = []
         self._n_prompt: int | None = None
         if n_layers is None:
@@ -116,12 +116,12 @@ class AttentionView(View):
         tokens: Sequence[str],
         *,
         layers: Sequence[int] | None = None,
-        query_heads: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
         n_prompt: int | None = None,
     ) -> None:
         """Show ``patterns`` ``[n_layers, n_heads, T, T]`` (attention
         probabilities, rows over keys) of ``tokens``; ``layers`` names the
-        rows (default ``0..n_layers-1``), ``query_heads`` the heads (default
+        rows (default ``0..n_layers-1``), ``heads`` the heads (default
         ``0..n_heads-1``), ``n_prompt`` marks where generation starts."""
         p = torch.as_tensor(patterns, dtype=torch.float32)
         if p.dim() != 4 or p.shape[-2:] != (len(tokens), len(tokens)):
@@ -131,7 +131,7 @@ class AttentionView(View):
         layers = list(range(p.shape[0])) if layers is None else [int(x) for x in layers]
         if len(layers) != p.shape[0]:
             raise ValueError(f"{len(layers)} layer names for {p.shape[0]} layers of patterns")
-        heads = list(range(p.shape[1])) if query_heads is None else [int(h) for h in query_heads]
+        heads = list(range(p.shape[1])) if heads is None else [int(h) for h in heads]
         if len(heads) != p.shape[1]:
             raise ValueError(f"{len(heads)} head names for {p.shape[1]} heads of patterns")
         self._patterns, self._layers, self._heads = p, layers, heads
@@ -166,7 +166,7 @@ class AttentionView(View):
         return list(self._layers)
 
     @property
-    def query_heads(self) -> list[int]:
+    def heads(self) -> list[int]:
         """The heads whose patterns are on show."""
         return list(self._heads)
 
@@ -184,7 +184,7 @@ class AttentionView(View):
             raise ValueError("this run did not read attention patterns: trace with "
                              "sites=['attn_pattern'] (layers=None for every layer)")
         self.show(t.activations(PATTERN_SITE), t.tokens, layers=t.layers_read(PATTERN_SITE),
-                  query_heads=self._run_heads, n_prompt=len(t.prompt_token_ids))
+                  heads=self._run_heads, n_prompt=len(t.prompt_token_ids))
 
     def _on_chip(self, change) -> None:
         if change["name"] == "hovered" and change["new"] >= 0:

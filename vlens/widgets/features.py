@@ -11,9 +11,12 @@ unembedding. The steering row steers with the feature's decoder row, or
 clamps the feature (:class:`vlens.Clamp`), on a prompt: baseline and
 steered text side by side, growing as the engine steps. An SAE folder
 holding ``measured.json`` (the bundled toy-world SAE's, written by
-``scripts/train_sae.py``) names its concept features and gives the steer
-and clamp the view starts at, the measured recipe (*reset to recipe* puts
-them back). The frames and
+``scripts/train_sae.py``; the SmolLM2 SAE's, by
+``scripts/train_smollm2_sae.py`` and ``scripts/smollm2_sae_recipe.py``)
+names its features and gives the steer and clamp the view starts at, the
+measured recipe (*reset to recipe* puts them back). With ``harvest=`` the
+contexts and histogram come from a :class:`vlens.Harvest`'s texts (encoded
+in the kernel) instead of the prompts. The frames and
 figures come from :mod:`vlens.plots` (``top_features``,
 ``feature_contexts``, ``feature_logits``, ``feature_histogram``,
 ``promoted_tokens``).
@@ -42,60 +45,21 @@ from vlens.plots import (
     top_features,
 )
 from vlens.results import Run
+from vlens.results.harvest import Harvest
 from vlens.tokens import visible
 from vlens.widgets._base import Panel, figure_widget, show_figure, texts_html
+from vlens.widgets._feature_parts import clamp_start, contexts_html, harvest_features
 from vlens.widgets.selection import Controller
 from vlens.widgets.token_span import TokenSpanPicker
 
-__all__ = ["FeatureView"]
+__all__ = ["FeatureView", "contexts_html"]
 
 MODES = ("steer", "clamp")
 SPANS = ("all", "prompt", "generated")
 #: the sites whose width is the residual stream's: their directions meet the unembedding
 RESIDUAL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
-#: where a clamp starts without a measured recipe: a write of this fraction
-#: of the site's mean row norm over the prompts
-CLAMP_START = 0.6
 #: the steer's scale without a measured recipe (the toy world's residual recipe)
 SCALE_START = 0.75
-
-
-def contexts_html(frame: Any, top: float, label: str = "") -> str:
-    """:func:`vlens.plots.feature_contexts`'s rows as lines of tokens, each
-    tinted by the feature's activation (``top``: full colour), the strongest
-    outlined; escaped, with the activation in each token's tooltip."""
-    if not len(frame):
-        return f"<div class='vlens-contexts'><i>{html.escape(label)} fires on none of the prompts</i></div>"
-    lines = []
-    # each token its own box with a gap after it: a word-level vocabulary's
-    # tokens hold no spaces, and a byte-level one's show theirs as "·"
-    for row in frame.itertuples():
-        cells = []
-        for j, (tok, v) in enumerate(zip(row.tokens, row.values)):
-            alpha = 0.0 if top <= 0 else max(0.0, min(1.0, v / top))
-            edge = ("outline:2px solid #1f2328;" if row.start + j == row.position else "")
-            cells.append(
-                f"<span title='{html.escape(f'token {row.start + j}: {v:.4g}', quote=True)}' "
-                f"style='background:rgba(255,127,14,{alpha:.3f});{edge}"
-                f"padding:0 1px;margin-right:0.4em;border-radius:2px'>"
-                f"{html.escape(visible(tok))}</span>")
-        lines.append(
-            f"<div class='vlens-context' style='font-family:monospace;white-space:pre;"
-            f"margin:2px 0'><span style='color:#57606a'>prompt {row.prompt}, "
-            f"token {row.position}: <b>{row.activation:.4g}</b></span>  {''.join(cells)}</div>")
-    return f"<div class='vlens-contexts'>{''.join(lines)}</div>"
-
-
-def clamp_start(sae, feature: int, mean_norm: float) -> float:
-    """The clamp value whose write, ``(v - f) * W_dec[i]`` times what the
-    SAE's normalisation undoes (``protocol.features.output_scale``), is
-    CLAMP_START x the site's mean row norm: a ``constant_norm_rescale`` SAE
-    scales the write by each row's norm over sqrt(d), a ``layer_norm`` one
-    by its std (about the same); other SAEs write it as it is."""
-    unit = float(sae.decoder(feature).norm())
-    if sae.spec.norm in ("constant_norm_rescale", "layer_norm"):
-        return round(CLAMP_START * sae.d_in ** 0.5 / unit, 1)
-    return round(CLAMP_START * mean_norm / unit, 1)
 
 
 class FeatureView(Panel):
@@ -112,7 +76,10 @@ class FeatureView(Panel):
     how many features a token lists (default: a topk SAE's k, else 8);
     ``max_new_tokens`` how far a steering run generates; ``measured`` what
     ``measured.json`` says (default: the one beside the SAE, ``sae.measured()``;
-    pass it for an SAE fetched from a server).
+    pass it for an SAE fetched from a server); ``harvest`` a
+    :class:`vlens.Harvest` (or its folder) holding the SAE's site and layer:
+    the contexts, the histogram and the header's count come from its texts
+    (encoded here, each text's first token left out) instead of the prompts.
 
     Traits: ``shown`` (which prompt the chips show), ``token`` (the clicked
     token, ``-1`` none), ``feature`` (``-1`` none), ``mode`` (``"steer"``:
@@ -147,7 +114,7 @@ class FeatureView(Panel):
                  feature: int | None = None, labels: Mapping[int, str] | None = None,
                  prompt: str | None = None, top_k: int = 0, k: int | None = None, n_contexts: int = 8,
                  max_new_tokens: int = 40, unembed: Any = None,
-                 measured: Mapping[str, Any] | None = None) -> None:
+                 measured: Mapping[str, Any] | None = None, harvest: Any = None) -> None:
         if not isinstance(sae, SAE):
             raise VlensError(f"FeatureView needs a vlens.SAE (vlens.SAE.load(path)), "
                              f"got {type(sae).__name__}")
@@ -172,6 +139,8 @@ class FeatureView(Panel):
                                       reduce="norm", features_top_k=top_k, max_new_tokens=1,
                                       logprobs=False)
         self._acts = [t.features(sae) for t in self.run]  # [T_p, d_sae] each
+        #: the harvest the contexts and histogram come from (None: the prompts)
+        self.harvest = None if harvest is None else self._read_harvest(harvest, session)
         self.mean_norm = float(torch.cat([t.norms(sae.site).flatten()
                                           for t in self.run]).mean())
         self._make_controls(prompts, prompt or prompts[0])
@@ -299,9 +268,25 @@ class FeatureView(Panel):
         f = self.feature if feature is None else feature
         return [a[:, f] for a in self._acts]
 
+    def _read_harvest(self, harvest: Any, session: Any) -> Harvest:
+        """The harvest's texts encoded here (:func:`harvest_features`)."""
+        h, self._h_ids, self._h_vals, self._h_spans, self._h_tokens = harvest_features(
+            harvest, self.sae, session, self.k)
+        return h
+
+    def harvest_activations(self, feature: int | None = None) -> list[Any]:
+        """The feature's ``[T_t]`` activations on each harvested text."""
+        f = self.feature if feature is None else feature
+        col = (self._h_vals * (self._h_ids == f)).sum(-1)  # [N]
+        return [col[a:b] for a, b in self._h_spans]
+
     def contexts(self) -> Any:
-        """The feature's top-activating contexts over the prompts (a frame,
+        """The feature's top-activating contexts over the harvest's texts
+        when the view has one, else over the prompts (a frame,
         :func:`vlens.plots.feature_contexts`)."""
+        if self.harvest is not None:
+            return feature_contexts(self.harvest_activations(), self._h_tokens,
+                                    n=self.n_contexts)
         return feature_contexts(self.activations(), [list(t.tokens) for t in self.run],
                                 n=self.n_contexts)
 
@@ -418,13 +403,14 @@ class FeatureView(Panel):
         self.feature_buttons.value = f if f in values else None
         self.value = self._value_start(f)
         frame = self.contexts()
-        all_v = self.activations()
+        unit = "prompt" if self.harvest is None else "text"
+        all_v = self.activations() if self.harvest is None else self.harvest_activations()
         n_on = sum(int((v > 0).sum()) for v in all_v)
         n_all = sum(v.numel() for v in all_v)
         self._header.value = (f"<b>feature {html.escape(self.name(f))}</b>: fires on {n_on} of "
-                              f"{n_all} tokens of {len(self.run)} prompts")
+                              f"{n_all} tokens of {len(all_v)} {unit}s")
         top = float(frame["activation"].max()) if len(frame) else 0.0
-        self._contexts.value = contexts_html(frame, top, f"feature {self.name(f)}")
+        self._contexts.value = contexts_html(frame, top, f"feature {self.name(f)}", unit)
         self._shade()
         self._show_histogram()
         logits = self.logits()
@@ -434,8 +420,9 @@ class FeatureView(Panel):
     def _show_histogram(self) -> None:
         mark = (float(self._acts[self.shown][self.token, self.feature]) if self.token >= 0
                 else None)
+        values = self.activations() if self.harvest is None else self.harvest_activations()
         show_figure(self.histogram, feature_histogram(
-            torch.cat(self.activations()), feature=self.feature, mark=mark))
+            torch.cat(values), feature=self.feature, mark=mark))
 
     def _show_mode(self) -> None:
         steering = self.mode == "steer"

@@ -52,7 +52,7 @@ class PatchingView(Panel):
     ``PatchingView(patching)`` shows a result; ``PatchingView(session,
     clean=..., corrupt=..., **options)`` runs ``session.stream_patch(clean,
     corrupt, **options)`` (``site=``, ``layers=``, ``span=``,
-    ``answer=``, ``per_head=``) and fills the grid in as cells finish; the
+    ``answer=``, ``heads=``) and fills the grid in as cells finish; the
     run button runs it again. Traits: ``patching``, ``cell`` ``(row,
     col)`` (``(-1, -1)`` for none), ``cells_done``, ``streamed_states``
     (how many partial grids the last run showed). ``heatmap`` and
@@ -127,7 +127,7 @@ class PatchingView(Panel):
             f"site {o.get('site', 'resid_post')}",
             f"layers {'every' if o.get('layers') is None else o['layers']}",
             f"span {'all' if o.get('span') is None else o['span']}",
-            "per head" if o.get("per_head") else "per position",
+            "per position" if o.get("heads") is None else f"heads {o['heads']}",
             "answer: each run's top next token" if answer is None else f"answer {answer!r}",
         ] + (["AtP beside"] if self.atp else []))
 
@@ -173,7 +173,7 @@ class PatchingView(Panel):
                 atp = self.session.attribution_patch(
                     box_prompt(self._clean.value), box_prompt(self._corrupt.value),
                     site=last.site, layers=last.layers, span=last.positions,
-                    heads=last.heads is not None, answer=last.answer)
+                    heads=last.heads, answer=last.answer)
             with self._publishing():
                 self.attribution = atp
         return last

@@ -1,7 +1,7 @@
 """Steer one prompt from a notebook: pick a direction, a layer, a span and a
 scale; see baseline vs steered and how a metric responds to the scale. In
 its ablation mode, pick attention heads of the layer to knock out instead
-(``vlens.Ablate("z", layer, query_heads=[...])``) and see the continuation change.
+(``vlens.Ablate("z", layer, heads=[...])``) and see the continuation change.
 
 The panel asks its :class:`~vlens.widgets.Controller` for everything that
 runs: the direction (difference of means of two prompt lists, computed once
@@ -273,7 +273,7 @@ class SteeringPanel(SteeringControls, View):
         if not self.ablate_heads:
             raise ValueError("pick at least one head to knock out")
         return Ablate("z", layer=self.layer, kind=self.ablation_kind,
-                      query_heads=list(self.ablate_heads), span=self.steer_span())
+                      heads=list(self.ablate_heads), span=self.steer_span())
 
     def _need_prompt(self) -> str:
         if not self._prompt.value.strip():

@@ -36,12 +36,18 @@ class BatchGroups:
     adds: tuple[tuple[Plan, np.ndarray], ...]
     sets: tuple[tuple[Plan, np.ndarray], ...]
     edits: tuple[int, ...]  # batch indices whose plans have edits
+    #: [n] each request's prompt length (0: no plan), where some read keeps
+    #: one prompt position only (``Read.position``; negative ones count from
+    #: each request's own prompt end); None where none does
+    prompt_len: np.ndarray | None = None
 
     @classmethod
     def of(cls, plans: Sequence[Plan | None]) -> BatchGroups:
         # plans parsed in the worker share equal reads/adds tuples (parse_plan)
         by: tuple[dict, dict, dict] = ({}, {}, {})
         planned, edits = [], []
+        positional = any(r.position is not None for p in plans if p is not None
+                         for r in p.reads)
         for i, plan in enumerate(plans):
             if plan is None:
                 continue
@@ -55,7 +61,9 @@ class BatchGroups:
             if plan.edits:
                 edits.append(i)
         arrays = [tuple((p, np.array(idx, dtype=np.int64)) for p, idx in g.values()) for g in by]
-        return cls(np.array(planned, dtype=np.int64), *arrays, tuple(edits))
+        lens = (np.array([0 if p is None else p.prompt_len for p in plans], dtype=np.int64)
+                if positional else None)
+        return cls(np.array(planned, dtype=np.int64), *arrays, tuple(edits), lens)
 
 
 

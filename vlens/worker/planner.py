@@ -83,7 +83,16 @@ class ReadGroup:
         if self._spans is None:
             layout, picks = self._pick or (None, [])
             every = layout.spans if layout is not None else ()
-            self._spans = tuple(every[i] for idx in picks for i in idx.tolist())
+            spans: list[RowSpan] = []
+            for pick in picks:
+                if isinstance(pick, tuple):  # (batch indices, the one position each keeps)
+                    for i, p in zip(*(a.tolist() for a in pick)):
+                        sp = every[i]
+                        row = sp.start + p - sp.first_position
+                        spans.append(RowSpan(sp.key, row, row + 1, p))
+                else:
+                    spans.extend(every[i] for i in pick.tolist())
+            self._spans = tuple(spans)
         return self._spans
 
     def __repr__(self) -> str:
@@ -225,7 +234,7 @@ def plan_step(
         if counts[i] > 0:
             for edit in plans[i].edits:
                 edits[(edit.site, edit.layer)].append(EditCall(layout.spans[i], edit, plans[i]))
-    reads = _plan_reads(groups, live, qsl, layout, reader, device)
+    reads = _plan_reads(groups, live, qsl, first, layout, reader, device)
     where = (qsl, first, counts, req_ids)
     add_parts: dict[Key, list] = defaultdict(list)
     problems: dict[str, list[str]] = defaultdict(list)
@@ -246,29 +255,44 @@ def plan_step(
     )
 
 
-def _plan_reads(groups: BatchGroups, live, qsl: np.ndarray, layout: StepLayout, reader: bool,
-                device: torch.device | str) -> dict[Key, tuple[ReadGroup, ...]]:
+def _plan_reads(groups: BatchGroups, live, qsl: np.ndarray, first: np.ndarray,
+                layout: StepLayout, reader: bool, device: torch.device | str
+                ) -> dict[Key, tuple[ReadGroup, ...]]:
     """The step's read groups per (site, layer): requests that read it the
     same way share one group (``live``: the requests of a plan group with
-    rows in this step). Ranks other than the reader plan only the reads
-    every rank must join."""
+    rows in this step). A read of one position (``Read.position``) takes
+    only the row at it, from the requests whose rows in this step hold it
+    (a prefill chunk may not; a decode step never does). Ranks other than
+    the reader plan only the reads every rank must join."""
     # (site, layer) -> (how read) -> [read, spans, row indices of each plan group]
     read_spans: dict[Key, dict[tuple[str, int], list]] = defaultdict(dict)
     for plan, idx in groups.reads:
         idx = live(idx)
         if not idx.size:
             continue
-        rows = None  # built once per plan group, shared by all its sites
+        # built once per plan group (and position), shared by all its sites:
+        # (rows, rows as a tensor, the pick the group's spans are made from)
+        rows = None
+        at_rows: dict[int, tuple | None] = {}
         for where, how, read in plan.read_slots:
             if reader or read.reduce in COLLECTIVE or read.site in GATHERED:
-                if rows is None:
-                    rows = _span_rows(qsl, idx)
-                    rows = (rows, torch.from_numpy(rows).to(device))
+                if read.position is None:
+                    if rows is None:
+                        r = _span_rows(qsl, idx)
+                        rows = (r, torch.from_numpy(r).to(device), idx)
+                    entry = rows
+                else:
+                    if read.position not in at_rows:
+                        at_rows[read.position] = _position_rows(
+                            qsl, first, groups.prompt_len, idx, read.position, device)
+                    entry = at_rows[read.position]
+                    if entry is None:  # no request of the group holds it in this step
+                        continue
                 group = read_spans[where].get(how)
                 if group is None:
                     group = read_spans[where][how] = [read, [], []]
-                group[1].append(idx)
-                group[2].append(rows)
+                group[1].append(entry[2])
+                group[2].append(entry[:2])
     return {
         key: tuple(_read_group(g[0], layout, g[1], g[2]) for g in groups_.values())
         for key, groups_ in read_spans.items()
@@ -294,6 +318,13 @@ def _same_decode(last: tuple | None, now: tuple) -> bool:
         return False
     if not np.array_equal(first, first0 + 1):
         return False
+    if groups.prompt_len is not None:  # a one-position read: its row is in one step only
+        for plan, idx in groups.reads:
+            for r in plan.reads:
+                if r.position is not None:
+                    at = _positions(r.position, groups.prompt_len, idx)
+                    if bool(((at == first[idx]) | (at == first0[idx])).any()):
+                        return False
     for plan, idx in groups.adds + groups.sets:
         edges = {x for e in plan.adds + plan.sets for x in (e.start, e.stop) if x > 0}
         at = first[idx] if edges else None
@@ -316,6 +347,29 @@ def _read_group(read: Read, layout: StepLayout, picks: list[np.ndarray],
             index.size == 1 or bool((index[1:] > index[:-1]).all())):
         bounds = (int(index[0]), int(index[-1]) + 1)
     return ReadGroup(read, None, index, index_t, bounds, pick=(layout, picks))
+
+
+def _positions(position: int, prompt_len: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
+    """The sequence position a one-position read keeps, for each request at
+    batch indices ``idx`` (negative: from each one's prompt end)."""
+    if position >= 0 or prompt_len is None:
+        return np.full(idx.size, position, dtype=np.int64)
+    return prompt_len[idx] + position
+
+
+def _position_rows(qsl: np.ndarray, first: np.ndarray, prompt_len: np.ndarray | None,
+                   idx: np.ndarray, position: int, device: torch.device | str) -> tuple | None:
+    """Step rows of ``position`` of the requests at ``idx`` whose rows in
+    this step hold it, as a tensor too, and the pick ``(batch indices,
+    positions)`` their spans are made from; None where none does."""
+    at = _positions(position, prompt_len, idx)
+    f = first[idx]
+    inside = (at >= f) & (at < f + (qsl[idx + 1] - qsl[idx]))
+    if not bool(inside.any()):
+        return None
+    sel, at = idx[inside], at[inside]
+    rows = qsl[sel] + (at - first[sel])
+    return rows, torch.from_numpy(rows).to(device), (sel, at)
 
 
 def _span_rows(qsl: np.ndarray, batch_idx: np.ndarray) -> np.ndarray:

@@ -54,7 +54,7 @@ class StepLog:
     def __init__(self) -> None:
         # (read key, part, layer) -> (rows of the whole group, the group)
         self.entries: dict[ReadKey, tuple[torch.Tensor, Any]] = {}
-        self._cut: dict[Any, dict[ReadKey, torch.Tensor]] | None = None
+        self._cut: dict[Any, tuple] | None = None
 
     def put(self, key: ReadKey, rows: torch.Tensor, group: Any) -> None:
         """``group``: whose rows are where (a ``ReadGroup``: its ``spans``,
@@ -62,11 +62,14 @@ class StepLog:
         self.entries[key] = (rows, group)
         self._cut = None
 
-    def _per_request(self) -> dict[Any, tuple[int, dict[ReadKey, torch.Tensor], int]]:
-        """req_id -> (its rows, key -> its rows of key, bytes of them): every
-        entry cut once, when the first record is packed (after the run)."""
+    def _per_request(self) -> dict[Any, tuple[int, dict[ReadKey, torch.Tensor], int,
+                                                 dict[ReadKey, int]]]:
+        """req_id -> (its most rows of a key, key -> its rows of key, bytes
+        of them, key -> the sequence position of its first row where the
+        span says (a read of one position)): every entry cut once, when the
+        first record is packed (after the run)."""
         if self._cut is None:
-            cut: dict[Any, tuple[int, dict[ReadKey, torch.Tensor], int]] = {}
+            cut: dict[Any, list] = {}
             lengths: dict[int, list[int]] = {}  # one list per group of spans
             for key, (rows, group) in self.entries.items():
                 if isinstance(rows, LazyPart):  # a feature read encoded after its step
@@ -84,16 +87,28 @@ class StepLog:
                 for sp, m, chunk in zip(spans, n, rows.split(n)):
                     per = cut.get(sp.key)
                     if per is None:
-                        per = cut[sp.key] = (m, {}, [0])
+                        per = cut[sp.key] = [0, {}, 0, {}, 0]
+                    per[0] = max(per[0], m)
                     per[1][key] = chunk
-                    per[2][0] += m * row_bytes
-            self._cut = {k: (m, d, b[0]) for k, (m, d, b) in cut.items()}
+                    per[2] += m * row_bytes
+                    p0 = getattr(sp, "first_position", None)
+                    if p0 is not None:
+                        per[3][key] = p0
+                        per[4] = max(per[4], p0 + m)
+            self._cut = {k: tuple(v) for k, v in cut.items()}
         return self._cut
 
     def of(self, req_id: Any) -> tuple[int, dict[ReadKey, torch.Tensor], int]:
-        """Request ``req_id``'s rows this step, its rows of each key it read,
-        and their bytes."""
-        return self._per_request().get(req_id, (0, {}, 0))
+        """Request ``req_id``'s most rows of a key this step, its rows of
+        each key it read, and their bytes."""
+        return self._per_request().get(req_id, (0, {}, 0, {}, 0))[:3]
+
+    def starts(self, req_id: Any) -> tuple[dict[ReadKey, int], int]:
+        """The sequence position of the first row of each key request
+        ``req_id`` read this step (a read of one position: that one), and
+        one past the last position any of them holds."""
+        got = self._per_request().get(req_id)
+        return (got[3], got[4]) if got is not None else ({}, 0)
 
     def to_host(self) -> None:
         """Move this step's tensors to the host: one device-to-host copy
@@ -127,15 +142,24 @@ class _StepRows:
 
     def kept(self) -> tuple[dict[ReadKey, torch.Tensor], int]:
         """Every read of this step's rows (kept here, or in the step's log),
-        and the bytes of those in the log."""
+        and the bytes of those in the log. Logged rows at or past
+        ``first + n`` (the step was cut back by a recompute) are left out."""
         if self.log is None:
             return self.reads, 0
         m, logged, nbytes = self.log.of(self.req_id)
         if not logged:
             return self.reads, 0
-        if m > self.n:  # cut back by a recompute
-            logged = {k: t[: self.n] for k, t in logged.items()}
-            nbytes = nbytes * self.n // m
+        end = self.first + self.n
+        starts, reach = self.log.starts(self.req_id)
+        if self.first + m > end or reach > end:  # some rows are past a recompute's cut
+            cut, nbytes = {}, 0
+            for k, t in logged.items():
+                p0 = starts.get(k, self.first)
+                if p0 + t.shape[0] > end:  # cut back by a recompute
+                    t = t[: max(0, end - p0)]
+                cut[k] = t
+                nbytes += t.numel() * t.element_size()
+            logged = cut
         if not self.reads:
             return logged, nbytes
         out = dict(logged)
@@ -231,11 +255,19 @@ class RequestRecord:
         return sum(add.rows_in(self.start, self.end) for add in self.plan.adds)
 
     def _stacked(self, key: str, part: str, layers: tuple[int, ...],
-                 kept: list[dict[ReadKey, torch.Tensor]]) -> torch.Tensor | None:
-        """``kept``: each step's reads (``_StepRows.kept``)."""
+                 kept: list[dict[ReadKey, torch.Tensor]], at: int | None = None
+                 ) -> torch.Tensor | None:
+        """``kept``: each step's reads (``_StepRows.kept``); ``at``: the one
+        position the read keeps (None: every row), whose row only the step
+        that ran it holds."""
+        if at is not None and not self.start <= at < self.end:
+            self.error(f"read {key}: position {at} never reached the hooks (rows "
+                       f"{self.start} to {self.end - 1} did)")
+            return None
         per_layer = []
         for layer in layers:
-            chunks = [k.get((key, part, layer)) for k in kept]
+            chunks = [k.get((key, part, layer)) for s, k in zip(self.steps, kept)
+                      if at is None or s.first <= at < s.first + s.n]
             if not chunks or any(c is None for c in chunks):
                 self.error(f"read {key}, layer {layer}: the hook never saw some of this "
                            "request's rows")
@@ -244,8 +276,8 @@ class RequestRecord:
                 # each step's rows reach only the keys so far: pad them to all
                 width = self.end
                 chunks = [torch.nn.functional.pad(c, (0, width - c.shape[-1])) for c in chunks]
-            per_layer.append(torch.cat(chunks, 0))
-        n = self.end - self.start
+            per_layer.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks, 0))
+        n = self.end - self.start if at is None else 1
         lengths = {t.shape[0] for t in per_layer}
         if lengths != {n}:
             self.error(f"read {key}: layers read {sorted(lengths)} rows but the request "
@@ -262,13 +294,19 @@ class RequestRecord:
         both = [s.kept() for s in self.steps]
         kept = [k for k, _ in both]
         logged = sum(b for _, b in both)
-        every = set().union(*kept) if kept else set()
+        parts_of: dict[str, set[str]] = {}
+        for k in kept:
+            for key, part, _ in k:
+                parts_of.setdefault(key, set()).add(part)
         for read in self.plan.reads:
-            parts = sorted({p for (key, p, _) in every if key == read.key})
+            parts = sorted(parts_of.get(read.key, ()))
             out: dict[str, Any] = {"layers": list(read.layers), "site": read.site,
                                    "reduce": read.reduce}
+            at = read.at(self.plan.prompt_len)
+            if at is not None:  # [layers, 1, ...]: the row at this position alone
+                out["position"] = at
             for part in parts or ["value"]:
-                stacked = self._stacked(read.key, part, read.layers, kept)
+                stacked = self._stacked(read.key, part, read.layers, kept, at)
                 if stacked is None:
                     break
                 out[part] = encode_tensor(stacked)
