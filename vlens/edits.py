@@ -38,25 +38,16 @@ __all__ = [
     "Steer",
     "edit_salt",
     "engine_prompt",
-    "parse_span",
     "per_prompt",
     "span_positions",
     "vector_id",
 ]
 
 #: the named token spans (vlens.spans has the one grammar)
-SPANS = ("all", "prompt", "generated", "last")
+SPANS = spans.NAMES
 #: role spans: the content tokens of every message of that role (a
 #: conversation prompt only; resolved to positions by vlens.prompts)
 ROLE_SPANS = spans.ROLES
-#: what an Ablate puts in the rows ("direction": the rows less their
-#: component along ``direction``)
-KINDS = ("zero", "mean", "direction")
-
-
-def parse_span(span: Any, what: str) -> Any:
-    """A Steer's or an Ablate's span, checked (:func:`vlens.spans.parse`)."""
-    return spans.parse(span, what)
 
 
 def span_positions(span: Any, prompt_len: int) -> tuple[int, int]:

@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 from vlens import checks
-from vlens import spans
 from vlens.errors import VlensError
 from vlens.prompts import is_conversation
-from vlens.results.run import span_mean
+from vlens.results.run import prompt_span, span_mean
 
 __all__ = ["difference_of_means"]
 
@@ -24,10 +23,7 @@ def difference_of_means(session: Any, positive: Sequence[Any], negative: Sequenc
     at ``layer`` over one traced batch of both sets, each prompt's rows of
     ``span`` averaged first."""
     facts = session.facts
-    parsed = spans.parse(span, "direction", was_positions=True)  # checked before any run
-    if parsed == "generated":
-        raise VlensError("direction span='generated' names no prompt row: a direction averages "
-                         "the prompts' rows ('last', 'prompt', a role, a range or positions)")
+    prompt_span(span)  # checked before anything runs
     for name, group in (("positive", positive), ("negative", negative)):
         if (isinstance(group, str) or not isinstance(group, (list, tuple)) or not group
                 or is_conversation(group)):

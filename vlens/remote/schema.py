@@ -102,17 +102,18 @@ class ClampEntry(ClampFields):
         return data
 
 
+#: a key of the body takes one entry (an object) or a list of them
+_ONE_OR_LIST = BeforeValidator(lambda x: [x] if isinstance(x, dict) else x)
+
+
 class VlensBody(StrictModel):
     """Edits of this request only (at most 16 steers and clamps, 64 ablations)."""
 
-    steer: Annotated[list[SteerEntry], BeforeValidator(lambda x: [x] if isinstance(x, dict)
-                                                       else x)] = Field(
+    steer: Annotated[list[SteerEntry], _ONE_OR_LIST] = Field(
         default_factory=list, max_length=BODY_MAX["steer"])
-    ablate: Annotated[list[AblateEntry], BeforeValidator(lambda x: [x] if isinstance(x, dict)
-                                                         else x)] = Field(
+    ablate: Annotated[list[AblateEntry], _ONE_OR_LIST] = Field(
         default_factory=list, max_length=BODY_MAX["ablate"])
-    clamp: Annotated[list[ClampEntry], BeforeValidator(lambda x: [x] if isinstance(x, dict)
-                                                       else x)] = Field(
+    clamp: Annotated[list[ClampEntry], _ONE_OR_LIST] = Field(
         default_factory=list, max_length=BODY_MAX["clamp"])
 
 
@@ -212,7 +213,7 @@ def parse_body(raw: Any, facts: Any, vector: Callable[[str], Any],
     for key in BODY_KEYS:
         for i, entry in enumerate(getattr(body, key)):
             where = f"vlens.{key}[{i}]"
-            made = _make(key, entry, where, facts, vector, sae)
+            made = _make(key, entry, where, vector, sae)
             if key == "ablate":
                 out.ablates.append(made)
                 out.ablate_fields.append(where)
@@ -254,20 +255,23 @@ def _made(where: str, make: Callable[[], Any]) -> Any:
         raise BodyError(where, str(exc)) from None
 
 
-def _make(key: str, e: Any, where: str, facts: Any, vector: Callable[[str], Any],
+def _feature_of(e: Any, where: str, sae: Callable[[str], Any]) -> Any:
+    """The SAE an entry names, its ``feature`` one of that SAE's."""
+    model = _named("SAE", e.sae, f"{where}.sae", sae)
+    if not 0 <= e.feature < model.d_sae:
+        raise BodyError(f"{where}.feature", f"must be from 0 to {model.d_sae - 1}, got "
+                                            f"{e.feature}")
+    return model
+
+
+def _make(key: str, e: Any, where: str, vector: Callable[[str], Any],
           sae: Callable[[str], Any]) -> Any:
     if key == "clamp":
-        model = _named("SAE", e.sae, f"{where}.sae", sae)
-        if not 0 <= e.feature < model.d_sae:
-            raise BodyError(f"{where}.feature", f"must be from 0 to {model.d_sae - 1}, got "
-                                                f"{e.feature}")
+        model = _feature_of(e, where, sae)
         return _made(f"{where}.value", lambda: Clamp(model, e.feature, e.value, e.span))
     if key == "steer":
         if e.sae is not None:
-            model = _named("SAE", e.sae, f"{where}.sae", sae)
-            if not 0 <= e.feature < model.d_sae:
-                raise BodyError(f"{where}.feature", f"must be from 0 to {model.d_sae - 1}, got "
-                                                    f"{e.feature}")
+            model = _feature_of(e, where, sae)
             return _made(where, lambda: model.steer(e.feature, scale=e.scale, span=e.span))
         vec = _named("vector", e.vector, f"{where}.vector", vector)  # its width: the rule
         return _made(where, lambda: Steer(vec, e.layer, e.scale, e.site, e.span, e.relative))

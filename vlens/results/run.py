@@ -20,7 +20,7 @@ from vlens import spans
 from vlens.errors import VlensError
 from vlens.protocol.plan import read_key
 
-__all__ = ["Run", "Trace", "span_mean", "stack_index"]
+__all__ = ["Run", "Trace", "prompt_span", "span_mean", "stack_index"]
 
 #: the sites held per head, ``[..., heads, head_dim]``
 SPLIT_SITES = ("q", "k", "v", "z")
@@ -304,6 +304,16 @@ class Run(Sequence[Trace]):
         return pd.DataFrame(cols)
 
 
+def prompt_span(span: Any, call: str = "direction") -> Any:
+    """A direction's ``span`` parsed (a tuple refused where it meant positions),
+    naming prompt rows: ``"generated"`` names none."""
+    parsed = spans.parse(span, call, was_positions=True)
+    if parsed == "generated":
+        raise VlensError(f"{call} span='generated' names no prompt row: a direction averages "
+                         "the prompts' rows ('last', 'prompt', a role, a range or positions)")
+    return parsed
+
+
 def span_mean(rows: torch.Tensor, span: Any, roles: Sequence[Any] = (),
               what: str = "the text", call: str = "direction") -> torch.Tensor:
     """``rows`` ``[T, width]`` of one text (per-token ``roles``) averaged over
@@ -312,10 +322,7 @@ def span_mean(rows: torch.Tensor, span: Any, roles: Sequence[Any] = (),
     ``"generated"`` names none). ``s.direction`` and ``Diff.direction``
     both take it."""
     n = rows.shape[0]
-    parsed = spans.parse(span, call, was_positions=True)
-    if parsed == "generated":
-        raise VlensError(f"{call} span='generated' names no prompt row: a direction averages "
-                         "the prompts' rows ('last', 'prompt', a role, a range or positions)")
+    parsed = prompt_span(span, call)
     has_roles = any(r not in (None, "generated") for r in roles)
     picked = spans.rows(parsed, n, n, list(roles) if has_roles else None, f"{call} ({what})")
     return rows[picked].mean(0)
