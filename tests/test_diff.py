@@ -42,6 +42,24 @@ def swapped_llama(models_dir, tiny_llama):
     return path
 
 
+@pytest.fixture(scope="module")
+def stopping_llama(models_dir, tuned_llama, llama_session):
+    """``tuned_llama`` (the same weights) whose generation config also stops
+    at the third token it writes greedily after ``PROMPTS[1]``: that
+    continuation ends early, on a token that is never fed back."""
+    path = models_dir / "llama-tuned-stopping"
+    if not path.exists():
+        shutil.copytree(tuned_llama, path)
+        ids = list(llama_session.prompts(PROMPTS[1])[0].ids)
+        for _ in range(3):
+            ids.append(int(_hf(tuned_llama, ids)[0][-1].argmax()))
+        config = path / "generation_config.json"
+        spec = json.loads(config.read_text()) if config.exists() else {}
+        spec["eos_token_id"] = [2, ids[-1]]
+        config.write_text(json.dumps(spec))
+    return path
+
+
 def _hf(path, ids):
     """Hugging Face: the log-probabilities after each token ``[T, vocab]``
     and every layer's residual output ``[layers, T, hidden]``."""
@@ -59,13 +77,18 @@ def _hf(path, ids):
     return logits.float().log_softmax(-1), torch.stack(got)
 
 
-def test_diff_equals_hugging_face(llama_session, tiny_llama, tuned_llama):
-    tuned = _session(tuned_llama, reuse=False, max_model_len=512)
+def test_diff_equals_hugging_face(llama_session, tiny_llama, tuned_llama, stopping_llama):
+    # each model reads its own text as it writes it; the tuned model stops
+    # early after prompt 1 (its last token never fed back), so that text is
+    # read teacher-forced afterwards: both ways are checked against HF
+    tuned = _session(stopping_llama, reuse=False, max_model_len=512)
     try:
         d = vlens.diff(llama_session, tuned, PROMPTS, max_new_tokens=6)
     finally:
         tuned.close()
     assert len(d) == 2 and d.layers == [0, 1, 2] and d.sites == ["resid_post"]
+    stopped = d.text(1, "tuned")
+    assert 1 <= len(stopped.ids) - stopped.n_prompt <= 3, stopped.ids
     frame = d.to_frame()
     assert set(frame.columns) >= {"prompt", "position", "token", "kl", "logprob_base",
                                   "logprob_tuned"}

@@ -12,6 +12,7 @@ tests/test_run_all.py.
 from __future__ import annotations
 
 import html
+import json
 
 import pytest
 import torch
@@ -55,13 +56,22 @@ def test_attention_view_picks_a_head_from_its_thumbnail_and_a_token_by_hover():
     assert len(view.thumbnails.data) == 6 and view.heatmap.layout.title.text == "layer 1, head 0"
     assert torch.equal(view.pattern(), p[0, 0])
 
-    # a click on the thumbnail of layer 3, head 2 (trace 5)
+    # a click on the thumbnail of layer 3, head 2 (trace 5): one draw of the
+    # head's figures, and the grid's outline moved (the grid not built again)
+    grid, drawn = view.thumbnails.data, []
+    view.heatmap.observe(lambda c: drawn.append(json.loads(c["new"])["layout"]["title"]),
+                         names=["figure_json"])
     view._on_thumbnail(view.thumbnails.data[5], Points(point_inds=[[0, 0]]), None)
     assert (view.layer, view.head) == (3, 2) and view.layer_picker.value == 3
+    assert [t["text"] for t in drawn] == ["layer 3, head 2"]
     assert view.heatmap.layout.title.text == "layer 3, head 2"
     assert view.heatmap.data[0].z[4][2] == pytest.approx(float(p[1, 2, 4, 2]))
-    (sel,) = [s for s in view.thumbnails.layout.shapes if s.name == "selected"]
-    assert sel.xref == "x6 domain"
+    assert all(a is b for a, b in zip(view.thumbnails.data, grid, strict=True))
+    for shapes in (view.thumbnails.layout.shapes,
+                   json.loads(view.thumbnails.figure_json)["layout"]["shapes"]):
+        (sel,) = [s for s in shapes if s["name"] == "selected"]
+        assert sel["xref"] == "x6 domain"
+    assert json.loads(view.thumbnails.figure_json)["data"][5]["meta"] == [3, 2]
 
     # the pointer over chip 2 picks token 2: its row and column, and the chips' tint
     view.chips.hovered = 2

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -168,14 +169,16 @@ def _in_a_fresh_process(case) -> None:
     errors go into test-artifacts/models.json as this module's do."""
     # as tests/test_scale_out.py's children: none of the variables vLLM set
     # for this process's engines (nor this worker's test folders)
+    # nor PYTEST_ADDOPTS (a -v there would change the summary line read below)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VLLM_", "VLENS_TEST", "PYTEST_XDIST", "LOCAL_WORLD_SIZE"))}
+           if not k.startswith(("VLLM_", "VLENS_TEST", "PYTEST_XDIST", "PYTEST_ADDOPTS",
+                                "LOCAL_WORLD_SIZE"))}
     node = f"{Path(__file__).name}::test_architecture_matches_transformers[{_case_id(case)}]"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-p", "no:xdist", "-o", "addopts=", f"tests/{node}"],
                          env={**env, _CHILD: "1"}, cwd=ROOT, capture_output=True, text=True,
                          timeout=1200)
-    passed = any(line.startswith("1 passed") for line in out.stdout.splitlines())
+    passed = re.search(r"^=* ?1 passed\b", out.stdout, re.M) is not None
     assert out.returncode == 0 and passed, (out.stdout + out.stderr)[-4000:]
 
 

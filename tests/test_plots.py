@@ -3,10 +3,14 @@ axes and labels. No engine, no display."""
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 
+import numpy
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io
 import pytest
 import torch
 
@@ -375,6 +379,25 @@ def test_attention_heads_is_a_grid_of_thumbnails_with_the_pick_outlined():
         plots.attention_heads(p[0], [1])
     with pytest.raises(ValueError, match="3 layer names for 2"):
         plots.attention_heads(p, [0, 1, 2])
+    # laid out as make_subplots lays out the same grid (written directly, for speed):
+    # each trace on its subplot's axes, the same domains and titles
+    from plotly.subplots import make_subplots
+
+    ref = make_subplots(rows=2, cols=3, horizontal_spacing=0.02, vertical_spacing=0.03,
+                        row_titles=["layer 1", "layer 3"],
+                        column_titles=["head 0", "head 1", "head 2"]).to_plotly_json()["layout"]
+    got = fig.to_plotly_json()["layout"]
+    assert [(t.xaxis, t.yaxis) for t in fig.data] == [
+        ("x", "y"), ("x2", "y2"), ("x3", "y3"), ("x4", "y4"), ("x5", "y5"), ("x6", "y6")]
+    for name in [k for k in ref if k.startswith(("xaxis", "yaxis"))]:
+        assert got[name]["anchor"] == ref[name]["anchor"]
+        assert got[name]["domain"] == pytest.approx(ref[name]["domain"], abs=1e-12)
+        assert got[name]["showticklabels"] is False
+    assert got["yaxis5"]["autorange"] == "reversed"
+    for a, b in zip(got["annotations"], ref["annotations"], strict=True):
+        assert {k: v for k, v in a.items() if k not in ("x", "y")} == {
+            k: v for k, v in b.items() if k not in ("x", "y")}
+        assert (a["x"], a["y"]) == pytest.approx((b["x"], b["y"]), abs=1e-12)
 
 
 def test_long_patterns_are_pooled_for_thumbnails():
@@ -392,8 +415,14 @@ def test_attention_heatmap_labels_tokens_and_marks_a_token():
     fig = plots.attention_heatmap(p, TOKENS, token=2, n_prompt=4)
     hm = fig.data[0]
     assert list(hm.x) == list(hm.y) == ["0:&lt;s&gt;", "1:the", "2:cat", "3:the", "4:dog"]
-    assert hm.z[3][1] == pytest.approx(float(p[3, 1])) and hm.z[1][3] is None
-    assert sum(v for v in hm.z[4] if v is not None) == pytest.approx(1, abs=1e-5)
+    assert hm.z[3][1] == pytest.approx(float(p[3, 1])) and math.isnan(hm.z[1][3])
+    assert sum(v for v in hm.z[4] if not math.isnan(v)) == pytest.approx(1, abs=1e-5)
+    # the page gets one typed float32 array (plotly.js draws NaN as an empty cell)
+    shown = json.loads(plotly.io.to_json(fig))["data"][0]["z"]
+    z = numpy.frombuffer(base64.b64decode(shown["bdata"]), dtype=shown["dtype"])
+    z = z.reshape(shown["shape"] if isinstance(shown["shape"], list)
+                  else [int(n) for n in shown["shape"].split(",")])
+    assert math.isnan(z[1, 3]) and z[3, 1] == pytest.approx(float(p[3, 1]))
     (row,) = _shape(fig, "query")
     (col,) = _shape(fig, "key")
     assert (row.y0, row.y1, col.x0, col.x1) == (1.5, 2.5, 1.5, 2.5)

@@ -331,11 +331,17 @@ def test_views_of_one_selection_move_together(run, offline_lens):
     a.layer_picker.value = 3
     assert b.layer == 3 and b.layer_picker.value == 3
     assert _shape(b.heatmap, "layer").y0 == 2.5
+    grid = lens_view.figure.data
     sel.span = (2, 4)
     for fig in (a.heatmap, b.heatmap):
         assert (_shape(fig, "span").x0, _shape(fig, "span").x1) == (1.5, 3.5)
     assert (_shape(lens_view.figure, "span").y0, _shape(lens_view.figure, "span").y1) == (
         1.5, 3.5)  # the lens has tokens down
+    # the lens grid was not built again for a span: the outline moved, on the page too
+    assert all(x is y for x, y in zip(lens_view.figure.data, grid, strict=True))
+    shown = json.loads(lens_view.figure.figure_json)
+    (span,) = [x for x in shown["layout"]["shapes"] if x["name"] == "span"]
+    assert (span["y0"], span["y1"]) == (1.5, 3.5) and len(shown["data"]) == len(grid)
 
 
 @engine

@@ -4,19 +4,24 @@ A base model and a model tuned from it (two Sessions, local or connected)
 read the same prompts. The call runs in two phases, each model's share
 of a phase one engine batch, the two models at once where they can be:
 
-1. **generate** (``max_new_tokens > 0``): each model continues each prompt
-   greedily; its continuation is cut before the first token the other
-   model's vocabulary lacks;
-2. **score**: each model reads every text teacher-forced -- the prompt plus
-   the base's continuation and the prompt plus the tuned model's (with
-   ``max_new_tokens=0``, the prompt alone) -- at ``sites`` and ``layers`` in
-   full, and the last layer's log-probabilities over the vocabulary.
+1. **generate and read** (``max_new_tokens > 0``): each model continues each
+   prompt greedily and reads its own text as it goes -- ``sites`` at
+   ``layers`` and the last layer's log-probabilities over the vocabulary,
+   on the prompt and on every kept token (it asks for one token more than
+   it keeps, so the last kept token is fed and read too). A continuation is
+   cut before the first token the other model's vocabulary lacks;
+2. **score the other's**: each model reads the other's text teacher-forced
+   (the prompt plus that continuation), the same reads. A text its own
+   model did not read to the end (it stopped at its end-of-text token,
+   which is never fed back, or the model's length ran out) is scored here
+   too. With ``max_new_tokens=0`` this is the only phase: the prompts alone.
 
 So every number in the :class:`~vlens.results.diff.Diff` comes from the two
-models reading identical ids. Each phase runs on both engines from two
-threads: two engines in this process take turns step by step (their
-drivers never step at once, ``vlens/engine/driver.py``); a connected or
-multiprocess engine runs beside the other.
+models reading identical ids, and no text is prefilled twice by the model
+that wrote it. Each phase runs on both engines from two threads: two
+engines in this process take turns step by step (their drivers never step
+at once, ``vlens/engine/driver.py``); a connected or multiprocess engine
+runs beside the other.
 
 Tokenizers: one vocabulary must extend the other (every token of the
 smaller one has the same id in the larger: the bundled chat model adds 20
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,26 +73,17 @@ def diff(base: Any, tuned: Any, prompts: Any, *, layers: Any = None,
         checks.check_generation(max_new_tokens, {}, tuned.facts)
     plist = _same_ids(base, tuned, prompts, shared)
     prompt_ids = [list(p.ids) for p in plist]
-    texts = [prompt_ids]
+    labels = [p.label for p in plist]
     if max_new_tokens:
-        gen = _both(base, tuned, lambda s: s.run_call(_generate_call(prompt_ids, max_new_tokens),
-                                                      progress=progress))
-        texts = [[ids + _cut(g, shared) for ids, g in zip(prompt_ids, out)] for out in gen]
-    flat = [ids for group in texts for ids in group]
-    runs = _both(base, tuned, lambda s: s.run_call(
-        _score_call(flat, [p.label for p in plist] * len(texts), layers, sites, s.facts),
-        progress=progress))
-    kinds = ("prompt",) if not max_new_tokens else ("base", "tuned")
-    n = len(plist)
-    by_prompt = []
-    for i in range(n):
-        held = {kind: _text(kind, runs[0][k * n + i], runs[1][k * n + i], len(prompt_ids[i]),
-                            shared, layers, sites)
-                for k, kind in enumerate(kinds)}
-        if "prompt" not in held:  # the prompt's rows: the start of either text
-            held["prompt"] = held["base"].head(len(prompt_ids[i]))
-        by_prompt.append(held)
-    return Diff(prompts=[p.label for p in plist], texts=by_prompt, layers=layers, sites=sites,
+        held = _generated(base, tuned, prompt_ids, labels, shared, layers, sites,
+                          max_new_tokens, progress)
+    else:
+        runs = _both(base, tuned, lambda _, s: s.run_call(
+            _score_call(prompt_ids, labels, layers, sites, s.facts), progress=progress))
+        held = [{"prompt": _text("prompt", *(_rows(r[i], len(ids), sites) for r in runs),
+                                 len(ids), shared, layers)}
+                for i, ids in enumerate(prompt_ids)]
+    return Diff(prompts=labels, texts=held, layers=layers, sites=sites,
                 base_model=model_folder(base), tuned_model=model_folder(tuned),
                 shared_vocab=shared, tokenizer=base.tokenizer, tuned_tokenizer=tuned.tokenizer,
                 max_new_tokens=max_new_tokens)
@@ -179,17 +176,58 @@ def _shared_only(ids: list[list[int]], shared: int, base: Any, tuned: Any, side:
                 "both models on the same ids: use words both vocabularies hold")
 
 
+def _generated(base: Any, tuned: Any, prompt_ids: list[list[int]], labels: list[str],
+               shared: int, layers: list[int], sites: list[str], max_new_tokens: int,
+               progress: Any) -> list[dict[str, DiffText]]:
+    """The two phases with continuations: each model writes and reads its
+    own text, then reads the other's (and any of its own it did not read to
+    the end). ``held[i]``: prompt i's ``"base"``, ``"tuned"`` and
+    ``"prompt"`` texts."""
+    own = _both(base, tuned, lambda _, s: s.run_call(
+        _own_call(prompt_ids, labels, max_new_tokens, layers, sites, s.facts),
+        progress=progress))
+    # texts[k][i]: prompt i and model k's continuation, cut to the shared ids
+    texts = [[ids + _cut(t.output_token_ids[:max_new_tokens], shared)
+              for ids, t in zip(prompt_ids, run)] for run in own]
+    # what model m still reads teacher-forced: (k, i) for text k of prompt i
+    todo = [[(k, i) for k in (0, 1) for i in range(len(prompt_ids))
+             if k != m or own[m][i].n_tokens < len(texts[k][i])] for m in (0, 1)]
+
+    def score(m: int, s: Any) -> Any:
+        if not todo[m]:
+            return []
+        return s.run_call(_score_call([texts[k][i] for k, i in todo[m]],
+                                      [labels[i] for _, i in todo[m]], layers, sites, s.facts),
+                          progress=progress)
+
+    scored = _both(base, tuned, score)
+    rows: list[dict[tuple[int, int], _Rows]] = [{}, {}]
+    for m in (0, 1):
+        for (k, i), t in zip(todo[m], scored[m]):
+            rows[m][k, i] = _rows(t, len(texts[k][i]), sites)
+        for i, t in enumerate(own[m]):
+            rows[m].setdefault((m, i), _rows(t, len(texts[m][i]), sites))
+    held = []
+    for i, ids in enumerate(prompt_ids):
+        texts_i = {kind: _text(kind, rows[0][k, i], rows[1][k, i], len(ids), shared,
+                                 layers)
+                   for k, kind in enumerate(("base", "tuned"))}
+        texts_i["prompt"] = texts_i["base"].head(len(ids))  # the start of either text
+        held.append(texts_i)
+    return held
+
+
 def _both(base: Any, tuned: Any, fn: Any) -> list[Any]:
-    """``[fn(base), fn(tuned)]`` in two threads (one engine: one after the
-    other). An error in either is raised once both have ended."""
+    """``[fn(0, base), fn(1, tuned)]`` in two threads (one engine: one after
+    the other). An error in either is raised once both have ended."""
     if base.engine is tuned.engine:
-        return [fn(base), fn(tuned)]
+        return [fn(0, base), fn(1, tuned)]
     out: list[Any] = [None, None]
     errors: list[BaseException] = []
 
     def work(k: int, s: Any) -> None:
         try:
-            out[k] = fn(s)
+            out[k] = fn(k, s)
         except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread
             errors.append(exc)
 
@@ -212,19 +250,33 @@ def _cut(ids: Sequence[int], shared: int) -> list[int]:
     return out
 
 
-def _generate_call(prompt_ids: list[list[int]], max_new_tokens: int) -> Call:
-    """Greedy continuations of each prompt, no plan: their token ids."""
-    requests = [calls.background(ids, max_new_tokens, {}) for ids in prompt_ids]
-    return Call(requests, lambda outs, _, __: [list(o.outputs[0].token_ids) for o in outs])
+def _reads(layers: list[int], sites: list[str], facts: checks.ModelFacts) -> list[Read]:
+    """``sites`` at ``layers`` in full, and the last layer's vocabulary
+    log-probabilities."""
+    reads = [Read(site, tuple(layers), "full") for site in sites]
+    reads.append(Read("resid_post", (facts.n_layers - 1,), "vocab_logprobs"))
+    return reads
+
+
+def _own_call(prompt_ids: list[list[int]], labels: list[str], max_new_tokens: int,
+              layers: list[int], sites: list[str], facts: checks.ModelFacts) -> Call:
+    """Greedy continuations of each prompt, read as they are generated: one
+    token more than is kept (where the model's length allows), so that every
+    kept token is fed back and read."""
+    reads, tag = _reads(layers, sites, facts), calls.new_tag()
+    requests = [calls.request(f"{tag}-{i}", i, ids, reads=reads, logprobs=False, clone=False,
+                              max_new_tokens=min(max_new_tokens + 1,
+                                                 max(1, facts.max_model_len - len(ids))))
+                for i, ids in enumerate(prompt_ids)]
+    return Call(requests, lambda outs, got, runs: runs.build_run(labels, requests, outs, got,
+                                                                 False))
 
 
 def _score_call(texts: list[list[int]], labels: list[str], layers: list[int], sites: list[str],
                 facts: checks.ModelFacts) -> Call:
-    """Each text teacher-forced (one token generated, not kept): ``sites``
-    at ``layers`` in full, and the last layer's vocabulary log-probabilities."""
-    reads = [Read(site, tuple(layers), "full") for site in sites]
-    reads.append(Read("resid_post", (facts.n_layers - 1,), "vocab_logprobs"))
-    tag = calls.new_tag()
+    """Each text teacher-forced (one token generated, not kept), the same
+    reads as :func:`_own_call`."""
+    reads, tag = _reads(layers, sites, facts), calls.new_tag()
     requests = [calls.request(f"{tag}-{i}", i, ids, reads=reads, max_new_tokens=1,
                               logprobs=False, clone=False)
                 for i, ids in enumerate(texts)]
@@ -232,27 +284,43 @@ def _score_call(texts: list[list[int]], labels: list[str], layers: list[int], si
                                                                  False))
 
 
-def _text(kind: str, tb: Any, tt: Any, n_prompt: int, shared: int, layers: list[int],
-          sites: list[str]) -> DiffText:
+@dataclass
+class _Rows:
+    """The first rows of one trace: ids, token strings, the last layer's
+    vocabulary log-probabilities ``[T, vocab]``, ``{site: [layers, T, ...]}``."""
+
+    ids: list[int]
+    tokens: list[str]
+    logprobs: torch.Tensor
+    acts: dict[str, torch.Tensor]
+
+
+def _rows(t: Any, n: int, sites: list[str]) -> _Rows:
+    """Trace ``t``'s first ``n`` rows (a causal model read them the same
+    whatever came after)."""
+    return _Rows(list(t.token_ids[:n]), list(t.tokens[:n]), t.vocab_logprobs()[-1][:n],
+                 {site: t.activations(site)[:, :n] for site in sites})
+
+
+def _text(kind: str, rb: _Rows, rt: _Rows, n_prompt: int, shared: int, layers: list[int]
+          ) -> DiffText:
     """One text as both models read it: KL, each model's logprobs, the
     activation differences (tuned - base) at each site."""
-    ids = list(tb.token_ids)
-    if ids != list(tt.token_ids):
+    ids = rb.ids
+    if ids != rt.ids:
         raise VlensError(f"the two models read different ids for one {kind} text "
                          "(an engine served part of it from a cache?)")
-    lb = tb.vocab_logprobs()[-1]  # [T, vocab of the base]
-    lt = tt.vocab_logprobs()[-1]
+    lb, lt = rb.logprobs, rt.logprobs  # [T, vocab of each model]
     sb, st = lb[:, :shared], lt[:, :shared]
     kl = _kl(st.log_softmax(-1), sb.log_softmax(-1))
-    delta = {}
-    for site in sites:
-        a, b = tb.activations(site), tt.activations(site)
+    delta, cos = {}, {}
+    for site, a in rb.acts.items():
+        b = rt.acts[site]
         delta[site] = (b - a).reshape(b.shape[0], b.shape[1], -1)
-    cos = {site: torch.nn.functional.cosine_similarity(
-        tt.activations(site).reshape(d.shape), tb.activations(site).reshape(d.shape), dim=-1)
-        for site, d in delta.items()}
+        cos[site] = torch.nn.functional.cosine_similarity(
+            b.reshape(delta[site].shape), a.reshape(delta[site].shape), dim=-1)
     return DiffText(
-        kind=kind, ids=ids, tokens=list(tb.tokens), n_prompt=n_prompt, kl=kl,
+        kind=kind, ids=ids, tokens=rb.tokens, n_prompt=n_prompt, kl=kl,
         logprob_base=_actual(lb, ids), logprob_tuned=_actual(lt, ids),
         outside_base=1 - sb.logsumexp(-1).exp(), outside_tuned=1 - st.logsumexp(-1).exp(),
         delta=delta, cosine=cos, layers=list(layers))

@@ -29,6 +29,7 @@ from vlens.plots._attention import (
     attention_heatmap,
     attention_of_token,
     pool_pattern,
+    thumbnail_outline,
 )
 from vlens.plots._branches import branch_rows
 from vlens.plots._common import plain_text, token_labels
@@ -40,7 +41,7 @@ from vlens.plots._features import (
     promoted_tokens,
     top_features,
 )
-from vlens.plots._lens import lens_token_values, logit_lens_grid, logit_lens_track
+from vlens.plots._lens import lens_row_marks, lens_token_values, logit_lens_grid, logit_lens_track
 from vlens.plots._reductions import (
     QUANTITIES,
     activation_values,
@@ -58,6 +59,7 @@ __all__ = [
     "attention_heads",
     "attention_heatmap",
     "attention_of_token",
+    "thumbnail_outline",
     "baseline_vs_steered",
     "branch_rows",
     "colour_values",
@@ -68,6 +70,7 @@ __all__ = [
     "feature_histogram",
     "feature_logits",
     "layer_profile",
+    "lens_row_marks",
     "lens_token_values",
     "logit_lens_grid",
     "logit_lens_track",

@@ -14,33 +14,24 @@ from collections.abc import Sequence
 import numpy
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
 from vlens.plots._cells import FONT_PX, readable
 from vlens.plots._common import as_float, prompt_boundary, token_labels
 
-__all__ = ["attention_heads", "attention_heatmap", "attention_of_token", "pool_pattern"]
+__all__ = ["attention_heads", "attention_heatmap", "attention_of_token", "pool_pattern",
+           "thumbnail_outline"]
 
 #: the colours of attention: white at 0, dark blue at 1 (one scale for every head)
 ATTENTION_COLOURS = "Blues"
 OUTLINE = {"color": "#d62728", "width": 3}
 
 
-def _causal(pattern: torch.Tensor) -> list[list[float | None]]:
-    """``pattern`` ``[T, T]`` as rows, ``None`` above the diagonal (a gap)."""
-    n = pattern.shape[-1]
-    rows = pattern.tolist()
-    for i in range(min(len(rows), n)):
-        for j in range(i + 1, n):
-            rows[i][j] = None
-    return rows
-
-
 def _causal_array(pattern: torch.Tensor) -> numpy.ndarray:
     """``pattern`` ``[T, T]`` as a float32 array, NaN above the diagonal (a
-    gap). For the thumbnails: plotly checks a nested list value by value
+    gap; null on the page). Plotly checks a nested list value by value
     (twice more when a figure is copied and shown), which took seconds for
-    the 270 thumbnails of a 30-layer model; an array it takes whole."""
+    the 270 thumbnails of a 30-layer model and half a second for one head
+    of a 200-token prompt; an array it takes whole."""
     a = pattern.detach().to(torch.float32).cpu().numpy().copy()
     n = a.shape[-1]
     a[numpy.triu_indices(min(a.shape[0], n), k=1, m=n)] = numpy.nan
@@ -91,33 +82,18 @@ def attention_heads(
     if len(heads) != n_heads:
         raise ValueError(f"{len(heads)} head names for {n_heads} heads of patterns")
     small = pool_pattern(p, cells)
-    fig = make_subplots(
-        rows=n_layers, cols=n_heads, horizontal_spacing=0.02, vertical_spacing=0.03,
-        row_titles=[f"layer {x}" for x in layers],
-        column_titles=[f"head {h}" for h in heads],
-    )
-    picked = None  # the thumbnail of ``selected``: its subplot number
-    for r, layer in enumerate(layers):
-        for c, h in enumerate(heads):
-            if selected is not None and (int(selected[0]), int(selected[1])) == (int(layer), h):
-                picked = picked or r * n_heads + c + 1
-            fig.add_trace(
-                go.Heatmap(
-                    z=_causal_array(small[r, c]), zmin=0, zmax=1,
-                    colorscale=ATTENTION_COLOURS,
-                    showscale=False, meta=[int(layer), h], name=f"layer {layer} head {h}",
-                    hovertemplate=f"layer {layer} head {h}<extra></extra>",
-                ),
-                row=r + 1, col=c + 1,
-            )
-    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
-    fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
-    shapes = []
-    if picked is not None:
-        axis = "" if picked == 1 else str(picked)
-        shapes.append({"type": "rect", "xref": f"x{axis} domain", "yref": f"y{axis} domain",
-                       "x0": -0.02, "x1": 1.02, "y0": -0.02, "y1": 1.02, "line": OUTLINE,
-                       "name": "selected"})
+    layout, axes = _grid_layout([f"layer {x}" for x in layers], [f"head {h}" for h in heads])
+    traces = [
+        go.Heatmap(
+            z=_causal_array(small[r, c]), zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
+            showscale=False, meta=[int(layer), h], name=f"layer {layer} head {h}",
+            hovertemplate=f"layer {layer} head {h}<extra></extra>",
+            xaxis=axes[r * n_heads + c][0], yaxis=axes[r * n_heads + c][1],
+        )
+        for r, layer in enumerate(layers) for c, h in enumerate(heads)
+    ]
+    fig = go.Figure(traces, layout)
+    shapes = thumbnail_outline(layers, heads, selected)
     fig.update_layout(
         title={"text": title or "attention of every head (click one)"},
         shapes=shapes,
@@ -126,6 +102,68 @@ def attention_heads(
         margin={"t": 60, "b": 10, "l": 10, "r": 40},
     )
     return fig
+
+
+def _grid_layout(row_titles: list[str], col_titles: list[str], h_space: float = 0.02,
+                 v_space: float = 0.03) -> tuple[dict, list[tuple[str, str]]]:
+    """The layout of a rows x columns grid of small plots, as
+    ``make_subplots`` lays it out (subplot n, counted row by row from the
+    top left, on axes ``x{n}``/``y{n}``; titles above the columns and right
+    of the rows), without ticks or grid, y reversed -- and each subplot's
+    (x, y) axis names. Written as one dict: ``make_subplots`` and
+    ``update_xaxes`` build and update the axes one by one, which took about
+    a second for a 30-layer model's 270 thumbnails."""
+    n_rows, n_cols = len(row_titles), len(col_titles)
+    width = (1 - h_space * n_cols) / n_cols  # the row titles take one spacing on the right
+    height = (1 - v_space * (n_rows - 1)) / n_rows
+    plain = {"showticklabels": False, "showgrid": False, "zeroline": False}
+    layout: dict = {"annotations": []}
+    axes = []
+    for r in range(n_rows):
+        top = 1 - r * (height + v_space)
+        for c in range(n_cols):
+            n = r * n_cols + c + 1
+            x, y = ("x", "y") if n == 1 else (f"x{n}", f"y{n}")
+            left = c * (width + h_space)
+            layout[f"xaxis{'' if n == 1 else n}"] = {
+                "anchor": y, "domain": [_unit(left), _unit(left + width)], **plain}
+            layout[f"yaxis{'' if n == 1 else n}"] = {
+                "anchor": x, "domain": [_unit(top - height), _unit(top)], "autorange": "reversed",
+                **plain}
+            axes.append((x, y))
+    title = {"font": {"size": 16}, "showarrow": False, "xref": "paper", "yref": "paper"}
+    for c, text in enumerate(col_titles):
+        layout["annotations"].append({**title, "text": text, "x": c * (width + h_space) + width / 2,
+                                      "xanchor": "center", "y": 1.0, "yanchor": "bottom"})
+    for r, text in enumerate(row_titles):
+        layout["annotations"].append({**title, "text": text, "textangle": 90, "x": 1 - h_space,
+                                      "xanchor": "left", "y": 1 - r * (height + v_space) - height / 2,
+                                      "yanchor": "middle"})
+    return layout, axes
+
+
+def _unit(v: float) -> float:
+    """``v`` within [0, 1] (float error at the edges of a grid)."""
+    return min(1.0, max(0.0, v))
+
+
+def thumbnail_outline(layers: Sequence[int], heads: Sequence[int],
+                      selected: tuple[int, int] | None) -> list[dict]:
+    """The shapes of :func:`attention_heads`: an outline (named
+    ``"selected"``) around the thumbnail of ``selected`` ``(layer, head)``,
+    none when it is not on the grid. A view moves the outline with these
+    alone, without building the grid again."""
+    if selected is None:
+        return []
+    layer, head = int(selected[0]), int(selected[1])
+    rows, cols = [int(x) for x in layers], [int(h) for h in heads]
+    if layer not in rows or head not in cols:
+        return []
+    picked = rows.index(layer) * len(cols) + cols.index(head) + 1  # its subplot number
+    axis = "" if picked == 1 else str(picked)
+    return [{"type": "rect", "xref": f"x{axis} domain", "yref": f"y{axis} domain",
+             "x0": -0.02, "x1": 1.02, "y0": -0.02, "y1": 1.02, "line": OUTLINE,
+             "name": "selected"}]
 
 
 def attention_heatmap(
@@ -141,7 +179,7 @@ def attention_heatmap(
     Labels are ``"position:token"``. ``token`` outlines that query's row
     (where it attends, shape ``"query"``) and that key's column (what
     attends to it, shape ``"key"``); ``n_prompt`` draws where generation
-    starts. Cells above the diagonal are ``None``.
+    starts. Cells above the diagonal are NaN (drawn empty).
     """
     p = as_float(pattern)
     n = len(tokens)
@@ -150,7 +188,7 @@ def attention_heatmap(
                          f"for {n} tokens")
     labels = token_labels(tokens)
     fig = go.Figure(go.Heatmap(
-        z=_causal(p), x=labels, y=labels, zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
+        z=_causal_array(p), x=labels, y=labels, zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
         colorbar={"title": {"text": "attention"}},
         hovertemplate="query %{y}<br>key %{x}<br>attention %{z:.3f}<extra></extra>",
     ))

@@ -25,7 +25,7 @@ import torch
 from vlens.plots._cells import CHAR_PX, FONT_PX, cell_text_traces, labels_fit, readable
 from vlens.plots._common import as_float, plain_text, token_labels, token_text
 
-__all__ = ["lens_token_values", "logit_lens_grid", "logit_lens_track"]
+__all__ = ["lens_row_marks", "lens_token_values", "logit_lens_grid", "logit_lens_track"]
 
 ROW_PX = 24  # one token row: room for 14 px text and no overlap
 MARGIN = {"l": 130, "r": 20, "t": 90, "b": 20}
@@ -46,8 +46,10 @@ def _cell_chars(n_layers: int, width: int) -> int:
     return max(2, int(_cell_px(n_layers, width) / CHAR_PX) - 1)
 
 
-def _rows_marks(span: tuple[int, int] | None, n_prompt: int | None, n: int) -> list[dict]:
-    """Span outline (token rows ``[start, stop)``) and the prompt|generated line."""
+def lens_row_marks(span: tuple[int, int] | None, n_prompt: int | None, n: int) -> list[dict]:
+    """The shapes of a lens figure of ``n`` token rows: the span outline
+    (rows ``[start, stop)``) and the prompt|generated line. A view moves the
+    outline with these alone, without building the grid again."""
     shapes = []
     if span is not None and span[1] > span[0]:
         shapes.append({
@@ -139,7 +141,7 @@ def logit_lens_grid(
     )
     fig = go.Figure([heat, *cell_text_traces(heat, text)])
     _layout(fig, title or f"logit lens: top next token per layer ({n_t} tokens)", labels,
-            n_t, _rows_marks(span, n_prompt, n_t), width)
+            n_t, lens_row_marks(span, n_prompt, n_t), width)
     return fig
 
 
@@ -238,5 +240,5 @@ def logit_lens_track(
     fits = labels_fit(text, _cell_px(n_l, width or 900))
     fig = go.Figure([heat, *(cell_text_traces(heat, text) if fits else [])])
     _layout(fig, title or f"logit lens: {quantity} of {word!r} next, per layer", labels,
-            n_t, _rows_marks(span, n_prompt, n_t), width)
+            n_t, lens_row_marks(span, n_prompt, n_t), width)
     return fig

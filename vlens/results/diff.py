@@ -2,7 +2,8 @@
 
 A :class:`Diff` holds, per prompt, up to three texts (``"prompt"``: the
 prompt alone; ``"base"`` / ``"tuned"``: the prompt and that model's own
-greedy continuation), each read teacher-forced by both models. Per token:
+greedy continuation), each read by both models (the model that wrote a
+continuation as it wrote it, the other teacher-forced). Per token:
 KL(tuned || base) of the next-token distributions after it, each model's
 log-probability of it, and per site and layer the activation difference
 (tuned - base), its norm and the cosine of the two activations. From the

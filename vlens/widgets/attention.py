@@ -22,13 +22,14 @@ and ``token`` (-1: none). Setting them from Python redraws the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import ipywidgets as widgets
 import torch
 import traitlets
 
-from vlens.plots import attention_heads, attention_heatmap, attention_of_token
+from vlens.plots import attention_heads, attention_heatmap, attention_of_token, thumbnail_outline
 from vlens.results import Run
 from vlens.results.run import stack_index
 from vlens.widgets._base import View, figure_widget, show_figure
@@ -78,6 +79,8 @@ class AttentionView(View):
         self._run_heads = None if heads is None else [int(h) for h in heads]
         self._tokens: list[str] = []
         self._n_prompt: int | None = None
+        self._grid_of: torch.Tensor | None = None  # the patterns the thumbnails show
+        self._holding = False  # several traits change as one pick: draw once, after
         if n_layers is None:
             t = run[0]
             n_layers = 1 + max(t.layers_read(PATTERN_SITE) if PATTERN_SITE in t.read_keys
@@ -137,16 +140,15 @@ class AttentionView(View):
         self._patterns, self._layers, self._heads = p, layers, heads
         self._tokens, self._n_prompt = [str(t) for t in tokens], n_prompt
         self._head.max = max(heads)
-        with self.hold_trait_notifications():
+        with self._one_draw():
             if self.head not in heads:
                 self.head = heads[0]
             if self.token >= len(tokens):
                 self.token = -1
-        if self.layer not in layers:  # the selection's observer redraws
-            self.layer = layers[0] if self.layer < layers[0] else layers[-1]
-        self.chips.tokens = self._tokens
-        self.chips.n_prompt = -1 if n_prompt is None else n_prompt
-        self.replot()
+            if self.layer not in layers:
+                self.layer = layers[0] if self.layer < layers[0] else layers[-1]
+            self.chips.tokens = self._tokens
+            self.chips.n_prompt = -1 if n_prompt is None else n_prompt
 
     def pattern(self) -> torch.Tensor:
         """The picked head's pattern ``[T, T]`` (queries, keys)."""
@@ -193,10 +195,21 @@ class AttentionView(View):
             self.token = change["new"][0]
 
     def _on_token(self, change) -> None:
-        if self._patterns is not None:
+        if self._patterns is not None and not self._holding:
             self._draw_token()
 
     def _redraw(self, change) -> None:
+        if not self._holding:
+            self.replot()
+
+    @contextmanager
+    def _one_draw(self):
+        """Traits set inside draw nothing; one :meth:`replot` after them."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
         self.replot()
 
     def _on_thumbnail(self, trace, points, state) -> None:
@@ -204,9 +217,9 @@ class AttentionView(View):
         if not points.point_inds:
             return
         layer, head = (int(x) for x in trace.meta)
-        with self.hold_trait_notifications():
+        with self._one_draw():
             self.head = head
-        self.layer = layer
+            self.layer = layer
 
     def _on_cell(self, trace, points, state) -> None:
         """A click on a cell of the heatmap picks its query token."""
@@ -215,14 +228,20 @@ class AttentionView(View):
 
     # -- drawing ---------------------------------------------------------------
     def replot(self) -> None:
-        """Redraw every figure from the patterns on show."""
+        """Redraw every figure from the patterns on show. The thumbnail grid
+        is built once per set of patterns; a new pick moves its outline."""
         if self._patterns is None:
             return
-        show_figure(self.thumbnails, attention_heads(
-            self._patterns, self._layers, heads=self._heads,
-            selected=(self.layer, self.head)))
-        for trace in self.thumbnails.data:
-            trace.on_click(self._guard(self._on_thumbnail))
+        picked = (self.layer, self.head)
+        if self._grid_of is not self._patterns:
+            show_figure(self.thumbnails, attention_heads(
+                self._patterns, self._layers, heads=self._heads, selected=picked))
+            for trace in self.thumbnails.data:
+                trace.on_click(self._guard(self._on_thumbnail))
+            self._grid_of = self._patterns
+        else:
+            self.thumbnails.update_layout(
+                shapes=thumbnail_outline(self._layers, self._heads, picked))
         self._draw_token()
         self._note.value = (f"<small>layer {self.layer}, head {self.head}: click a thumbnail "
                             "to pick a head; hover a token to see where it attends</small>")

@@ -70,6 +70,7 @@ class FigureView(anywidget.AnyWidget):
     def __init__(self, figure: go.Figure | None = None, *, height: int | None = None) -> None:
         super().__init__(library=f"anywidget:{plotly_library().model_id}")
         self._figure = go.Figure()
+        self._data_json: str | None = "[]"
         if height:
             self._figure.layout.height = height
         self.on_msg(self._on_message)
@@ -94,7 +95,25 @@ class FigureView(anywidget.AnyWidget):
         self._figure = go.Figure(fig)
         if self._figure.layout.height is None and height is not None:
             self._figure.layout.height = height
-        self.figure_json = pio.to_json(self._figure, validate=False)
+        whole = self._figure.to_plotly_json()
+        # the traces' JSON, kept: a layout change reuses it (update_layout)
+        self._data_json = None if self._figure.frames else pio.json.to_json_plotly(whole["data"])
+        self.figure_json = self._joined(whole["layout"])
+
+    def update_layout(self, **layout: Any) -> None:
+        """Replace layout properties of the figure shown (``shapes=[...]``, a
+        title: each given property is replaced whole, not merged), its
+        traces as they are. The traces are not built or serialised again,
+        so moving an outline on a grid of hundreds of heatmaps costs what
+        the layout does."""
+        self._figure.update_layout(overwrite=True, **layout)
+        self.figure_json = self._joined(self._figure.to_plotly_json()["layout"])
+
+    def _joined(self, layout: dict) -> str:
+        """The figure's JSON from the kept traces' JSON and ``layout``."""
+        if self._data_json is None:  # a figure with frames: serialised whole
+            return pio.to_json(self._figure, validate=False)
+        return f'{{"data":{self._data_json},"layout":{pio.json.to_json_plotly(layout)}}}'
 
     def _on_message(self, _widget: Any, content: Any, _buffers: Any) -> None:
         if not isinstance(content, dict) or content.get("event") != "click":

@@ -29,7 +29,7 @@ import torch
 import traitlets
 
 from vlens.protocol.plan import read_key
-from vlens.plots import lens_token_values, logit_lens_grid, logit_lens_track
+from vlens.plots import lens_row_marks, lens_token_values, logit_lens_grid, logit_lens_track
 from vlens.results import Run, Trace
 from vlens.widgets._base import View, figure_widget, layers_spanned, show_figure
 from vlens.widgets.pickers import LayerPicker
@@ -109,7 +109,7 @@ class LogitLensView(View):
         traitlets.link((self._mode, "value"), (self, "mode"))
         traitlets.link((self._quantity, "value"), (self, "track_quantity"))
         self._word.observe(self._guard(lambda c: self.track_word(c["new"])), names="value")
-        self.selection.observe(self._guard(self._redraw), names=["span"])
+        self.selection.observe(self._guard(self._on_span), names=["span"])
         self.observe(self._guard(self._redraw),
                      names=["layer_range", "mode", "track", "track_quantity"])
         self.observe(self._guard(self._on_run), names=["run"])
@@ -208,6 +208,14 @@ class LogitLensView(View):
 
     def _redraw(self, change) -> None:
         self.replot()
+
+    def _on_span(self, change) -> None:
+        """A new span moves the figure's outline; the grid stays as drawn."""
+        if self._top is None or not self.figure.data:
+            return
+        t = self.run[0]
+        self.figure.update_layout(
+            shapes=lens_row_marks(self.span, len(t.prompt_token_ids), len(t.tokens)))
 
     def _on_click(self, trace, points, state) -> None:
         """A click on a cell of the top-token grid tracks that cell's token."""
