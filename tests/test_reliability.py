@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import psutil
 import pytest
 import torch
 
@@ -115,27 +114,55 @@ def test_norm_reduction_matches_full_reads(llama_session):
     assert red.copied_bytes * 50 < full.copied_bytes
 
 
-def test_engine_memory_is_returned_on_close(tiny_llama):
-    import ctypes
-    import gc
+#: the measurement of test_engine_memory_is_returned_on_close, run in a
+#: process of its own: what it prints is the resident memory (bytes) before
+#: the engine (after a small one came and went), with it open and after it
+#: closed, and what a closed session says
+_MEMORY_ON_CLOSE = """
+import ctypes, gc, json, sys
+import psutil
+import vlens
+proc = psutil.Process()
+# a small engine first, opened and closed: the code every engine loads
+# (torch, vLLM, the model's modules) is then resident before the measurement
+with vlens.Session(sys.argv[1], reuse=False, kv_cache_memory_bytes=32 * 2**20) as warm:
+    warm.trace(sys.argv[2], max_new_tokens=2)
+gc.collect()
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+before = proc.memory_info().rss
+s = vlens.Session(sys.argv[1], reuse=False, kv_cache_memory_bytes=512 * 2**20)
+s.trace(sys.argv[2], max_new_tokens=2)
+opened = proc.memory_info().rss
+s.close()
+s.close()  # harmless
+closed = proc.memory_info().rss
+try:
+    s.trace(sys.argv[2])
+    after = ""
+except vlens.VlensError as exc:
+    after = str(exc)
+print("MEMORY", json.dumps([before, opened, closed, after]))
+"""
 
-    proc = psutil.Process()
-    # what earlier tests left for the cycle collector (a closed engine's
-    # tensors) is freed now and glibc hands its free heap back, not while
-    # this engine starts: else earlier tests' memory, resident but free, is
-    # reused by this engine and its growth reads as nothing (seen under two
-    # test processes)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = proc.memory_info().rss
-    s = vlens.Session(tiny_llama, reuse=False, kv_cache_memory_bytes=512 * 2**20)
-    s.trace(SHORT, max_new_tokens=2)
-    opened = proc.memory_info().rss
-    s.close()
-    s.close()  # harmless
-    closed = proc.memory_info().rss
+
+def test_engine_memory_is_returned_on_close(tiny_llama):
+    """In a fresh process: in a test process, memory that earlier tests
+    freed but glibc kept is reused by this engine (its growth then reads as
+    little: 306 MiB for a 512 MiB KV cache, seen once under two test
+    processes), and memory they free while it starts offsets it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VLLM_", "VLENS_TEST", "PYTEST_XDIST", "LOCAL_WORLD_SIZE"))}
+    out = subprocess.run([sys.executable, "-c", _MEMORY_ON_CLOSE, str(tiny_llama), SHORT],
+                         env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("MEMORY ")), None)
+    assert out.returncode == 0 and line, (out.stdout + out.stderr)[-4000:]
+    before, opened, closed, after = json.loads(line.split(" ", 1)[1])
     grew = opened - before
     assert grew > 400 * 2**20  # the KV cache alone is 512 MiB
     assert closed - before < 0.5 * grew, (before, opened, closed)
-    with pytest.raises(VlensError, match="closed"):
-        s.trace(SHORT)
+    assert "closed" in after, after
