@@ -138,6 +138,7 @@ class AttentionView(View):
         if len(heads) != p.shape[1]:
             raise ValueError(f"{len(heads)} head names for {p.shape[1]} heads of patterns")
         self._patterns, self._layers, self._heads = p, layers, heads
+        self._grid_of = None  # new patterns or names: the grid is built again
         self._tokens, self._n_prompt = [str(t) for t in tokens], n_prompt
         self._head.max = max(heads)
         with self._one_draw():

@@ -107,7 +107,7 @@ class FigureView(anywidget.AnyWidget):
         so moving an outline on a grid of hundreds of heatmaps costs what
         the layout does."""
         self._figure.update_layout(overwrite=True, **layout)
-        self.figure_json = self._joined(self._figure.to_plotly_json()["layout"])
+        self.figure_json = self._joined(self._figure.layout.to_plotly_json())
 
     def _joined(self, layout: dict) -> str:
         """The figure's JSON from the kept traces' JSON and ``layout``."""
