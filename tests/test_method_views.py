@@ -72,6 +72,10 @@ def test_attention_view_picks_a_head_from_its_thumbnail_and_a_token_by_hover():
         (sel,) = [s for s in shapes if s["name"] == "selected"]
         assert sel["xref"] == "x6 domain"
     assert json.loads(view.thumbnails.figure_json)["data"][5]["meta"] == [3, 2]
+    # the same tensor shown under other layer numbers: the grid is built again
+    view.show(p, ["<s>", "the", "cat", "the", "dog"], layers=[0, 2], n_prompt=4)
+    assert [list(t.meta) for t in view.thumbnails.data][::3] == [[0, 0], [2, 0]]
+    view.show(p, ["<s>", "the", "cat", "the", "dog"], layers=[1, 3], n_prompt=4)
 
     # the pointer over chip 2 picks token 2: its row and column, and the chips' tint
     view.chips.hovered = 2
