@@ -79,7 +79,7 @@ def diff(base: Any, tuned: Any, prompts: Any, *, layers: Any = None,
                           max_new_tokens, progress)
     else:
         runs = _both(base, tuned, lambda _, s: s.run_call(
-            _score_call(prompt_ids, labels, layers, sites, s.facts), progress=progress))
+            _read_call(prompt_ids, labels, layers, sites, s.facts), progress=progress))
         held = [{"prompt": _text("prompt", *(_rows(r[i], len(ids), sites) for r in runs),
                                  len(ids), shared, layers)}
                 for i, ids in enumerate(prompt_ids)]
@@ -184,7 +184,7 @@ def _generated(base: Any, tuned: Any, prompt_ids: list[list[int]], labels: list[
     the end). ``held[i]``: prompt i's ``"base"``, ``"tuned"`` and
     ``"prompt"`` texts."""
     own = _both(base, tuned, lambda _, s: s.run_call(
-        _own_call(prompt_ids, labels, max_new_tokens, layers, sites, s.facts),
+        _read_call(prompt_ids, labels, layers, sites, s.facts, max_new_tokens),
         progress=progress))
     # texts[k][i]: prompt i and model k's continuation, cut to the shared ids
     texts = [[ids + _cut(t.output_token_ids[:max_new_tokens], shared)
@@ -196,7 +196,7 @@ def _generated(base: Any, tuned: Any, prompt_ids: list[list[int]], labels: list[
     def score(m: int, s: Any) -> Any:
         if not todo[m]:
             return []
-        return s.run_call(_score_call([texts[k][i] for k, i in todo[m]],
+        return s.run_call(_read_call([texts[k][i] for k, i in todo[m]],
                                       [labels[i] for _, i in todo[m]], layers, sites, s.facts),
                           progress=progress)
 
@@ -250,35 +250,19 @@ def _cut(ids: Sequence[int], shared: int) -> list[int]:
     return out
 
 
-def _reads(layers: list[int], sites: list[str], facts: checks.ModelFacts) -> list[Read]:
-    """``sites`` at ``layers`` in full, and the last layer's vocabulary
-    log-probabilities."""
+def _read_call(texts: list[list[int]], labels: list[str], layers: list[int], sites: list[str],
+               facts: checks.ModelFacts, new_tokens: int = 0) -> Call:
+    """Each text read -- ``sites`` at ``layers`` in full, and the last
+    layer's vocabulary log-probabilities -- as the model continues it
+    greedily: ``new_tokens`` tokens and one more (where the model's length
+    allows), so that every kept token is fed back and read; with 0, the
+    text alone, teacher-forced (one token generated, not kept)."""
     reads = [Read(site, tuple(layers), "full") for site in sites]
     reads.append(Read("resid_post", (facts.n_layers - 1,), "vocab_logprobs"))
-    return reads
-
-
-def _own_call(prompt_ids: list[list[int]], labels: list[str], max_new_tokens: int,
-              layers: list[int], sites: list[str], facts: checks.ModelFacts) -> Call:
-    """Greedy continuations of each prompt, read as they are generated: one
-    token more than is kept (where the model's length allows), so that every
-    kept token is fed back and read."""
-    reads, tag = _reads(layers, sites, facts), calls.new_tag()
+    tag = calls.new_tag()
     requests = [calls.request(f"{tag}-{i}", i, ids, reads=reads, logprobs=False, clone=False,
-                              max_new_tokens=min(max_new_tokens + 1,
+                              max_new_tokens=min(new_tokens + 1,
                                                  max(1, facts.max_model_len - len(ids))))
-                for i, ids in enumerate(prompt_ids)]
-    return Call(requests, lambda outs, got, runs: runs.build_run(labels, requests, outs, got,
-                                                                 False))
-
-
-def _score_call(texts: list[list[int]], labels: list[str], layers: list[int], sites: list[str],
-                facts: checks.ModelFacts) -> Call:
-    """Each text teacher-forced (one token generated, not kept), the same
-    reads as :func:`_own_call`."""
-    reads, tag = _reads(layers, sites, facts), calls.new_tag()
-    requests = [calls.request(f"{tag}-{i}", i, ids, reads=reads, max_new_tokens=1,
-                              logprobs=False, clone=False)
                 for i, ids in enumerate(texts)]
     return Call(requests, lambda outs, got, runs: runs.build_run(labels, requests, outs, got,
                                                                  False))
