@@ -60,6 +60,7 @@ def test_serve_threads_leave_a_cpu_to_the_http_server_unless_the_user_chose(monk
     monkeypatch.setattr(env, "has_gpu", lambda: False)
     monkeypatch.setattr(env.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     monkeypatch.setattr(env, "_SET_BY_VLENS", {})
+    monkeypatch.delenv(env.MARK, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert env.serve_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
@@ -70,3 +71,44 @@ def test_serve_threads_leave_a_cpu_to_the_http_server_unless_the_user_chose(monk
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # a binding: vLLM sets the threads
     assert env.serve_threads() is None and "OMP_NUM_THREADS" not in os.environ
+
+
+CHILD = """
+import json, os
+from vlens import VlensError
+from vlens.engine import env
+try:
+    env.apply_env_defaults({"kv_cache_memory_bytes": 2**26})
+    print(json.dumps({"error": None, "space": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}))
+except VlensError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+def test_a_child_process_takes_its_parents_vlens_defaults_for_defaults(monkeypatch):
+    """A default vlens set here (VLLM_CPU_KVCACHE_SPACE) is inherited by a
+    process started from this one; passing ``kv_cache_memory_bytes=`` there
+    removes it instead of refusing it as the user's setting. The user's own
+    value (not the one vlens wrote down) is still refused."""
+    from vlens.engine import env
+
+    monkeypatch.setattr(env, "has_gpu", lambda: False)
+    monkeypatch.setattr(env, "_SET_BY_VLENS", {})
+    for key in (env.MARK, *env.CPU_DEFAULTS, *env.COMMON_DEFAULTS):
+        monkeypatch.delenv(key, raising=False)
+    env.apply_env_defaults({})
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE=1" in os.environ[env.MARK].split(";")
+
+    def child(**extra: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **extra},
+                             capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert child() == {"error": None, "space": None}
+    refused = child(VLLM_CPU_KVCACHE_SPACE="2")  # the user's, in the child
+    assert refused["error"] and "VLLM_CPU_KVCACHE_SPACE='2'" in refused["error"], refused
+    # and in this process: the argument takes the variable back out, and its mark
+    env.apply_env_defaults({"kv_cache_memory_bytes": 2**26})
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    assert "VLLM_CPU_KVCACHE_SPACE=1" not in os.environ.get(env.MARK, "").split(";")

@@ -17,7 +17,8 @@ Why each default (measurements in docs/concepts.md and docs/scale-out.md):
   fraction of the whole machine's memory for the KV cache. Not set when the
   engine is given ``kv_cache_memory_bytes=`` (on the CPU platform the
   variable would override the argument), and removed again if vlens set it
-  for an earlier engine in this process.
+  for an earlier engine in this process or in the process that started
+  this one.
 * ``VLLM_USE_V2_MODEL_RUNNER=0`` -- vlens reads the batch layout from the
   V1 model runner (the one vLLM uses on CPU).
 * ``OMP_NUM_THREADS`` for ``vlens serve`` on a CPU (:func:`serve_threads`):
@@ -25,6 +26,12 @@ Why each default (measurements in docs/concepts.md and docs/scale-out.md):
   core's process leaves a CPU to the HTTP server beside it, as vLLM's own
   automatic binding does. Unbound, torch took every CPU and a decode step
   of the toy model took ~1.6x as long through the server (docs/openai.md).
+
+What vlens set is also written to ``VLENS_SET_DEFAULTS`` (``KEY=value;...``),
+so a process started from this one (a JupyterLab server, ``vlens serve``,
+a script) inherits the values as vlens's defaults, not as the user's
+choices: without it, a child passing ``kv_cache_memory_bytes=`` was refused
+for a ``VLLM_CPU_KVCACHE_SPACE`` its parent's vlens had set.
 """
 
 from __future__ import annotations
@@ -57,14 +64,41 @@ def has_gpu() -> bool:
 
 # variables whose value in os.environ vlens put there (not the user)
 _SET_BY_VLENS: dict[str, str] = {}
+#: the same for child processes, which inherit it: ``KEY=value;KEY=value``
+MARK = "VLENS_SET_DEFAULTS"
 
 # engine arguments that a variable would silently override -> that variable
 _OVERRIDDEN_BY = {"kv_cache_memory_bytes": "VLLM_CPU_KVCACHE_SPACE"}
 
 
+def _marked() -> list[str]:
+    return [e for e in os.environ.get(MARK, "").split(";") if e]
+
+
+def _inherited(key: str) -> bool:
+    """The variable holds the value a parent process's vlens set."""
+    return f"{key}={os.environ.get(key)}" in _marked()
+
+
+def _remember(key: str, value: str) -> None:
+    os.environ[key] = _SET_BY_VLENS[key] = value
+    os.environ[MARK] = ";".join([e for e in _marked() if not e.startswith(f"{key}=")]
+                                + [f"{key}={value}"])
+
+
+def _forget(key: str) -> None:
+    os.environ.pop(key, None)
+    _SET_BY_VLENS.pop(key, None)
+    rest = [e for e in _marked() if not e.startswith(f"{key}=")]
+    if rest:
+        os.environ[MARK] = ";".join(rest)
+    else:
+        os.environ.pop(MARK, None)
+
+
 def _user_set(key: str) -> bool:
     value = os.environ.get(key)
-    return value is not None and _SET_BY_VLENS.get(key) != value
+    return value is not None and _SET_BY_VLENS.get(key) != value and not _inherited(key)
 
 
 def apply_env_defaults(engine_kwargs: dict | None = None) -> dict[str, str]:
@@ -101,13 +135,11 @@ def apply_env_defaults(engine_kwargs: dict | None = None) -> dict[str, str]:
                 f"unset {key} (del os.environ[{key!r}]) or leave {arg}= out"
             )
         defaults.pop(key, None)
-        if key in _SET_BY_VLENS:  # set by vlens for an earlier engine
-            os.environ.pop(key, None)
-            del _SET_BY_VLENS[key]
+        if key in os.environ:  # set by vlens for an earlier engine, here or in a parent
+            _forget(key)
     for key, value in defaults.items():
         if key not in os.environ:
-            os.environ[key] = value
-            _SET_BY_VLENS[key] = value
+            _remember(key, value)
     return {key: os.environ[key] for key in defaults}
 
 
@@ -125,5 +157,5 @@ def serve_threads() -> int | None:
     except AttributeError:  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
     value = str(max(1, cpus - 1))
-    os.environ["OMP_NUM_THREADS"] = _SET_BY_VLENS["OMP_NUM_THREADS"] = value
+    _remember("OMP_NUM_THREADS", value)
     return int(value)
