@@ -59,8 +59,7 @@ def test_serve_threads_leave_a_cpu_to_the_http_server_unless_the_user_chose(monk
 
     monkeypatch.setattr(env, "has_gpu", lambda: False)
     monkeypatch.setattr(env.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    monkeypatch.setattr(env, "_SET_BY_VLENS", {})
-    monkeypatch.delenv(env.MARK, raising=False)
+    monkeypatch.setenv(env.MARK, "")  # none set by vlens (put back after the test)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert env.serve_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
@@ -93,9 +92,9 @@ def test_a_child_process_takes_its_parents_vlens_defaults_for_defaults(monkeypat
     from vlens.engine import env
 
     monkeypatch.setattr(env, "has_gpu", lambda: False)
-    monkeypatch.setattr(env, "_SET_BY_VLENS", {})
     for key in (env.MARK, *env.CPU_DEFAULTS, *env.COMMON_DEFAULTS):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # so that each is put back as it was after the test
+        monkeypatch.delenv(key)
     env.apply_env_defaults({})
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE=1" in os.environ[env.MARK].split(";")

@@ -62,34 +62,26 @@ def has_gpu() -> bool:
         return False
 
 
-# variables whose value in os.environ vlens put there (not the user)
-_SET_BY_VLENS: dict[str, str] = {}
-#: the same for child processes, which inherit it: ``KEY=value;KEY=value``
+#: the variables whose value in os.environ vlens put there (not the user),
+#: ``KEY=value;KEY=value``: in os.environ itself, so child processes inherit it
 MARK = "VLENS_SET_DEFAULTS"
 
 # engine arguments that a variable would silently override -> that variable
 _OVERRIDDEN_BY = {"kv_cache_memory_bytes": "VLLM_CPU_KVCACHE_SPACE"}
 
 
-def _marked() -> list[str]:
-    return [e for e in os.environ.get(MARK, "").split(";") if e]
-
-
-def _inherited(key: str) -> bool:
-    """The variable holds the value a parent process's vlens set."""
-    return f"{key}={os.environ.get(key)}" in _marked()
+def _marked_except(key: str) -> list[str]:
+    return [e for e in os.environ.get(MARK, "").split(";") if e and not e.startswith(f"{key}=")]
 
 
 def _remember(key: str, value: str) -> None:
-    os.environ[key] = _SET_BY_VLENS[key] = value
-    os.environ[MARK] = ";".join([e for e in _marked() if not e.startswith(f"{key}=")]
-                                + [f"{key}={value}"])
+    os.environ[key] = value
+    os.environ[MARK] = ";".join([*_marked_except(key), f"{key}={value}"])
 
 
 def _forget(key: str) -> None:
     os.environ.pop(key, None)
-    _SET_BY_VLENS.pop(key, None)
-    rest = [e for e in _marked() if not e.startswith(f"{key}=")]
+    rest = _marked_except(key)
     if rest:
         os.environ[MARK] = ";".join(rest)
     else:
@@ -97,8 +89,10 @@ def _forget(key: str) -> None:
 
 
 def _user_set(key: str) -> bool:
+    """The variable is set, to a value vlens did not write (in this process
+    or in the one that started it)."""
     value = os.environ.get(key)
-    return value is not None and _SET_BY_VLENS.get(key) != value and not _inherited(key)
+    return value is not None and f"{key}={value}" not in os.environ.get(MARK, "").split(";")
 
 
 def apply_env_defaults(engine_kwargs: dict | None = None) -> dict[str, str]:
