@@ -75,6 +75,22 @@ def lab_all(tmp_path_factory, vlens_home):
         yield url, token, work
 
 
+# the page's long animation frames (the one thread busy for over 50 ms), with
+# the script that took most of each, kept for the report: anywidget fails a
+# widget whose module has not started within 2 s of its model reaching the
+# page, and a long frame is what holds a start back
+_LONG_FRAMES = """
+window.__longFrames = [];
+new PerformanceObserver((list) => {
+  for (const e of list.getEntries()) {
+    const top = (e.scripts || []).slice().sort((a, b) => b.duration - a.duration)[0];
+    const who = top ? `${top.invoker || "?"} ${(top.sourceURL || "").split("/").pop().slice(0, 40)}` : "";
+    window.__longFrames.push([e.duration, e.startTime, who]);
+  }
+}).observe({type: "long-animation-frame", buffered: true});
+"""
+
+
 def _other_worker_running() -> bool:
     """Whether another pytest-xdist process is running a test now: xdist
     titles its workers ``[pytest-xdist running] <test>`` (through
@@ -230,6 +246,7 @@ def test_run_all_draws_every_view(lab_all, request, name):
         page = browser.new_page(viewport=VIEWPORT)
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        page.add_init_script(_LONG_FRAMES)
         try:
             t0 = time.monotonic()
             _open_and_run_all(page, url, token, name, workspace=Path(name).stem)
@@ -244,6 +261,7 @@ def test_run_all_draws_every_view(lab_all, request, name):
             except Exception:  # noqa: BLE001 -- what is missing is reported below
                 pass
             views = page.evaluate(_VIEWS)
+            frames = page.evaluate("() => window.__longFrames || []")
             page.screenshot(path=str(ARTIFACTS / f"run-all-{Path(name).stem}.png"),
                             full_page=False)
             page.keyboard.press("Control+s")  # the outputs, to read back below
@@ -260,7 +278,9 @@ def test_run_all_draws_every_view(lab_all, request, name):
     stood_in = busy["stood_in"] / max(1, busy["checks"])
     print(f"{name}: Run All took {took:.0f} s; {len(views['plots'])} figures, "
           f"{len(views['strips'])} token strips; the other test process was the "
-          f"second busy process {stood_in:.0%} of the time")
+          f"second busy process {stood_in:.0%} of the time; the page's longest frames "
+          f"(ms, at s, the script): "
+          f"{[(round(d), round(t / 1000, 1), who) for d, t, who in sorted(frames)[::-1][:5]]}")
     assert busy["checks"] >= took // 2, busy  # the watcher looked the whole time
 
     assert all(re.search(r"\[\d+\]", p) for p in prompts), prompts  # every cell ran

@@ -4,6 +4,9 @@
 // prefix a branch shares with the run it left) are drawn faded, the chip at
 // "start" (the forced token) outlined. Text goes in through textContent only.
 
+// when a vlens module last started (figure.js holds long work back meanwhile)
+globalThis.__vlensLastStart = performance.now();
+
 function chipText(token) {
   if (token === "") return "\u2205";
   return token.replace(/ /g, "\u00b7").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");

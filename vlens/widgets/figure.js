@@ -3,23 +3,64 @@
 // "figure_json"; plotly.js arrives once per page, as the text of one shared
 // library model ("library" names it), and is evaluated the first time a
 // figure needs it. Nothing here waits for a reply from the kernel, which may
-// be busy running later cells: this module is small, so anywidget's start
-// (which it abandons after 2 s) never waits on plotly.js, and a figure draws
-// as soon as its state and the library are in the page.
+// be busy running later cells.
+//
+// anywidget gives each widget model 2 s, from the moment it reaches the page,
+// to import its module; a model that misses it is marked failed ("[anywidget]
+// Failed to initialize model") and drops every later update. The page has one
+// thread: while it evaluates plotly.js (about 0.9 s on an idle laptop, 2 s on
+// a busy one) or draws a large figure, no other module can finish importing.
+// So the long work here waits its turn: it runs one piece at a time, only
+// after no vlens module has started for QUIET_MS (the other models of the
+// same burst, made by the same cell, have started by then), and plotly.js is
+// evaluated at most once per page: a plotly.js of the same version that is
+// already there (jupyterlab-plotly's, which draws plain plotly outputs) is
+// used as it is.
 // A click on a point is sent to Python as {event: "click", ...}.
 
 const LIBRARY = "__vlensPlotly";
+const LAST_START = "__vlensLastStart"; // when a vlens module last started
+const LONG_WORK = "__vlensLongWork"; // the queue of long work, shared by every figure
+const QUIET_MS = 400;
+const MOST_MS = 5000; // never hold a draw back longer than this
+
+globalThis[LAST_START] = performance.now();
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// run `work` after the long work queued before it, once no vlens module has
+// started for QUIET_MS (or MOST_MS have passed); its result as a promise
+function inTurn(work) {
+  const run = async () => {
+    const asked = performance.now();
+    for (;;) {
+      // always through a new task: work queued behind other work would
+      // otherwise run in the same task as it (promise callbacks do), and
+      // the page would not get its thread back between them
+      const quiet = performance.now() - (globalThis[LAST_START] || 0);
+      await sleep(Math.max(0, QUIET_MS - quiet));
+      const now = performance.now();
+      if (now - globalThis[LAST_START] >= QUIET_MS || now - asked >= MOST_MS) break;
+    }
+    return work();
+  };
+  const next = (globalThis[LONG_WORK] || Promise.resolve()).then(run);
+  globalThis[LONG_WORK] = next.catch(() => {});
+  return next;
+}
 
 // plotly.js, evaluated once per page (a promise shared by every figure)
 function plotly(host, ref) {
   if (!globalThis[LIBRARY]) {
-    globalThis[LIBRARY] = host.getModel(ref).then((lib) => {
+    globalThis[LIBRARY] = host.getModel(ref).then((lib) => inTurn(() => {
+      const there = globalThis.Plotly;
+      if (there && there.react && there.version === lib.get("version")) return there;
       const module = { exports: {} };
       // plotly.min.js is a UMD bundle: given a `module`, it exports itself there
       new Function("module", "exports", "define", lib.get("source"))(
         module, module.exports, undefined);
       return module.exports;
-    });
+    }));
     // a failed load may be retried by the next figure
     globalThis[LIBRARY].catch(() => { globalThis[LIBRARY] = null; });
   }
@@ -84,7 +125,23 @@ async function render({ model, el, host }) {
     if (points.length) model.send({ event: "click", points });
   }
 
-  const onChange = () => { draw(); };
+  // a draw waits its turn (inTurn); changes that arrive meanwhile are drawn
+  // by that one draw, which reads the state when it runs
+  let waiting = false;
+  function drawInTurn() {
+    if (waiting) return;
+    waiting = true;
+    inTurn(() => { waiting = false; return draw(); }).catch(failed);
+  }
+  function failed(err) {
+    div.style.display = "";
+    div.textContent = "vlens: the figure could not be drawn: " + err;
+    div.style.color = "#b00020";
+  }
+  const onChange = () => {
+    div.dataset.traces = String(parse(model.get("figure_json")).data.length);
+    if (Plotly) drawInTurn();
+  };
   model.on("change:figure_json", onChange);
 
   // a figure given a width of 0 (drawn in a hidden tab) is resized when seen
@@ -96,11 +153,8 @@ async function render({ model, el, host }) {
   // not awaited: anywidget's start does not wait on plotly.js
   plotly(host, model.get("library")).then((lib) => {
     Plotly = lib;
-    return draw();
-  }).catch((err) => {
-    div.textContent = "vlens: the figure could not be drawn: " + err;
-    div.style.color = "#b00020";
-  });
+    drawInTurn();
+  }).catch(failed);
 
   return () => {
     alive = false;

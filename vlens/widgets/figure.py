@@ -11,8 +11,10 @@ measurements).
 
 :class:`FigureView` sends only the figure (as JSON) and a reference to one
 shared :class:`PlotlyLibrary` model that carries plotly.js once per kernel;
-its front end (``figure.js``) is a few kB, so it starts at once, and it
-evaluates plotly.js once per page, outside anywidget's start. Updates from
+its front end (``figure.js``) is a few kB, so it starts at once. Its long
+work (evaluating plotly.js, at most once per page, and each draw) waits
+until the other vlens widgets of the moment have started, so it never holds
+their start past anywidget's window. Updates from
 Python (``view.show(fig)``) redraw the same figure in place
 (``Plotly.react``). Clicks come back to the traces' ``on_click`` callbacks
 as they did with a FigureWidget: ``view.data[i].on_click(fn)`` with
@@ -30,7 +32,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import traitlets
 from plotly.callbacks import Points
-from plotly.offline import get_plotlyjs
+from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
 __all__ = ["FigureView", "PlotlyLibrary"]
 
@@ -42,6 +44,8 @@ class PlotlyLibrary(widgets.Widget):
     once per kernel and shared by every :class:`FigureView`."""
 
     source = traitlets.Unicode("").tag(sync=True)
+    #: its version: a plotly.js of this version already in the page is used instead
+    version = traitlets.Unicode("").tag(sync=True)
 
 
 _LIBRARY: PlotlyLibrary | None = None
@@ -51,7 +55,7 @@ def plotly_library() -> PlotlyLibrary:
     """The kernel's one :class:`PlotlyLibrary` (made again if closed)."""
     global _LIBRARY
     if _LIBRARY is None or _LIBRARY.comm is None:
-        _LIBRARY = PlotlyLibrary(source=get_plotlyjs())
+        _LIBRARY = PlotlyLibrary(source=get_plotlyjs(), version=get_plotlyjs_version())
     return _LIBRARY
 
 

@@ -5,6 +5,9 @@
 // to "hovered". "shade" (0..1 per chip) tints the chips. Text goes in
 // through textContent only, so a token can never be read as markup.
 
+// when a vlens module last started (figure.js holds long work back meanwhile)
+globalThis.__vlensLastStart = performance.now();
+
 // whitespace drawn as vlens.tokens.visible draws it in every other view
 function chipText(token) {
   if (token === "") return "\u2205"; // empty set: an empty token
