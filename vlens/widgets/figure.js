@@ -37,7 +37,7 @@ function inTurn(work) {
       // always through a new task: work queued behind other work would
       // otherwise run in the same task as it (promise callbacks do), and
       // the page would not get its thread back between them
-      const quiet = performance.now() - (globalThis[LAST_START] || 0);
+      const quiet = performance.now() - globalThis[LAST_START];
       await sleep(Math.max(0, QUIET_MS - quiet));
       const now = performance.now();
       if (now - globalThis[LAST_START] >= QUIET_MS || now - asked >= MOST_MS) break;
@@ -83,7 +83,15 @@ function pointIndex(p) {
 async function render({ model, el, host }) {
   const div = document.createElement("div");
   div.className = "vlens-figure";
-  div.dataset.traces = String(parse(model.get("figure_json")).data.length);
+  // the figure's state, parsed once per text (the trace count and the draw
+  // that follows a change read the same parse)
+  let parsed = { text: null, fig: null };
+  function current() {
+    const text = model.get("figure_json");
+    if (text !== parsed.text) parsed = { text, fig: parse(text) };
+    return parsed.fig;
+  }
+  div.dataset.traces = String(current().data.length);
   el.appendChild(div);
   let alive = true;
   let Plotly = null;
@@ -91,7 +99,7 @@ async function render({ model, el, host }) {
   let listening = false; // whether plotly_click reaches onClick
 
   async function draw() {
-    const fig = parse(model.get("figure_json"));
+    const fig = current();
     // how many traces Python sent (a test compares it with what plotly drew)
     div.dataset.traces = String(fig.data.length);
     if (!alive || !Plotly) return;
@@ -139,7 +147,7 @@ async function render({ model, el, host }) {
     div.style.color = "#b00020";
   }
   const onChange = () => {
-    div.dataset.traces = String(parse(model.get("figure_json")).data.length);
+    div.dataset.traces = String(current().data.length);
     if (Plotly) drawInTurn();
   };
   model.on("change:figure_json", onChange);
