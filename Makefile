@@ -50,15 +50,17 @@ lab: $(STAMP)
 # nnsight condition runs when `make nnsight-venv` could make its venv.
 # Then the real model's rows (smollm2-135m-instruct, fetched once by
 # `vlens models get`): steer 1 layer, read 1 layer, norms and logit lens at
-# every layer, each against plain vLLM, into benchmarks/results-custom.jsonl;
-# then a harvest of one and of every layer against plain vLLM's prefill of
+# every layer, its SAE's features, each against plain vLLM, into
+# benchmarks/results-custom.jsonl; DLA and the patching view's grid against
+# their floors (scripts/methods_bench.py --real, docs/models.md); then a harvest of one and of every layer against plain vLLM's prefill of
 # the same texts (scripts/harvest_bench.py, benchmarks/results-harvest.json).
-REAL_BENCH := steer_one_layer,read_one_layer,norms_every_layer,logit_lens_every_layer
+REAL_BENCH := steer_one_layer,read_one_layer,norms_every_layer,logit_lens_every_layer,sae_features
 bench: $(STAMP)
 	-$(MAKE) --no-print-directory nnsight-venv
 	$(PY) -m benchmarks run
 	$(PY) -m benchmarks run --model smollm2-135m-instruct --only $(REAL_BENCH) \
-	  --no-widgets --no-serve --no-patching --no-methods
+	  --sae smollm2-135m-instruct-sae --no-widgets --no-serve --no-patching --no-methods
+	$(PY) scripts/methods_bench.py --real smollm2-135m-instruct
 	$(PY) scripts/harvest_bench.py --model smollm2-135m-instruct
 
 # docs/performance.md from the stored results alone (runs nothing)

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="local model folder or registry name, e.g. smollm2-135m-instruct (repeatable)")
     run.add_argument("--only", help="comma-separated condition names (see `list`)")
     run.add_argument("--dtype", help="engine and HF dtype (default: the model's)")
+    run.add_argument("--sae", help="the SAE of the (sae) rows: a path or registry name, e.g. "
+                     "smollm2-135m-instruct-sae (default: a random 4096-wide one at the middle layer)")
     run.add_argument("--out", type=Path, help="the JSONL file the lines are appended to")
     run.add_argument("--doc", type=Path, help="the report to rewrite afterwards")
     flags = {"run": {"prompts": 32, "tokens": 64, "reps": None, "slow-reps": 3, "max-model-len": 256,
@@ -74,6 +76,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                   (PREAMBLE, args.no_long), (["nnsight_steer"], args.no_nnsight))
             if skip for n in group}
     args.names = [n for n in with_references([n for n in names if n not in drop]) if n not in drop]
+    if args.sae and "sae_hf" in args.names:
+        _parser().error("sae_hf encodes with the random standard SAE it writes; leave it out "
+                        "(--only) when --sae names another")
     args.reps = args.reps or (3 if args.device_check else 7)
     partial = bool(args.model or args.only) and not args.device_check
     args.suite = "gpu" if args.device_check else "custom" if partial else "main"

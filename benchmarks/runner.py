@@ -109,7 +109,7 @@ class Bench:
         from .nnsight_worker import NnsightWorker
 
         a, L = self.args, self.layer
-        if any(REGISTRY[n].needs.startswith("sae") for n in self.names):
+        if not a.sae and any(REGISTRY[n].needs.startswith("sae") for n in self.names):
             h = self.cfg["hidden_size"]
             sae_path = tools.make_sae(tools.MODELS_DIR / f"sae-4096-h{h}-l{L}", h, L)
             self.sae = vlens.SAE.load(sae_path)
@@ -138,6 +138,10 @@ class Bench:
             log(f"  vlens {role} engine up in {self.engines[role]['start_s']} s")
         s = self.sessions["eager"]
         assert [s.tokenize(p) for p in self.prompts] == self.ids, "the engine tokenises differently"
+        if a.sae and any(REGISTRY[n].needs == "sae" for n in self.names):
+            self.sae = s.sae(a.sae)  # a path or a registry name, as a user gives it
+            self.info["sae"] = {"name": a.sae, "hook": f"{self.sae.site} of layer {self.sae.layer}",
+                                "width": self.sae.d_sae}
         self.info.update(engine_env=dict(s.engine.env), torch_threads=torch.get_num_threads())
         if "logit_lens_floor" in self.names:
             self.floor = tools.LensFloor(self.cfg, self.info["prompt_tokens"]["total"], len(self.prompts),

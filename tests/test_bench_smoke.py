@@ -43,6 +43,21 @@ def test_registry_names_the_conditions():
     assert gpu.reps == 3 and gpu.suite == "gpu"
     with pytest.raises(SystemExit):
         parse(["run", "--only", "steer_one_layer,zz"])
+    named = parse(["run", "--model", "m", "--only", "sae_features", "--sae", "smollm2-135m-instruct-sae"])
+    assert named.sae == "smollm2-135m-instruct-sae" and "sae_features" in named.names
+    with pytest.raises(SystemExit):  # the HF encode is of the random SAE only
+        parse(["run", "--only", "sae_features,sae_hf", "--sae", "smollm2-135m-instruct-sae"])
+
+
+def test_methods_bench_names_its_parts(capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from methods_bench import main as methods_main
+
+    for argv, named in ((["--real", "m", "--parts", "diff"], "with --real, one of ['dla', 'grid']"),
+                        (["--parts", "grid"], "one of ['atp', 'branch', 'diff', 'diff_apart', 'dla']")):
+        with pytest.raises(SystemExit):
+            methods_main(argv)
+        assert named in capsys.readouterr().err
 
 
 def _tables(text: str) -> list[str]:
