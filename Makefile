@@ -52,8 +52,9 @@ lab: $(STAMP)
 # `vlens models get`): steer 1 layer, read 1 layer, norms and logit lens at
 # every layer, its SAE's features, each against plain vLLM, into
 # benchmarks/results-custom.jsonl; DLA and the patching view's grid against
-# their floors (scripts/methods_bench.py --real, docs/models.md); then a harvest of one and of every layer against plain vLLM's prefill of
-# the same texts (scripts/harvest_bench.py, benchmarks/results-harvest.json).
+# their floors (scripts/methods_bench.py --real, docs/models.md); then a
+# harvest of one and of every layer against plain vLLM's prefill of the
+# same texts (scripts/harvest_bench.py, benchmarks/results-harvest.json).
 REAL_BENCH := steer_one_layer,read_one_layer,norms_every_layer,logit_lens_every_layer,sae_features
 bench: $(STAMP)
 	-$(MAKE) --no-print-directory nnsight-venv

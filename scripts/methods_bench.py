@@ -199,7 +199,7 @@ def grid(reps: int, model: str) -> dict:
     plain = tools.Plain(path, enforce_eager=True, dtype="float32", **kw)
     s = vlens.Session(path, reuse=False, dtype="float32", **kw)
     try:
-        clean = cut_prompt(corpus_text(s), 64, lambda x: len(s.prompts([x])[0].ids),
+        clean = cut_prompt(corpus_text(), 64, lambda x: len(s.prompts([x])[0].ids),
                            s.tokenizer.decode, s.tokenize)
         corrupt = corrupt_of(s, clean, 64)
         options = {"layers": sorted({*range(0, s.n_layers, 6), s.n_layers - 1}),
@@ -222,7 +222,7 @@ def grid(reps: int, model: str) -> dict:
             "ratio": ratio(times, "patch", "floor")}
 
 
-def corpus_text(s) -> str:
+def corpus_text() -> str:
     """Prose for the grid's prompt: moby-dick's paragraphs when the registry can
     fetch them, else the bundled world's stories."""
     try:
@@ -248,7 +248,7 @@ WHAT = {"dla": ("DLA, every layer and head, 32 prompts, compiled", "plain compil
                        "the slower model's trace alone")}
 
 
-REAL_WHAT = {"dla": ("DLA, every layer and head, 32 prompts, compiled", "plain compiled vLLM, 1 token"),
+REAL_WHAT = {"dla": WHAT["dla"],
              "grid": ("`s.patch`, the patching view's grid: 6 layers x the last 8 positions of a "
                       "64-token prompt, `resid_post`", "its floor: plain vLLM (eager), the same "
                       "prompts in the same two calls, 1 token each")}
@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", help="ignored (make bench passes the bundled model)")
     ap.add_argument("--real", metavar="MODEL", help="run the parts of REAL (dla, grid) on MODEL, a "
                     "folder or registry name, into docs/models.md's real-bench block")
-    ap.add_argument("--no-doc", action="store_true", help="leave docs/methods.md alone")
+    ap.add_argument("--no-doc", action="store_true",
+                    help="leave docs/methods.md (with --real, docs/models.md) alone")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     parts, what = (REAL, REAL_WHAT) if args.real else (PARTS, WHAT)
@@ -302,8 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in names:
         try:
             res[name] = parts[name](args.reps, args.real) if args.real else parts[name](args.reps)
-        except Exception as exc:  # reported in the table; the other parts go on
-            res[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        except (Exception, SystemExit) as exc:  # in the table (a prompt the model cannot cut too)
+            res[name] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "times_s"}), flush=True)
     print(table(res, what), flush=True)
     if args.json:
