@@ -205,7 +205,7 @@ def grid(reps: int, model: str) -> dict:
         options = {"layers": sorted({*range(0, s.n_layers, 6), s.n_layers - 1}),
                    "span": list(range(56, 64))}
         p = s.patch(clean, corrupt, **options)
-        runs = [{"prompt_token_ids": s.tokenize(x)} for x in (clean, corrupt)]
+        runs = [{"prompt_token_ids": x.ids} for x in s.prompts([clean, corrupt])]  # as s.patch runs them
         cells, one = [runs[1]] * int(p.grid.numel()), SamplingParams(temperature=0.0, max_tokens=1)
 
         def floor() -> None:
