@@ -228,3 +228,28 @@ def pytest_runtest_makereport(item, call):
             "skipped under VLENS_NO_SKIPS=1, where `make test` has installed every "
             f"prerequisite: {rep.longrepr}"
         )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In each of `make test`'s pytest-xdist processes, write when each test
+    ran to test-artifacts/schedule-<worker>.tsv (start, seconds, test): how
+    busy each process was and what ran last in each. Only the processes
+    xdist started write (not the child pytest runs some tests start, which
+    inherit the worker's variables)."""
+    import time
+
+    start = time.time()
+    yield
+    worker = getattr(item.config, "workerinput", {}).get("workerid")
+    if worker is None:
+        return
+    out = Path(__file__).resolve().parent.parent / "test-artifacts"
+    out.mkdir(exist_ok=True)
+    mode = "a" if _SCHEDULE["written"] else "w"  # a new run starts a new record
+    _SCHEDULE["written"] = True
+    with open(out / f"schedule-{worker}.tsv", mode) as f:
+        f.write(f"{start:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
+
+
+_SCHEDULE = {"written": False}
