@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -230,26 +231,28 @@ def pytest_runtest_makereport(item, call):
         )
 
 
+_SCHEDULE = pytest.StashKey[Path]()
+
+
+def pytest_configure(config):
+    """In each of `make test`'s pytest-xdist processes, start this run's
+    record of when each test ran: test-artifacts/schedule-<worker>.tsv
+    (start, seconds, test), to see how busy each process was and what ran
+    last in each. Only the processes xdist started keep one (not the child
+    pytest runs some tests start, which inherit the worker's variables)."""
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is not None:
+        path = Path(__file__).resolve().parent.parent / "test-artifacts" / f"schedule-{worker}.tsv"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("")
+        config.stash[_SCHEDULE] = path
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """In each of `make test`'s pytest-xdist processes, write when each test
-    ran to test-artifacts/schedule-<worker>.tsv (start, seconds, test): how
-    busy each process was and what ran last in each. Only the processes
-    xdist started write (not the child pytest runs some tests start, which
-    inherit the worker's variables)."""
-    import time
-
+    path = item.config.stash.get(_SCHEDULE, None)
     start = time.time()
     yield
-    worker = getattr(item.config, "workerinput", {}).get("workerid")
-    if worker is None:
-        return
-    out = Path(__file__).resolve().parent.parent / "test-artifacts"
-    out.mkdir(exist_ok=True)
-    mode = "a" if _SCHEDULE["written"] else "w"  # a new run starts a new record
-    _SCHEDULE["written"] = True
-    with open(out / f"schedule-{worker}.tsv", mode) as f:
-        f.write(f"{start:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
-
-
-_SCHEDULE = {"written": False}
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(f"{start:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
