@@ -80,3 +80,29 @@ def test_a_figure_view_is_saved_in_snapshots_and_an_empty_one_is_not():
     assert render(FigureView()) == ""
     html = render(FigureView(_heat()))
     assert "vl-figure" in html and '"heatmap"' in html
+
+
+def test_every_vlens_anywidget_is_listed_in_the_page_registry_while_it_lives():
+    """The page's long work waits for the models the kernel lists
+    (vlens/widgets/_page.py): each vlens anywidget is listed from the moment
+    it is made (its key in its own first state) until it is closed, in the
+    kernel's one registry, which every one of them names."""
+    from vlens.widgets._page import PageRegistry, page_registry
+    from vlens.widgets.branches import BranchTokens
+    from vlens.widgets.token_span import TokenSpanPicker
+
+    made = [FigureView(_heat()), TokenSpanPicker(["a", "b"]), BranchTokens(tokens=["x"])]
+    registry = page_registry()
+    assert isinstance(registry, PageRegistry)
+    keys = [m.get_state()["_start_key"] for m in made]
+    assert len(set(keys)) == 3 and all(len(k) == 32 for k in keys)
+    assert {m.get_state()["_page"] for m in made} == {f"anywidget:{registry.model_id}"}
+    assert registry.keys[-3:] == keys  # in the order made
+    made[1].close()
+    assert keys[1] not in registry.keys and keys[0] in registry.keys and keys[2] in registry.keys
+    for m in (made[0], made[2]):
+        m.close()
+    assert not set(keys) & set(registry.keys)
+    # the front ends mark their key started when anywidget starts them
+    for m in made:
+        assert "initialize" in m._esm and "_start_key" in m._esm

@@ -88,6 +88,34 @@ new PerformanceObserver((list) => {
     window.__longFrames.push([e.duration, e.startTime, who]);
   }
 }).observe({type: "long-animation-frame", buffered: true});
+// each time a plotly.js is evaluated in the page (it assigns window.Plotly):
+// vlens's figures and jupyterlab-plotly's plain ones share one
+window.__plotlyEvaluations = 0;
+let pagePlotly;
+Object.defineProperty(window, "Plotly", {configurable: true,
+  get: () => pagePlotly, set: (v) => { window.__plotlyEvaluations += 1; pagePlotly = v; }});
+// each kernel message the page handled: how long its handler held the thread,
+// its size, when, and its type (to tell which message a long frame was)
+window.__wsMessages = [];
+const PageSocket = window.WebSocket;
+window.WebSocket = class extends PageSocket {
+  set onmessage(handler) {
+    super.onmessage = (event) => {
+      const t0 = performance.now();
+      try { return handler.call(this, event); } finally {
+        const data = event.data;
+        const size = typeof data === "string" ? data.length : (data.byteLength || data.size || 0);
+        const head = typeof data === "string" ? data.slice(0, 2000)
+          : data instanceof ArrayBuffer ? new TextDecoder().decode(data.slice(0, 2000)) : "";
+        const kind = (head.match(/"msg_type":\s*"(\w+)"/) || [])[1] || "?";
+        const target = (head.match(/"target_name":\s*"([\w.]+)"/) || [])[1] || "";
+        const model = (head.match(/"_model_name":\s*"(\w+)"/) || [])[1] || "";
+        window.__wsMessages.push([performance.now() - t0, size, t0, `${kind} ${target} ${model}`.trim()]);
+      }
+    };
+  }
+  get onmessage() { return super.onmessage; }
+};
 """
 
 
@@ -164,7 +192,7 @@ _VIEWS = """() => {
   const strips = Array.from(panel.querySelectorAll('.jp-OutputArea .vlens-token-span'),
       el => el.querySelectorAll('.vlens-chip').length);
   const text = panel.innerText;
-  return {plots, figures, strips,
+  return {plots, figures, strips, plotly_evaluations: window.__plotlyEvaluations,
           failed: (text.match(/Failed to initialize|Error displaying widget/g) || []).length};
 }"""
 
@@ -262,6 +290,7 @@ def test_run_all_draws_every_view(lab_all, request, name):
                 pass
             views = page.evaluate(_VIEWS)
             frames = page.evaluate("() => window.__longFrames || []")
+            messages = page.evaluate("() => window.__wsMessages || []")
             page.screenshot(path=str(ARTIFACTS / f"run-all-{Path(name).stem}.png"),
                             full_page=False)
             page.keyboard.press("Control+s")  # the outputs, to read back below
@@ -281,6 +310,8 @@ def test_run_all_draws_every_view(lab_all, request, name):
           f"second busy process {stood_in:.0%} of the time; the page's longest frames "
           f"(ms, at s, the script): "
           f"{[(round(d), round(t / 1000, 1), who) for d, t, who in sorted(frames)[::-1][:5]]}")
+    print("  the kernel messages that held the page longest (ms, bytes, at s, type): "
+          f"{[(round(d), n, round(t / 1000, 1), k) for d, n, t, k in sorted(messages)[::-1][:6]]}")
     assert busy["checks"] >= took // 2, busy  # the watcher looked the whole time
 
     assert all(re.search(r"\[\d+\]", p) for p in prompts), prompts  # every cell ran
@@ -303,3 +334,5 @@ def test_run_all_draws_every_view(lab_all, request, name):
     missing = [f for f in views["figures"] if f["sent"] and f["drawn"] != f["sent"]]
     assert not missing, views["figures"]
     assert all(n > 0 for n in views["strips"]), views["strips"]
+    # one plotly.js for the page: vlens's figures and plain ones (jupyterlab-plotly) share it
+    assert views["plotly_evaluations"] <= 1, views["plotly_evaluations"]

@@ -7,6 +7,12 @@
 // when a vlens module last started (figure.js holds long work back meanwhile)
 globalThis.__vlensLastStart = performance.now();
 
+// anywidget calls this when it starts a model: figure.js's long work no
+// longer waits for it (vlens/widgets/_page.py)
+function initialize({ model }) {
+  (globalThis.__vlensStarted ||= new Set()).add(model.get("_start_key"));
+}
+
 function chipText(token) {
   if (token === "") return "\u2205";
   return token.replace(/ /g, "\u00b7").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
@@ -55,4 +61,4 @@ function render({ model, el }) {
   draw();
 }
 
-export default { render };
+export default { initialize, render };

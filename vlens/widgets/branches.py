@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import anywidget
 import ipywidgets as widgets
 import traitlets
 
@@ -26,12 +25,13 @@ from vlens.results.branches import Alternative, Branches, branch_label
 from vlens.results.run import Trace
 from vlens.tokens import first_divergence, visible
 from vlens.widgets._base import Panel
+from vlens.widgets._page import StartingWidget
 from vlens.widgets.compare import compare_html, divergence_words
 
 __all__ = ["BranchTokens", "BranchView"]
 
 
-class BranchTokens(anywidget.AnyWidget):
+class BranchTokens(StartingWidget):
     """A generation's tokens as chips (``branches.js``): ``probs`` on hover,
     ``start`` the first token a branch made (drawn outlined), ``clicked`` the
     last chip clicked (-1: none)."""

@@ -15,32 +15,83 @@
 // same burst, made by the same cell, have started by then), and plotly.js is
 // evaluated at most once per page: a plotly.js of the same version that is
 // already there (jupyterlab-plotly's, which draws plain plotly outputs) is
-// used as it is.
+// used as it is, and one evaluated here is handed to jupyterlab-plotly's
+// renderer when it has not loaded its own yet (otherwise the first plain
+// figure evaluates a second copy, another second or more of one task).
+// "No vlens module has started for QUIET_MS" is not enough on its own: a
+// model can reach the page while long work runs, before its module starts.
+// The kernel lists every live vlens anywidget's key in one registry model
+// (vlens/widgets/_page.py); each module marks its key started, and long work
+// also waits until every key seen listed has started or is past its window.
 // A click on a point is sent to Python as {event: "click", ...}.
 
 const LIBRARY = "__vlensPlotly";
 const LAST_START = "__vlensLastStart"; // when a vlens module last started
 const LONG_WORK = "__vlensLongWork"; // the queue of long work, shared by every figure
+const STARTED = "__vlensStarted"; // the keys of the vlens models started here
+const SEEN = "__vlensSeen"; // key -> when a registry first listed it
+const PAGES = "__vlensPages"; // the registries watched
 const QUIET_MS = 400;
+// anywidget's 2 s run from a model's arrival, which the page sees listed a
+// little before it arrives: a margin for that
+const WINDOW_MS = 4000;
+const POLL_MS = 100;
 const MOST_MS = 5000; // never hold a draw back longer than this
 
 globalThis[LAST_START] = performance.now();
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+// anywidget calls this when it starts a model: this model is past its window
+function initialize({ model }) {
+  (globalThis[STARTED] ||= new Set()).add(model.get("_start_key"));
+}
+
+// follow the kernel's registry of vlens models (`ref` names it)
+function watchPage(host, ref) {
+  if (!ref) return Promise.resolve();
+  return host.getModel(ref).then((page) => {
+    const seen = (globalThis[SEEN] ||= new Map());
+    const note = () => {
+      const now = performance.now();
+      for (const key of page.get("keys") || []) if (!seen.has(key)) seen.set(key, now);
+    };
+    const pages = (globalThis[PAGES] ||= new WeakSet());
+    if (!pages.has(page)) {
+      pages.add(page);
+      page.on("change:keys", note);
+    }
+    note();
+  }).catch(() => {}); // no registry: the quiet time alone decides
+}
+
+// how many vlens models listed are still starting (inside their window)
+function starting() {
+  const started = globalThis[STARTED] || new Set();
+  const now = performance.now();
+  let n = 0;
+  for (const [key, since] of globalThis[SEEN] || []) {
+    if (!started.has(key) && now - since < WINDOW_MS) n += 1;
+  }
+  return n;
+}
+
 // run `work` after the long work queued before it, once no vlens module has
-// started for QUIET_MS (or MOST_MS have passed); its result as a promise
+// started for QUIET_MS and no vlens model is starting (or MOST_MS have
+// passed); its result as a promise
 function inTurn(work) {
   const run = async () => {
     const asked = performance.now();
+    let wait = Math.max(0, QUIET_MS - (asked - globalThis[LAST_START]));
     for (;;) {
       // always through a new task: work queued behind other work would
       // otherwise run in the same task as it (promise callbacks do), and
       // the page would not get its thread back between them
-      const quiet = performance.now() - globalThis[LAST_START];
-      await sleep(Math.max(0, QUIET_MS - quiet));
+      await sleep(wait);
       const now = performance.now();
-      if (now - globalThis[LAST_START] >= QUIET_MS || now - asked >= MOST_MS) break;
+      const quiet = now - globalThis[LAST_START];
+      if ((quiet >= QUIET_MS && !starting()) || now - asked >= MOST_MS) break;
+      wait = quiet < QUIET_MS ? QUIET_MS - quiet : POLL_MS;
     }
     return work();
   };
@@ -49,16 +100,34 @@ function inTurn(work) {
   return next;
 }
 
+// hand `Plotly` to jupyterlab-plotly's renderer of plain figures when it has
+// not loaded its own plotly.js yet (it loads one on its first figure); any
+// surprise in its shape leaves it to load its own, as before
+async function shareWithJupyterLab(Plotly) {
+  try {
+    const container = (globalThis._JUPYTERLAB || {})["jupyterlab-plotly"];
+    if (!container || typeof container.get !== "function") return;
+    const Rendered = (await container.get("./mimeExtension"))().RenderedPlotly;
+    if (Rendered && Rendered.Plotly === null && typeof Rendered._resolveLoadingPlotly === "function") {
+      Rendered.Plotly = Plotly;
+      Rendered._resolveLoadingPlotly();
+    }
+  } catch (err) {
+    console.debug("vlens: plotly.js not shared with jupyterlab-plotly:", err);
+  }
+}
+
 // plotly.js, evaluated once per page (a promise shared by every figure)
-function plotly(host, ref) {
+function plotly(host, ref, watched) {
   if (!globalThis[LIBRARY]) {
-    globalThis[LIBRARY] = host.getModel(ref).then((lib) => inTurn(() => {
+    globalThis[LIBRARY] = Promise.all([host.getModel(ref), watched]).then(([lib]) => inTurn(() => {
       const there = globalThis.Plotly;
       if (there && there.react && there.version === lib.get("version")) return there;
       const module = { exports: {} };
       // plotly.min.js is a UMD bundle: given a `module`, it exports itself there
       new Function("module", "exports", "define", lib.get("source"))(
         module, module.exports, undefined);
+      shareWithJupyterLab(module.exports);
       return module.exports;
     }));
     // a failed load may be retried by the next figure
@@ -81,6 +150,7 @@ function pointIndex(p) {
 }
 
 async function render({ model, el, host }) {
+  const watched = watchPage(host, model.get("_page"));
   const div = document.createElement("div");
   div.className = "vlens-figure";
   // the figure's state, parsed once per text (the trace count and the draw
@@ -159,7 +229,7 @@ async function render({ model, el, host }) {
   resize.observe(div);
 
   // not awaited: anywidget's start does not wait on plotly.js
-  plotly(host, model.get("library")).then((lib) => {
+  plotly(host, model.get("library"), watched).then((lib) => {
     Plotly = lib;
     drawInTurn();
   }).catch(failed);
@@ -172,4 +242,4 @@ async function render({ model, el, host }) {
   };
 }
 
-export default { render };
+export default { initialize, render };

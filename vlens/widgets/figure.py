@@ -12,9 +12,10 @@ measurements).
 :class:`FigureView` sends only the figure (as JSON) and a reference to one
 shared :class:`PlotlyLibrary` model that carries plotly.js once per kernel;
 its front end (``figure.js``) is a few kB, so it starts at once. Its long
-work (evaluating plotly.js, at most once per page, and each draw) waits
-until the other vlens widgets of the moment have started, so it never holds
-their start past anywidget's window. Updates from
+work (evaluating plotly.js, at most once per page and shared with
+jupyterlab-plotly's plain figures, and each draw) waits until the other
+vlens widgets of the moment have started (``vlens/widgets/_page.py``), so
+it never holds their start past anywidget's window. Updates from
 Python (``view.show(fig)``) redraw the same figure in place
 (``Plotly.react``). Clicks come back to the traces' ``on_click`` callbacks
 as they did with a FigureWidget: ``view.data[i].on_click(fn)`` with
@@ -26,13 +27,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anywidget
 import ipywidgets as widgets
 import plotly.graph_objects as go
 import plotly.io as pio
 import traitlets
 from plotly.callbacks import Points
 from plotly.offline import get_plotlyjs, get_plotlyjs_version
+
+from vlens.widgets._page import StartingWidget
 
 __all__ = ["FigureView", "PlotlyLibrary"]
 
@@ -59,7 +61,7 @@ def plotly_library() -> PlotlyLibrary:
     return _LIBRARY
 
 
-class FigureView(anywidget.AnyWidget):
+class FigureView(StartingWidget):
     """One plotly figure on the page. ``view.figure`` is the ``go.Figure``
     shown (``view.data`` and ``view.layout`` are its traces and layout);
     ``view.show(fig)`` replaces it in place."""

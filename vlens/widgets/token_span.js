@@ -8,6 +8,12 @@
 // when a vlens module last started (figure.js holds long work back meanwhile)
 globalThis.__vlensLastStart = performance.now();
 
+// anywidget calls this when it starts a model: figure.js's long work no
+// longer waits for it (vlens/widgets/_page.py)
+function initialize({ model }) {
+  (globalThis.__vlensStarted ||= new Set()).add(model.get("_start_key"));
+}
+
 // whitespace drawn as vlens.tokens.visible draws it in every other view
 function chipText(token) {
   if (token === "") return "\u2205"; // empty set: an empty token
@@ -161,4 +167,4 @@ function render({ model, el }) {
   };
 }
 
-export default { render };
+export default { initialize, render };

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import anywidget
 import traitlets
+
+from vlens.widgets._page import StartingWidget
 
 __all__ = ["TokenSpanPicker"]
 
@@ -41,7 +42,7 @@ def role_class(role: str | None) -> str:
     return f"role-{role if role in _KNOWN else 'other'}"
 
 
-class TokenSpanPicker(anywidget.AnyWidget):
+class TokenSpanPicker(StartingWidget):
     """Clickable tokens; ``selection`` is ``(start, stop)``.
 
     ``n_prompt`` marks where generation starts (chips from there on are
