@@ -571,15 +571,18 @@ def test_attention_and_patching_views_in_a_real_browser(lab):
             time.sleep(1)
             cell.screenshot(path=str(ARTIFACTS / "08-attention-view.png"))
 
-            # -- pick a head: click the thumbnail of layer 1, head 2 (4 heads a row:
-            # subplot 1*4 + 2 + 1 = 7), low and left, where a causal pattern has cells
-            n_heads = int(_run_cell_and_read(
-                page, "print('VLENS-HEADS:', att.pattern().shape, len(att.thumbnails.data) "
-                      "// len(att.layers))", "VLENS-HEADS:").split()[-1])
-            sub = 1 * n_heads + 2 + 1
-            drag = thumbs.locator(f".nsewdrag[data-subplot='x{sub}y{sub}']")
+            # -- pick a head: click the thumbnail of layer 1, head 2 (the grid is one
+            # heatmap of tiles `step` cells apart), low and left in the tile, where a
+            # causal pattern has cells
+            tile, step, n_heads, n_layers = (int(v) for v in _run_cell_and_read(
+                page, "m = att.thumbnails.data[0].meta; print('VLENS-HEADS:', m['tile'], "
+                      "m['step'], len(m['heads']), len(m['layers']))", "VLENS-HEADS:")
+                .split("VLENS-HEADS:")[-1].split()[:4])
+            width, height = n_heads * step - (step - tile), n_layers * step - (step - tile)
+            drag = thumbs.locator(".nsewdrag[data-subplot='xy']")
             drag.scroll_into_view_if_needed()
-            _click_at(page, drag.bounding_box(), 0.2, 0.8)
+            _click_at(page, drag.bounding_box(), (2 * step + 0.2 * tile) / width,
+                      (1 * step + 0.8 * tile) / height)
             heat.locator(".gtitle", has_text="layer 1, head 2").wait_for(timeout=60_000)
 
             # -- hover a token: chip 8 (the animal); its row and column are drawn

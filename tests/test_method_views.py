@@ -53,15 +53,19 @@ def test_attention_view_picks_a_head_from_its_thumbnail_and_a_token_by_hover():
     view = AttentionView(n_layers=4)
     view.show(p, ["<s>", "the", "cat", "the", "dog"], layers=[1, 3], n_prompt=4)
     assert (view.layer, view.head, view.token) == (1, 0, -1)  # moved to a read layer
-    assert len(view.thumbnails.data) == 6 and view.heatmap.layout.title.text == "layer 1, head 0"
+    assert len(view.thumbnails.data) == 1 and view.heatmap.layout.title.text == "layer 1, head 0"
+    assert view.thumbnails.data[0].meta["layers"] == [1, 3]  # one tiled heatmap, 2 x 3 tiles
     assert torch.equal(view.pattern(), p[0, 0])
 
-    # a click on the thumbnail of layer 3, head 2 (trace 5): one draw of the
-    # head's figures, and the grid's outline moved (the grid not built again)
+    # a click on the thumbnail of layer 3, head 2 (tile row 1, column 2; the
+    # tiles are 5 cells and 1 apart): one draw of the head's figures, and the
+    # grid's outline moved (the grid not built again)
     grid, drawn = view.thumbnails.data, []
     view.heatmap.observe(lambda c: drawn.append(json.loads(c["new"])["layout"]["title"]),
                          names=["figure_json"])
-    view._on_thumbnail(view.thumbnails.data[5], Points(point_inds=[[0, 0]]), None)
+    view._on_thumbnail(view.thumbnails.data[0], Points(point_inds=[[5, 2]]), None)  # a gap
+    assert (view.layer, view.head) == (1, 0) and drawn == []
+    view._on_thumbnail(view.thumbnails.data[0], Points(point_inds=[[6 + 4, 12 + 0]]), None)
     assert (view.layer, view.head) == (3, 2) and view.layer_picker.value == 3
     assert [t["text"] for t in drawn] == ["layer 3, head 2"]
     assert view.heatmap.layout.title.text == "layer 3, head 2"
@@ -70,11 +74,11 @@ def test_attention_view_picks_a_head_from_its_thumbnail_and_a_token_by_hover():
     for shapes in (view.thumbnails.layout.shapes,
                    json.loads(view.thumbnails.figure_json)["layout"]["shapes"]):
         (sel,) = [s for s in shapes if s["name"] == "selected"]
-        assert sel["xref"] == "x6 domain"
-    assert json.loads(view.thumbnails.figure_json)["data"][5]["meta"] == [3, 2]
+        assert (sel["x0"], sel["y0"]) == (11.0, 5.0)  # around tile (1, 2)
+    assert json.loads(view.thumbnails.figure_json)["data"][0]["meta"]["heads"] == [0, 1, 2]
     # the same tensor shown under other layer numbers: the grid is built again
     view.show(p, ["<s>", "the", "cat", "the", "dog"], layers=[0, 2], n_prompt=4)
-    assert [list(t.meta) for t in view.thumbnails.data][::3] == [[0, 0], [2, 0]]
+    assert view.thumbnails.data[0].meta["layers"] == [0, 2]
     view.show(p, ["<s>", "the", "cat", "the", "dog"], layers=[1, 3], n_prompt=4)
 
     # the pointer over chip 2 picks token 2: its row and column, and the chips' tint
@@ -130,10 +134,12 @@ def test_attention_view_on_a_real_trace_shows_the_copy_head(toy_session):
     view = AttentionView(run)
     assert view.layers == list(range(toy_session.n_layers)) and view.tokens == t.tokens
     n_heads = toy_session.info["n_heads"]
-    assert len(view.thumbnails.data) == toy_session.n_layers * n_heads
+    grid = view.thumbnails.data[0]
+    assert len(view.thumbnails.data) == 1 and grid.meta["layers"] == view.layers
+    assert len(grid.meta["heads"]) == n_heads
     layer, head = COPY_HEAD
-    thumb = view.thumbnails.data[layer * n_heads + head]
-    view._on_thumbnail(thumb, Points(point_inds=[[0, 0]]), None)
+    step = grid.meta["step"]
+    view._on_thumbnail(grid, Points(point_inds=[[layer * step + 1, head * step]]), None)
     assert (view.layer, view.head) == COPY_HEAD
     assert torch.equal(view.pattern(), t.attention(layer)[head])
     view.chips.hovered = t.n_tokens - 1  # the token before the second mention
@@ -148,7 +154,8 @@ def test_attention_view_on_a_real_trace_shows_the_copy_head(toy_session):
     small = AttentionView(one, heads=[head])
     assert (small.layers, small.heads, small.head) == ([layer], [head], head)
     assert torch.allclose(small.pattern(), t.attention(layer)[head], atol=1e-6)
-    assert list(small.thumbnails.data[0].meta) == [layer, head] and small.error == ""
+    meta = small.thumbnails.data[0].meta
+    assert (meta["layers"], meta["heads"]) == ([layer], [head]) and small.error == ""
 
 
 @engine

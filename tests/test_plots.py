@@ -359,45 +359,44 @@ def _patterns(n_layers=2, heads=3, n=5, seed=0):
 
 
 def test_attention_heads_is_a_grid_of_thumbnails_with_the_pick_outlined():
-    p = _patterns()
+    p = _patterns()  # 2 layers x 3 heads x 5 tokens
     fig = plots.attention_heads(p, [1, 3], selected=(3, 2))
-    assert len(fig.data) == 6  # 2 layers x 3 heads
-    assert [list(t.meta) for t in fig.data] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [3, 2]]
-    # trace 4 is layer 3, head 1: its pattern, causal cells empty
-    z = fig.data[4].z
-    assert math.isnan(z[0][1]) and not math.isnan(z[4][3])  # NaN: a gap
-    assert z[2][1] == pytest.approx(float(p[1, 1, 2, 1]))
+    (grid,) = fig.data  # one heatmap: the page draws one trace, not one per head
+    meta = grid.meta
+    assert meta == {"layers": [1, 3], "heads": [0, 1, 2], "tile": 5, "step": 6}
+    z = numpy.asarray(grid.z)
+    assert z.shape == (2 * 6 - 1, 3 * 6 - 1) and z.dtype == numpy.float32  # no gap after the last
+    # the tile of layer 3, head 1 starts at row 6, column 6: its pattern, causal cells empty
+    tile = z[6:11, 6:11]
+    assert numpy.allclose(tile[numpy.tril_indices(5)], p[1, 1].numpy()[numpy.tril_indices(5)])
+    assert numpy.isnan(tile[numpy.triu_indices(5, 1)]).all()
+    assert numpy.isnan(z[5, :]).all() and numpy.isnan(z[:, 5]).all()  # the gaps between tiles
+    for r, layer in enumerate([1, 3]):  # every tile holds its own head, and a click finds it
+        for c in range(3):
+            block = z[r * 6:r * 6 + 5, c * 6:c * 6 + 5]
+            assert numpy.allclose(block[numpy.tril_indices(5)], p[r, c].numpy()[numpy.tril_indices(5)])
+            assert plots.thumbnail_at(meta, r * 6 + 4, c * 6 + 1) == (layer, c)
+    assert plots.thumbnail_at(meta, 5, 2) is None and plots.thumbnail_at(meta, 2, 11) is None
+    assert plots.thumbnail_at(meta, 20, 2) is None  # past the grid
+    assert list(fig.layout.xaxis.ticktext) == ["head 0", "head 1", "head 2"]
+    assert list(fig.layout.yaxis.ticktext) == ["layer 1", "layer 3"]
+    assert list(fig.layout.xaxis.tickvals) == [2, 8, 14] and fig.layout.yaxis.autorange == "reversed"
+    # the outline: around the tile of layer 3 (row 1), head 2 (column 2), in the gaps' middle
     (sel,) = _shape(fig, "selected")
-    assert sel.xref == "x6 domain" and sel.yref == "y6 domain"  # the 6th subplot
+    assert (sel.xref, sel.yref) == ("x", "y")
+    assert (sel.x0, sel.x1, sel.y0, sel.y1) == (11.0, 17.0, 5.0, 11.0)
+    assert plots.thumbnail_outline([1, 3], [0, 1, 2], (3, 2), tile=5)[0]["x0"] == sel.x0
     assert not _shape(plots.attention_heads(p, [1, 3], selected=(0, 0)), "selected")
     some = plots.attention_heads(p, [1, 3], heads=[0, 2, 5], selected=(1, 5))  # heads= read
-    assert list(some.data[2].meta) == [1, 5] and _shape(some, "selected")[0].xref == "x3 domain"
-    assert [a.text for a in some.layout.annotations][:3] == ["head 0", "head 2", "head 5"]
+    assert plots.thumbnail_at(some.data[0].meta, 0, 13) == (1, 5)
+    assert _shape(some, "selected")[0].x0 == 11.0
+    assert list(some.layout.xaxis.ticktext) == ["head 0", "head 2", "head 5"]
     with pytest.raises(ValueError, match="2 head names for 3"):
         plots.attention_heads(p, [1, 3], heads=[0, 1])
     with pytest.raises(ValueError, match="layers, heads, tokens, tokens"):
         plots.attention_heads(p[0], [1])
     with pytest.raises(ValueError, match="3 layer names for 2"):
         plots.attention_heads(p, [0, 1, 2])
-    # laid out as make_subplots lays out the same grid (written directly, for speed):
-    # each trace on its subplot's axes, the same domains and titles
-    from plotly.subplots import make_subplots
-
-    ref = make_subplots(rows=2, cols=3, horizontal_spacing=0.02, vertical_spacing=0.03,
-                        row_titles=["layer 1", "layer 3"],
-                        column_titles=["head 0", "head 1", "head 2"]).to_plotly_json()["layout"]
-    got = fig.to_plotly_json()["layout"]
-    assert [(t.xaxis, t.yaxis) for t in fig.data] == [
-        ("x", "y"), ("x2", "y2"), ("x3", "y3"), ("x4", "y4"), ("x5", "y5"), ("x6", "y6")]
-    for name in [k for k in ref if k.startswith(("xaxis", "yaxis"))]:
-        assert got[name]["anchor"] == ref[name]["anchor"]
-        assert got[name]["domain"] == pytest.approx(ref[name]["domain"], abs=1e-12)
-        assert got[name]["showticklabels"] is False
-    assert got["yaxis5"]["autorange"] == "reversed"
-    for a, b in zip(got["annotations"], ref["annotations"], strict=True):
-        assert {k: v for k, v in a.items() if k not in ("x", "y")} == {
-            k: v for k, v in b.items() if k not in ("x", "y")}
-        assert (a["x"], a["y"]) == pytest.approx((b["x"], b["y"]), abs=1e-12)
 
 
 def test_long_patterns_are_pooled_for_thumbnails():
@@ -407,7 +406,7 @@ def test_long_patterns_are_pooled_for_thumbnails():
     assert float(small[0, 0, 0, 0]) == pytest.approx(float(p[0, 0, :4, :4].mean()))
     assert plots.pool_pattern(p, 100) is p
     fig = plots.attention_heads(p, [0], cells=25)
-    assert len(fig.data[0].z) == 25
+    assert len(fig.data[0].z) == 25 and fig.data[0].meta["tile"] == 25
 
 
 def test_attention_heatmap_labels_tokens_and_marks_a_token():

@@ -29,6 +29,7 @@ from vlens.plots._attention import (
     attention_heatmap,
     attention_of_token,
     pool_pattern,
+    thumbnail_at,
     thumbnail_outline,
 )
 from vlens.plots._branches import branch_rows
@@ -59,6 +60,7 @@ __all__ = [
     "attention_heads",
     "attention_heatmap",
     "attention_of_token",
+    "thumbnail_at",
     "thumbnail_outline",
     "baseline_vs_steered",
     "branch_rows",

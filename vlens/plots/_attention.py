@@ -19,7 +19,7 @@ from vlens.plots._cells import FONT_PX, readable
 from vlens.plots._common import as_float, prompt_boundary, token_labels
 
 __all__ = ["attention_heads", "attention_heatmap", "attention_of_token", "pool_pattern",
-           "thumbnail_outline"]
+           "thumbnail_at", "thumbnail_outline"]
 
 #: the colours of attention: white at 0, dark blue at 1 (one scale for every head)
 ATTENTION_COLOURS = "Blues"
@@ -27,14 +27,14 @@ OUTLINE = {"color": "#d62728", "width": 3}
 
 
 def _causal_array(pattern: torch.Tensor) -> numpy.ndarray:
-    """``pattern`` ``[T, T]`` as a float32 array, NaN above the diagonal (a
-    gap; null on the page). Plotly checks a nested list value by value
-    (twice more when a figure is copied and shown), which took seconds for
-    the 270 thumbnails of a 30-layer model and half a second for one head
-    of a 200-token prompt; an array it takes whole."""
+    """``pattern`` ``[.., T, T]`` as a float32 array, NaN above the diagonal
+    (a gap; null on the page). Plotly checks a nested list value by value
+    (twice more when a figure is copied and shown), which took half a second
+    for one head of a 200-token prompt; an array it takes whole."""
     a = pattern.detach().to(torch.float32).cpu().numpy().copy()
     n = a.shape[-1]
-    a[numpy.triu_indices(min(a.shape[0], n), k=1, m=n)] = numpy.nan
+    rows, cols = numpy.triu_indices(min(a.shape[-2], n), k=1, m=n)
+    a[..., rows, cols] = numpy.nan
     return a
 
 
@@ -66,10 +66,14 @@ def attention_heads(
     ``patterns`` ``[n_layers, n_heads, T, T]`` (``layers`` names its rows,
     ``heads`` its head columns: default ``0..n_heads-1``, or the heads a
     trace read with ``heads=``). Each thumbnail is one head's pattern on one
-    colour scale (0 to 1), pooled to at most ``cells`` x ``cells``. Trace
-    ``n`` is layer row ``n // n_heads``, head column ``n % n_heads``; each
-    trace's ``meta`` is ``[layer, head]`` (what a click on it picks).
-    ``selected`` ``(layer, head)`` is outlined (a shape named ``"selected"``).
+    colour scale (0 to 1), pooled to at most ``cells`` x ``cells``. The grid
+    is **one** heatmap: the thumbnails are tiles of one array, ``tile``
+    cells square, ``step`` cells apart (an empty gap between them), so the
+    page draws one trace, not one per head (270 heatmaps for a 30-layer
+    model held the page for seconds). The trace's ``meta`` says where each
+    tile is (``layers``, ``heads``, ``tile``, ``step``): :func:`thumbnail_at`
+    turns a clicked cell into its ``(layer, head)``. ``selected``
+    ``(layer, head)`` is outlined (a shape named ``"selected"``).
     """
     p = as_float(patterns)
     if p.dim() != 4 or p.shape[-1] != p.shape[-2]:
@@ -81,89 +85,70 @@ def attention_heads(
     heads = list(range(n_heads)) if heads is None else [int(h) for h in heads]
     if len(heads) != n_heads:
         raise ValueError(f"{len(heads)} head names for {n_heads} heads of patterns")
-    small = pool_pattern(p, cells)
-    layout, axes = _grid_layout([f"layer {x}" for x in layers], [f"head {h}" for h in heads])
-    traces = [
-        go.Heatmap(
-            z=_causal_array(small[r, c]), zmin=0, zmax=1, colorscale=ATTENTION_COLOURS,
-            showscale=False, meta=[int(layer), h], name=f"layer {layer} head {h}",
-            hovertemplate=f"layer {layer} head {h}<extra></extra>",
-            xaxis=axes[r * n_heads + c][0], yaxis=axes[r * n_heads + c][1],
-        )
-        for r, layer in enumerate(layers) for c, h in enumerate(heads)
-    ]
-    fig = go.Figure(traces, layout)
-    shapes = thumbnail_outline(layers, heads, selected)
+    layers = [int(x) for x in layers]
+    small = _causal_array(pool_pattern(p, cells))  # [L, H, tile, tile]
+    tile = small.shape[-1]
+    step = tile + _gap(tile)
+    tiles = numpy.full((n_layers, n_heads, step, step), numpy.nan, dtype=numpy.float32)
+    tiles[:, :, :tile, :tile] = small
+    # tile (r, c) at rows r*step.., columns c*step..; no gap after the last
+    z = tiles.transpose(0, 2, 1, 3).reshape(n_layers * step, n_heads * step)
+    z = z[:n_layers * step - (step - tile), :n_heads * step - (step - tile)]
+    centre = (tile - 1) / 2
+    plain = {"showgrid": False, "zeroline": False, "ticks": "", "constrain": "domain"}
+    fig = go.Figure(go.Heatmap(
+        z=z, zmin=0, zmax=1, colorscale=ATTENTION_COLOURS, showscale=False,
+        meta={"layers": layers, "heads": heads, "tile": tile, "step": step},
+        name="attention of every head", hovertemplate="%{z:.2f}<extra></extra>"))
     fig.update_layout(
         title={"text": title or "attention of every head (click one)"},
-        shapes=shapes,
-        height=60 + thumb_px * n_layers, width=80 + thumb_px * n_heads,
-        plot_bgcolor="white",  # the causal gaps read as empty, not as a colour
-        margin={"t": 60, "b": 10, "l": 10, "r": 40},
+        shapes=thumbnail_outline(layers, heads, selected, tile=tile),
+        xaxis={**plain, "side": "top", "tickvals": [c * step + centre for c in range(n_heads)],
+               "ticktext": [f"head {h}" for h in heads], "range": [-0.5, z.shape[1] - 0.5]},
+        yaxis={**plain, "autorange": "reversed", "scaleanchor": "x",
+               "tickvals": [r * step + centre for r in range(n_layers)],
+               "ticktext": [f"layer {x}" for x in layers]},
+        height=90 + thumb_px * n_layers, width=110 + thumb_px * n_heads,
+        plot_bgcolor="white",  # the causal gaps and the gaps between tiles read as empty
+        margin={"t": 90, "b": 10, "l": 70, "r": 10},
     )
     return fig
 
 
-def _grid_layout(row_titles: list[str], col_titles: list[str], h_space: float = 0.02,
-                 v_space: float = 0.03) -> tuple[dict, list[tuple[str, str]]]:
-    """The layout of a rows x columns grid of small plots, as
-    ``make_subplots`` lays it out (subplot n, counted row by row from the
-    top left, on axes ``x{n}``/``y{n}``; titles above the columns and right
-    of the rows), without ticks or grid, y reversed -- and each subplot's
-    (x, y) axis names. Written as one dict: ``make_subplots`` and
-    ``update_xaxes`` build and update the axes one by one, which took about
-    a second for a 30-layer model's 270 thumbnails."""
-    n_rows, n_cols = len(row_titles), len(col_titles)
-    width = (1 - h_space * n_cols) / n_cols  # the row titles take one spacing on the right
-    height = (1 - v_space * (n_rows - 1)) / n_rows
-    plain = {"showticklabels": False, "showgrid": False, "zeroline": False}
-    layout: dict = {"annotations": []}
-    axes = []
-    for r in range(n_rows):
-        top = 1 - r * (height + v_space)
-        for c in range(n_cols):
-            n = r * n_cols + c + 1
-            x, y = ("x", "y") if n == 1 else (f"x{n}", f"y{n}")
-            left = c * (width + h_space)
-            layout[f"xaxis{'' if n == 1 else n}"] = {
-                "anchor": y, "domain": [_unit(left), _unit(left + width)], **plain}
-            layout[f"yaxis{'' if n == 1 else n}"] = {
-                "anchor": x, "domain": [_unit(top - height), _unit(top)], "autorange": "reversed",
-                **plain}
-            axes.append((x, y))
-    title = {"font": {"size": 16}, "showarrow": False, "xref": "paper", "yref": "paper"}
-    for c, text in enumerate(col_titles):
-        layout["annotations"].append({**title, "text": text, "x": c * (width + h_space) + width / 2,
-                                      "xanchor": "center", "y": 1.0, "yanchor": "bottom"})
-    for r, text in enumerate(row_titles):
-        layout["annotations"].append({**title, "text": text, "textangle": 90, "x": 1 - h_space,
-                                      "xanchor": "left", "y": 1 - r * (height + v_space) - height / 2,
-                                      "yanchor": "middle"})
-    return layout, axes
+def _gap(tile: int) -> int:
+    """The empty cells between two thumbnails of ``tile`` cells."""
+    return max(1, tile // 8)
 
 
-def _unit(v: float) -> float:
-    """``v`` within [0, 1] (float error at the edges of a grid)."""
-    return min(1.0, max(0.0, v))
+def thumbnail_at(meta: dict, row: int, col: int) -> tuple[int, int] | None:
+    """The ``(layer, head)`` of the thumbnail holding cell ``(row, col)`` of
+    an :func:`attention_heads` grid (``meta`` is its trace's), or None for a
+    cell of the gaps between thumbnails."""
+    step, tile = int(meta["step"]), int(meta["tile"])
+    r, i = divmod(int(row), step)
+    c, j = divmod(int(col), step)
+    if i >= tile or j >= tile or not (0 <= r < len(meta["layers"]) and 0 <= c < len(meta["heads"])):
+        return None
+    return int(meta["layers"][r]), int(meta["heads"][c])
 
 
 def thumbnail_outline(layers: Sequence[int], heads: Sequence[int],
-                      selected: tuple[int, int] | None) -> list[dict]:
+                      selected: tuple[int, int] | None, *, tile: int) -> list[dict]:
     """The shapes of :func:`attention_heads`: an outline (named
     ``"selected"``) around the thumbnail of ``selected`` ``(layer, head)``,
-    none when it is not on the grid. A view moves the outline with these
-    alone, without building the grid again."""
+    none when it is not on the grid. ``tile`` is the grid's (its trace's
+    ``meta["tile"]``). A view moves the outline with these alone, without
+    building the grid again."""
     if selected is None:
         return []
     layer, head = int(selected[0]), int(selected[1])
     rows, cols = [int(x) for x in layers], [int(h) for h in heads]
     if layer not in rows or head not in cols:
         return []
-    picked = rows.index(layer) * len(cols) + cols.index(head) + 1  # its subplot number
-    axis = "" if picked == 1 else str(picked)
-    return [{"type": "rect", "xref": f"x{axis} domain", "yref": f"y{axis} domain",
-             "x0": -0.02, "x1": 1.02, "y0": -0.02, "y1": 1.02, "line": OUTLINE,
-             "name": "selected"}]
+    step, pad = tile + _gap(tile), _gap(tile) / 2
+    x0, y0 = cols.index(head) * step - 0.5 - pad, rows.index(layer) * step - 0.5 - pad
+    return [{"type": "rect", "xref": "x", "yref": "y", "x0": x0, "x1": x0 + tile + 2 * pad,
+             "y0": y0, "y1": y0 + tile + 2 * pad, "line": OUTLINE, "name": "selected"}]
 
 
 def attention_heatmap(

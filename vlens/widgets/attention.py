@@ -29,7 +29,8 @@ import ipywidgets as widgets
 import torch
 import traitlets
 
-from vlens.plots import attention_heads, attention_heatmap, attention_of_token, thumbnail_outline
+from vlens.plots import (attention_heads, attention_heatmap, attention_of_token, thumbnail_at,
+                         thumbnail_outline)
 from vlens.results import Run
 from vlens.results.run import stack_index
 from vlens.widgets._base import View, figure_widget, show_figure
@@ -214,10 +215,14 @@ class AttentionView(View):
         self.replot()
 
     def _on_thumbnail(self, trace, points, state) -> None:
-        """A click on a thumbnail picks its (layer, head)."""
+        """A click on a thumbnail picks its (layer, head); one between
+        thumbnails picks nothing."""
         if not points.point_inds:
             return
-        layer, head = (int(x) for x in trace.meta)
+        picked = thumbnail_at(trace.meta, *points.point_inds[0])  # heatmap points are [row, col]
+        if picked is None:
+            return
+        layer, head = picked
         with self._one_draw():
             self.head = head
             self.layer = layer
@@ -241,8 +246,8 @@ class AttentionView(View):
                 trace.on_click(self._guard(self._on_thumbnail))
             self._grid_of = self._patterns
         else:
-            self.thumbnails.update_layout(
-                shapes=thumbnail_outline(self._layers, self._heads, picked))
+            self.thumbnails.update_layout(shapes=thumbnail_outline(
+                self._layers, self._heads, picked, tile=self.thumbnails.data[0].meta["tile"]))
         self._draw_token()
         self._note.value = (f"<small>layer {self.layer}, head {self.head}: click a thumbnail "
                             "to pick a head; hover a token to see where it attends</small>")
