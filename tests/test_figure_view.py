@@ -97,12 +97,14 @@ def test_every_vlens_anywidget_is_listed_in_the_page_registry_while_it_lives():
     keys = [m.get_state()["_start_key"] for m in made]
     assert len(set(keys)) == 3 and all(len(k) == 32 for k in keys)
     assert {m.get_state()["_page"] for m in made} == {f"anywidget:{registry.model_id}"}
-    assert registry.keys[-3:] == keys  # in the order made
+    assert registry.live[-3:] == keys  # in the order made
+    sent = registry.get_state()  # a whole widget state (ipywidgets' own traits kept)
+    assert sent["_model_name"] == "WidgetModel" and sent["live"] == registry.live
     made[1].close()
-    assert keys[1] not in registry.keys and keys[0] in registry.keys and keys[2] in registry.keys
+    assert keys[1] not in registry.live and keys[0] in registry.live and keys[2] in registry.live
     for m in (made[0], made[2]):
         m.close()
-    assert not set(keys) & set(registry.keys)
+    assert not set(keys) & set(registry.live)
     # the front ends mark their key started when anywidget starts them
     for m in made:
         assert "initialize" in m._esm and "_start_key" in m._esm

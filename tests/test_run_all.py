@@ -192,7 +192,12 @@ _VIEWS = """() => {
   const strips = Array.from(panel.querySelectorAll('.jp-OutputArea .vlens-token-span'),
       el => el.querySelectorAll('.vlens-chip').length);
   const text = panel.innerText;
+  // the vlens models the kernel listed as live (vlens/widgets/_page.py), and
+  // those of them whose front end never started
+  const listed = window.__vlensListed || [];
+  const started = window.__vlensStarted || new Set();
   return {plots, figures, strips, plotly_evaluations: window.__plotlyEvaluations,
+          listed: listed.length, never_started: listed.filter(k => !started.has(k)).length,
           failed: (text.match(/Failed to initialize|Error displaying widget/g) || []).length};
 }"""
 
@@ -334,5 +339,9 @@ def test_run_all_draws_every_view(lab_all, request, name):
     missing = [f for f in views["figures"] if f["sent"] and f["drawn"] != f["sent"]]
     assert not missing, views["figures"]
     assert all(n > 0 for n in views["strips"]), views["strips"]
+    # the page followed the kernel's list of vlens models (what figures' long work
+    # waits on), and every one of them started
+    if views["figures"]:
+        assert views["listed"] >= len(views["figures"]) and views["never_started"] == 0, views
     # one plotly.js for the page: vlens's figures and plain ones (jupyterlab-plotly) share it
     assert views["plotly_evaluations"] <= 1, views["plotly_evaluations"]

@@ -32,9 +32,10 @@ __all__ = ["PageRegistry", "StartingWidget", "page_registry"]
 
 
 class PageRegistry(widgets.Widget):
-    """The keys of the kernel's live vlens anywidgets, in the order made."""
+    """The keys of the kernel's live vlens anywidgets, in the order made.
+    (Not ``keys``: that name is ipywidgets' own, the list of synced traits.)"""
 
-    keys = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    live = traitlets.List(traitlets.Unicode()).tag(sync=True)
 
 
 _REGISTRY: PageRegistry | None = None
@@ -61,15 +62,15 @@ class StartingWidget(anywidget.AnyWidget):
         key = uuid.uuid4().hex
         # listed before the model is sent: the page learns of it first, so
         # no long work can begin between the model's arrival and its listing
-        registry.keys = [*registry.keys, key]
+        registry.live = [*registry.live, key]
         try:
             super().__init__(_start_key=key, _page=f"anywidget:{registry.model_id}", **kwargs)
         except BaseException:
-            registry.keys = [k for k in registry.keys if k != key]
+            registry.live = [k for k in registry.live if k != key]
             raise
 
     def close(self) -> None:
         registry = _REGISTRY
-        if registry is not None and registry.comm is not None and self._start_key in registry.keys:
-            registry.keys = [k for k in registry.keys if k != self._start_key]
+        if registry is not None and registry.comm is not None and self._start_key in registry.live:
+            registry.live = [k for k in registry.live if k != self._start_key]
         super().close()

@@ -54,12 +54,14 @@ function watchPage(host, ref) {
     const seen = (globalThis[SEEN] ||= new Map());
     const note = () => {
       const now = performance.now();
-      for (const key of page.get("keys") || []) if (!seen.has(key)) seen.set(key, now);
+      const live = page.get("live") || [];
+      for (const key of live) if (!seen.has(key)) seen.set(key, now);
+      globalThis.__vlensListed = live; // the last list (a test reads it)
     };
     const pages = (globalThis[PAGES] ||= new WeakSet());
     if (!pages.has(page)) {
       pages.add(page);
-      page.on("change:keys", note);
+      page.on("change:live", note);
     }
     note();
   }).catch(() => {}); // no registry: the quiet time alone decides
