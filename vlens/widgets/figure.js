@@ -47,10 +47,11 @@ function initialize({ model }) {
   (globalThis[STARTED] ||= new Set()).add(model.get("_start_key"));
 }
 
-// follow the kernel's registry of vlens models (`ref` names it)
+// follow the kernel's registry of vlens models (`ref` names it); resolves
+// once it is followed, or after MOST_MS whatever happens to it
 function watchPage(host, ref) {
   if (!ref) return Promise.resolve();
-  return host.getModel(ref).then((page) => {
+  const follow = host.getModel(ref).then((page) => {
     const seen = (globalThis[SEEN] ||= new Map());
     const note = () => {
       const now = performance.now();
@@ -65,6 +66,7 @@ function watchPage(host, ref) {
     }
     note();
   }).catch(() => {}); // no registry: the quiet time alone decides
+  return Promise.race([follow, sleep(MOST_MS)]);
 }
 
 // how many vlens models listed are still starting (inside their window)
