@@ -77,8 +77,18 @@ class Venv:
         self.path = path
         self.python = str(path / "bin" / "python")
         self.env = {k: v for k, v in os.environ.items()
-                    if k not in ("PYTHONPATH", "PYTHONHOME", "VLENS_SKIP_ENV_CHECK")}
+                    if k not in ("PYTHONPATH", "PYTHONHOME", "VLENS_SKIP_ENV_CHECK",
+                                 "PYTHONDONTWRITEBYTECODE")}
         self.env["VIRTUAL_ENV"] = str(path)
+        # pip byte-compiles every file it installs (34,000 files of torch,
+        # vLLM, transformers...: about 110 s of CPU here); without that, each
+        # module is compiled when a step first imports it and kept for the
+        # next (bytecode writing on, as in a user's shell: CI machines turn it
+        # off, which would compile every import of every step again). Nothing
+        # the README says runs differently. pip reads a negative option's
+        # variable as the value of its positive form, --compile: "0" is
+        # --no-compile.
+        self.env["PIP_NO_COMPILE"] = "0"
         self.env["TMPDIR"] = str(path.parent / "tmp")  # pip's unpacking, beside the venv
         (path.parent / "tmp").mkdir(exist_ok=True)
         self.env["PATH"] = f"{path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -127,6 +127,7 @@ function plotly(host, ref, watched) {
     globalThis[LIBRARY] = Promise.all([host.getModel(ref), watched]).then(([lib]) => inTurn(() => {
       const there = globalThis.Plotly;
       if (there && there.react && there.version === lib.get("version")) return there;
+      globalThis.__vlensPlotlyEvaluations = (globalThis.__vlensPlotlyEvaluations || 0) + 1;
       const module = { exports: {} };
       // plotly.min.js is a UMD bundle: given a `module`, it exports itself there
       new Function("module", "exports", "define", lib.get("source"))(
