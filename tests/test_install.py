@@ -83,8 +83,9 @@ class Venv:
         # pip byte-compiles every file it installs (34,000 files of torch,
         # vLLM, transformers...: about 110 s of CPU here); without that, each
         # module is compiled when a step first imports it and kept for the
-        # next (bytecode writing on, as in a user's shell: CI machines turn it
-        # off, which would compile every import of every step again). Nothing
+        # next (bytecode writing on, as in a user's shell: these machines set
+        # PYTHONDONTWRITEBYTECODE=1, which would compile every import of every
+        # step again). Nothing
         # the README says runs differently. pip reads a negative option's
         # variable as the value of its positive form, --compile: "0" is
         # --no-compile.
