@@ -39,6 +39,18 @@ for _var, _sub in (
     os.environ.setdefault(_var, str(_RUN_DIR / _sub))
     Path(os.environ[_var]).mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# One part of vLLM's cache is shared by every process of the run: the model
+# classes it has inspected (``modelinfos``). On a miss vLLM inspects the class
+# in a fresh Python, about 6 s of CPU for each architecture in each folder
+# (a toy start inspects two); vLLM writes each entry atomically (a temporary
+# file renamed) and checks it against a hash of the model's source, so the
+# workers, their notebook kernels and servers, and the child runs of
+# tests/test_scale_out.py and tests/test_models.py (they drop VLENS_TEST*
+# variables, not this one) all read one folder.
+_MODELINFOS = Path(os.environ.setdefault("VLENS_SUITE_MODELINFOS", str(_RUN_DIR / "modelinfos")))
+_MODELINFOS.mkdir(parents=True, exist_ok=True)
+if not (Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos").exists():
+    (Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos").symlink_to(_MODELINFOS)
 
 # VLENS_TEST_ENGINE picks how the shared engines run (tests/test_scale_out.py
 # re-runs the isolation, parity and steering tests in each mode):
