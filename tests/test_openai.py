@@ -24,7 +24,10 @@ from test_serve import _TOY_TEMPLATE, _prompts, _Server  # noqa: I001 - the shar
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.engine
+# with the other tests of OpenAI clients (tests/test_openai_clients.py,
+# docs/openai.md's blocks): its server (compiled, ~1 min to start on a busy
+# machine) then starts in one test process, not in both
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("openai-clients")]
 
 TOKENS = 8
 

@@ -133,15 +133,17 @@ before = proc.memory_info().rss
 s = vlens.Session(sys.argv[1], reuse=False, kv_cache_memory_bytes=512 * 2**20)
 s.trace(sys.argv[2], max_new_tokens=2)
 opened = proc.memory_info().rss
+frozen_open = gc.get_freeze_count()  # the heap vLLM sets aside while it serves
 s.close()
 s.close()  # harmless
 closed = proc.memory_info().rss
+frozen_closed = gc.get_freeze_count()
 try:
     s.trace(sys.argv[2])
     after = ""
 except vlens.VlensError as exc:
     after = str(exc)
-print("MEMORY", json.dumps([before, opened, closed, after]))
+print("MEMORY", json.dumps([before, opened, closed, after, frozen_open, frozen_closed]))
 """
 
 
@@ -161,8 +163,47 @@ def test_engine_memory_is_returned_on_close(tiny_llama):
                          env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("MEMORY ")), None)
     assert out.returncode == 0 and line, (out.stdout + out.stderr)[-4000:]
-    before, opened, closed, after = json.loads(line.split(" ", 1)[1])
+    before, opened, closed, after, frozen_open, frozen_closed = json.loads(line.split(" ", 1)[1])
     grew = opened - before
     assert grew > 400 * 2**20  # the KV cache alone is 512 MiB
     assert closed - before < 0.5 * grew, (before, opened, closed)
     assert "closed" in after, after
+    # set aside from the garbage collector while the engine served (vLLM's
+    # freeze, and vlens's from before the start), handed back on close
+    assert frozen_open > 0 and frozen_closed == 0, (frozen_open, frozen_closed)
+
+
+_FROZEN_HEAP = """
+import gc, json
+from vlens.engine.startup import frozen_heap
+seen = {}
+with frozen_heap(False):  # an engine core in another process: nothing here
+    seen["out_of_process"] = gc.get_freeze_count()
+try:
+    with frozen_heap(True):
+        seen["starting"] = gc.get_freeze_count()
+        raise RuntimeError("the start failed")
+except RuntimeError:
+    seen["after_a_failed_start"] = gc.get_freeze_count()
+with frozen_heap(True):
+    pass
+seen["after_a_start"] = gc.get_freeze_count()
+print(json.dumps(seen))
+"""
+
+
+def test_a_start_sets_the_heap_aside_and_a_failed_one_gives_it_back():
+    """In a fresh process (an engine in this one may hold the heap frozen):
+    vLLM's collections while it starts walk only what the engine makes; a
+    start that fails leaves the collector as it found it."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FROZEN_HEAP], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["out_of_process"] == 0 and seen["starting"] > 1000, seen
+    assert seen["after_a_failed_start"] == 0, seen
+    assert seen["after_a_start"] > 1000, seen  # as vLLM leaves it: its shutdown unfreezes

@@ -27,7 +27,7 @@ from vlens.engine.doctor import require_startable
 from vlens.engine.driver import STEP, Driver
 from vlens.engine.env import apply_env_defaults
 from vlens.engine.quiet import quiet_calls, quiet_engine_args, quiet_start, verbose_default
-from vlens.engine.startup import EXTENSION, Checkpoint, engine_info
+from vlens.engine.startup import EXTENSION, Checkpoint, engine_info, frozen_heap
 from vlens.errors import ClosedError, VlensError
 from vlens.protocol.tensors import encode_tensor
 
@@ -149,7 +149,7 @@ class Engine:
         # beside another in-process engine's step
         starting = STEP if self.in_process else nullcontext()
         try:
-            with starting:
+            with starting, frozen_heap(self.in_process):
                 self.llm = LLM(
                     model=self.model,
                     enforce_eager=not self.compiled,

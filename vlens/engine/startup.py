@@ -12,8 +12,11 @@ and vLLM's config).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,3 +113,29 @@ def engine_info(setup: dict[str, Any], model_config: Any, vllm_config: Any, *,
     # sites this architecture lacks, and why (for the Session's errors)
     info["absent_sites"] = {**info.pop("worker_absent", {}), **checkpoint.absent_sites()}
     return info
+
+
+@contextmanager
+def frozen_heap(in_process: bool) -> Iterator[None]:
+    """The process's objects set aside from the garbage collector while an
+    in-process vLLM engine starts. vLLM runs several full collections while
+    it starts (memory profiling, then ``gc.freeze()`` of the whole heap once
+    warm), each walking every object the process holds: about 0.4 s each in
+    a fresh kernel, over 0.6 s in one holding a few million objects. One
+    collection here, then a freeze, and theirs walk only what the engine
+    made. The end state is vLLM's own (the heap frozen while the engine
+    serves; its shutdown unfreezes); a failed start unfreezes what was
+    frozen here. An engine core in another process freezes only its own."""
+    if not in_process:
+        yield
+        return
+    was_frozen = gc.get_freeze_count() > 0
+    gc.collect()  # what vLLM's first collection would free, freed first
+    gc.freeze()
+    try:
+        yield
+    except BaseException:
+        if not was_frozen:
+            gc.unfreeze()
+        raise
+
