@@ -97,6 +97,7 @@ def test_a_child_process_takes_its_parents_vlens_defaults_for_defaults(monkeypat
         monkeypatch.delenv(key)
     env.apply_env_defaults({})
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"  # its artifacts do not load again on CPU
     assert "VLLM_CPU_KVCACHE_SPACE=1" in os.environ[env.MARK].split(";")
 
     def child(**extra: str) -> dict:

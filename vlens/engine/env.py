@@ -21,6 +21,12 @@ Why each default (measurements in docs/concepts.md and docs/scale-out.md):
   this one.
 * ``VLLM_USE_V2_MODEL_RUNNER=0`` -- vlens reads the batch layout from the
   V1 model runner (the one vLLM uses on CPU).
+* ``VLLM_USE_AOT_COMPILE=0`` (CPU) -- compiled mode: vLLM 0.32's CPU build
+  saves an ahead-of-time compiled model it cannot load again ("'function'
+  object has no attribute 'finalize_loading'"), so every compiled start
+  compiled twice over; without it the toy model's compiled start took 27.5
+  s of CPU instead of 35.8 the first time and 20.4 instead of 31.2 on a
+  warm cache.
 * ``OMP_NUM_THREADS`` for ``vlens serve`` on a CPU (:func:`serve_threads`):
   one less than the CPUs this process may use (at least 1), so the engine
   core's process leaves a CPU to the HTTP server beside it, as vLLM's own
@@ -49,6 +55,7 @@ COMMON_DEFAULTS = {
 CPU_DEFAULTS = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_USE_AOT_COMPILE": "0",
 }
 
 
