@@ -24,9 +24,9 @@ Why each default (measurements in docs/concepts.md and docs/scale-out.md):
 * ``VLLM_USE_AOT_COMPILE=0`` (CPU) -- compiled mode: vLLM 0.32's CPU build
   saves an ahead-of-time compiled model it cannot load again ("'function'
   object has no attribute 'finalize_loading'"), so every compiled start
-  compiled twice over; without it the toy model's compiled start took 27.5
-  s of CPU instead of 35.8 the first time and 20.4 instead of 31.2 on a
-  warm cache.
+  compiled from scratch and saved it again; without it the toy model's
+  compiled start took 27.5 s of CPU instead of 35.8 the first time and
+  20.4 instead of 31.2 on a warm cache.
 * ``OMP_NUM_THREADS`` for ``vlens serve`` on a CPU (:func:`serve_threads`):
   one less than the CPUs this process may use (at least 1), so the engine
   core's process leaves a CPU to the HTTP server beside it, as vLLM's own
