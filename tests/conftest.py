@@ -49,8 +49,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # variables, not this one) all read one folder.
 _MODELINFOS = Path(os.environ.setdefault("VLENS_SUITE_MODELINFOS", str(_RUN_DIR / "modelinfos")))
 _MODELINFOS.mkdir(parents=True, exist_ok=True)
-if not (Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos").exists():
-    (Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos").symlink_to(_MODELINFOS)
+_OWN_MODELINFOS = Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos"
+if not _OWN_MODELINFOS.exists():
+    _OWN_MODELINFOS.symlink_to(_MODELINFOS)
 
 # VLENS_TEST_ENGINE picks how the shared engines run (tests/test_scale_out.py
 # re-runs the isolation, parity and steering tests in each mode):

@@ -16,6 +16,7 @@ Notebooks whose parameters size their work run smaller here (``SMALLER``).
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -214,7 +215,15 @@ def test_notebook_runs_connected(world_server, request, path, tmp_path, monkeypa
     # 10_what_if diffs two models: the chat model's server beside the story's
     extra = (f"CHAT_SERVER = {request.getfixturevalue('chat_server').url!r}\n"
              if path.stem == "10_what_if" else "")
-    _with_server(book, srv.url, srv.tokens["c1"], extra + SMALLER.get(path.stem, "") + "\n")
+    smaller = SMALLER.get(path.stem, "")
+    # each name SMALLER sets is one of the notebook's parameters (a renamed one
+    # would otherwise leave the run at full size, unnoticed)
+    params = next(c.source for c in book.cells
+                  if "parameters" in c.get("metadata", {}).get("tags", []))
+    names = [line.split("=")[0].strip() for line in smaller.splitlines()]
+    unknown = [n for n in names if not re.search(rf"^{n} = ", params, re.MULTILINE)]
+    assert not unknown, f"SMALLER sets what {path.name}'s parameters lack: {unknown}"
+    _with_server(book, srv.url, srv.tokens["c1"], extra + smaller + "\n")
     t0 = time.monotonic()
     NotebookClient(book, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
