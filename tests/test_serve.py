@@ -28,7 +28,9 @@ import torch
 import vlens
 from vlens import calls
 from vlens.checks import rules
-from vlens.remote.wire import FRAME_TYPE, FrameReader, pack, params_to_wire
+from vlens.keywords import SAMPLING
+from vlens.remote.wire import (FRAME_TYPE, OFF_WIRE_DEFAULTS, PARAM_FIELDS, FrameReader, pack,
+                               params_to_wire)
 
 pytestmark = pytest.mark.engine
 
@@ -344,6 +346,49 @@ def test_conversations_over_connect_equal_a_local_session(server, toy_session, d
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=0)
     assert got[3].positions == want[3].positions and len(want[3].positions) >= 8
     torch.testing.assert_close(got[3].grid, want[3].grid, atol=1e-4, rtol=0)
+
+
+_NO_VLLM = """
+import json, sys, vlens
+s = vlens.connect(sys.argv[1], token=sys.argv[2])
+t = s.trace("the wind was", layers=[0], max_new_tokens=6, stop=" a", stop_token_ids=(5,),
+            repetition_penalty=1.3, min_tokens=2, detokenize=True)
+print(json.dumps({"text": t[0].text, "shape": list(t[0].activations("resid_post").shape),
+                  "vllm": sorted(m for m in sys.modules if m.split(".")[0] == "vllm")}))
+"""
+
+
+def test_sampling_settings_cross_without_vllm_and_off_wire_ones_are_refused(server, toy_session):
+    """A connected session sends its sampling settings as the wire's dict,
+    made without vLLM (a connected kernel may have none): the server checks
+    them and makes the SamplingParams. The results equal a local session's;
+    a setting that does not cross is refused on the client, a bad value by
+    the server, and the session serves on."""
+    from vllm import SamplingParams
+
+    default = SamplingParams()
+    assert {k: getattr(default, k) for k in OFF_WIRE_DEFAULTS} == OFF_WIRE_DEFAULTS
+    assert set(SAMPLING) <= set(PARAM_FIELDS) | set(OFF_WIRE_DEFAULTS)  # each has a rule
+    settings = dict(stop=" a", stop_token_ids=(5,), repetition_penalty=1.3, min_tokens=2,
+                    detokenize=True)
+    want = toy_session.trace("the wind was", layers=[0], max_new_tokens=6, **settings)
+    proc = subprocess.run([sys.executable, "-c", _NO_VLLM, server.url, server.tokens["c0"]],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["vllm"] == []  # the call made no vLLM import in the client
+    want = want[0]
+    plain = toy_session.trace("the wind was", layers=[0], max_new_tokens=6)[0]
+    assert plain.text != want.text  # the settings change the run
+    assert got["text"] == want.text and got["shape"] == list(want.activations("resid_post").shape)
+    with server.connect("c0") as s:
+        for bad, match in (({"logit_bias": {3: 1.0}}, "logit_bias= cannot be used on a connected"),
+                           ({"bad_words": ["sad"]}, "bad_words= cannot be used on a connected"),
+                           ({"temperature": -1.0}, "temperature must be non-negative")):
+            with pytest.raises(vlens.VlensError, match=match):
+                s.trace("the wind was", max_new_tokens=2, **bad)
+        assert s.generate("the wind was", max_new_tokens=4) == toy_session.generate(
+            "the wind was", max_new_tokens=4)
 
 
 def test_limits_are_clear_errors_and_closing_a_stream_aborts_it(server):

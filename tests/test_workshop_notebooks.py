@@ -10,7 +10,8 @@ name with its shipped SAE (11_real_model, whose kernel reads the same
 fetched weights for its lens and twin, and 12_real_features); the last two
 start only when a notebook needs them. A
 notebook passes when every cell ran without an error, no Session in its
-kernel started an engine of its own, and the server finished calls for it.
+kernel started an engine of its own or imported vLLM (a participant's
+laptop may have none), and the server finished calls for it.
 Notebooks whose parameters size their work run smaller here (``SMALLER``).
 """
 
@@ -66,6 +67,9 @@ _sessions = [v for v in list(globals().values()) if isinstance(v, _Session)]
 assert _sessions, "no Session in the notebook"
 assert not _LOCAL_STARTS, f"a local engine started: {_LOCAL_STARTS}"
 assert all(v._runner._shared.engine.remote for v in _sessions)
+import sys as _sys
+_vllm = sorted(m for m in _sys.modules if m.split(".")[0] == "vllm")
+assert not _vllm, f"the connected kernel imported vLLM: {_vllm[:5]}"
 print("connected sessions:", len(_sessions))
 """
 
@@ -161,8 +165,8 @@ def test_open_session_connects_when_a_server_is_named(monkeypatch):
 def test_a_call_over_the_servers_limits_goes_as_several():
     """A patching grid or a head sweep can hold more requests or vectors
     than one call may: the connection cuts it in order, each part with the
-    vectors its requests name."""
-    SamplingParams = pytest.importorskip("vllm").SamplingParams
+    vectors its requests name. Requests come as the runner makes them for a
+    connected session: the wire's dicts of sampling settings."""
     from vlens.remote.client import RemoteEngine
 
     engine = RemoteEngine.__new__(RemoteEngine)  # its slicing only: no server
@@ -170,7 +174,7 @@ def test_a_call_over_the_servers_limits_goes_as_several():
     engine._held = {"a": "A", "b": "B", "c": "C"}
 
     def naming(*ids):
-        return SamplingParams(extra_args={"plan": {"adds": [{"vec": v} for v in ids]}})
+        return engine.wire_params({"extra_args": {"plan": {"adds": [{"vec": v} for v in ids]}}})
 
     params = [naming("a"), naming("b"), naming("c"), naming(), naming(), naming(), naming("a")]
     got = engine._slices([{}] * len(params), params)
@@ -183,11 +187,13 @@ def test_a_call_over_the_servers_limits_goes_as_several():
     engine.info = {"vocab_size": 1000}
     engine.limits = {"requests": 256, "vectors": 64, "read_bytes": 4 * 1000 * 10}  # 10 rows
     prompts = [{"prompt_token_ids": [1, 2, 3]}] * 5
-    generated = [SamplingParams(max_tokens=4, logprobs=0) for _ in prompts]  # 4 rows each
+    generated = [{"max_tokens": 4, "logprobs": 0} for _ in prompts]  # 4 rows each
     assert [(a, b) for a, b, _ in engine._slices(prompts, generated)] == [(0, 2), (2, 4), (4, 5)]
-    with_prompt = [SamplingParams(max_tokens=2, logprobs=0, prompt_logprobs=0)] * 3  # 3 + 2
+    with_prompt = [{"max_tokens": 2, "logprobs": 0, "prompt_logprobs": 0}] * 3  # 3 + 2
     assert [(a, b) for a, b, _ in engine._slices(prompts[:3], with_prompt)] == [(0, 2), (2, 3)]
-    plain = [SamplingParams(max_tokens=4) for _ in prompts]  # no log-probabilities asked
+    sampled = [{"max_tokens": 2, "n": 3, "logprobs": 0}] * 2  # n samples: 6 rows each
+    assert [(a, b) for a, b, _ in engine._slices(prompts[:2], sampled)] == [(0, 1), (1, 2)]
+    plain = [{"max_tokens": 4} for _ in prompts]  # no log-probabilities asked
     assert [(a, b) for a, b, _ in engine._slices(prompts, plain)] == [(0, 5)]
     from vlens.remote.guard import Limits
     assert "read_bytes" in Limits().public()  # the name the server gives it

@@ -180,19 +180,18 @@ class Runner:
 
     # -- requests -------------------------------------------------------------
     def sampling_params(self, spec: RequestSpec):
-        """vLLM's SamplingParams of one request: greedy unless its sampling
+        """vLLM's SamplingParams of one request (a connected session's: the
+        dict of them that crosses to the server): greedy unless its sampling
         settings say otherwise; ``score``: vlens's own settings over the
         logprob ones (patching asks for the top-k (``logprobs=k``) or for
         given tokens (``logprob_token_ids``))."""
-        from vllm import SamplingParams
-
         plan = spec.plan
         args = {"temperature": 0.0, "logprobs": 0 if spec.logprobs else None,
                 "prompt_logprobs": 0 if spec.logprobs else None, **spec.sampling,
                 **(spec.score or {})}
         needs_rows = plan is not None and bool(plan.reads or plan.edits)
         try:
-            return SamplingParams(
+            settings = dict(
                 max_tokens=spec.max_new_tokens,
                 # reads and edit functions need every prompt row; steer-only
                 # requests may reuse KV made under the same steers (their
@@ -201,6 +200,13 @@ class Runner:
                 extra_args=spec.extra_args(),
                 **args,
             )
+            if self.remote:  # no vLLM here: the server checks them and makes them
+                return self.engine.wire_params(settings)
+            from vllm import SamplingParams
+
+            return SamplingParams(**settings)
+        except VlensError:
+            raise
         except Exception as exc:  # vLLM's own validation errors vary by version
             raise VlensError(f"bad sampling settings {dict(spec.sampling)!r}: {exc}") from None
 

@@ -33,7 +33,8 @@ from vlens.models import toychat_path, toyworld_path
 from vlens.protocol.features import FeatureSpec
 from vlens.protocol.tensors import decode_tensor, encode_tensor
 from vlens.remote.wire import (FRAME_TYPE, FrameReader, merge_delta, output_from_wire, pack,
-                               params_to_wire, unpack_one)
+                               params_to_wire, settings_to_wire,
+                               unpack_one)
 
 __all__ = ["RemoteEngine", "connected_copy"]
 
@@ -245,13 +246,21 @@ class RemoteEngine:
             raise VlensError(REMOTE_EDIT)
         raise VlensError(f"{method} is not available on a connected session")
 
-    def _logprob_bytes(self, prompt: Any, sp: Any) -> int:
+    @staticmethod
+    def wire_params(settings: Mapping[str, Any]) -> dict[str, Any]:
+        """A request's sampling settings as they cross to the server: the
+        Session's runner asks for these instead of vLLM's SamplingParams,
+        which the server makes once it has checked them."""
+        return settings_to_wire(settings)
+
+    def _logprob_bytes(self, prompt: Any, sp: dict[str, Any]) -> int:
         """What one request's log-probabilities count against the server's
         read limit (vLLM works them out over the whole vocabulary for every
         row that asks: each prompt row, each generated one), as the server
         counts them (``vlens.remote.guard.check_call``)."""
-        rows = (len(prompt["prompt_token_ids"]) if sp.prompt_logprobs is not None else 0) + (
-            (sp.n or 1) * (sp.max_tokens or 0) if sp.logprobs is not None else 0)
+        rows = (len(prompt["prompt_token_ids"]) if sp.get("prompt_logprobs") is not None
+                else 0) + ((sp.get("n") or 1) * (sp.get("max_tokens") or 16)
+                           if sp.get("logprobs") is not None else 0)
         return 4 * int(self.info.get("vocab_size") or 0) * rows
 
     def _slices(self, prompts: list[Any], params: list[Any]
@@ -274,7 +283,7 @@ class RemoteEngine:
         slices: list[tuple[int, int, dict[str, Any]]] = []
         start, named, spent = 0, set(), 0
         for i, sp in enumerate(params):
-            needs = set(_held_names(params_to_wire(sp).get("extra_args"), self._held))
+            needs = set(_held_names(sp.get("extra_args"), self._held))
             if i > start and (i - start >= most or len(named | needs) > most_vectors
                               or (most_bytes and spent + costs[i] > most_bytes)):
                 slices.append((start, i, {v: self._held[v] for v in named}))
@@ -294,7 +303,7 @@ class RemoteEngine:
         self.check_open()
         self.generate_calls += 1
         body = pack({
-            "requests": [{"ids": list(p["prompt_token_ids"]), "params": params_to_wire(sp)}
+            "requests": [{"ids": list(p["prompt_token_ids"]), "params": sp}
                          for p, sp in zip(prompts, params)],
             "vectors": vectors,
             "stream": stream,
@@ -323,6 +332,7 @@ class RemoteEngine:
 
     def generate(self, prompts: list[Any], params: list[Any], progress: Any = None, *,
                  owner: Any = None) -> list[Any]:
+        params = [_as_wire(sp) for sp in params]
         bar = progress(total=len(prompts)) if progress else None
         outputs: list[Any] = []
         records: dict[str, list] = {}
@@ -353,6 +363,7 @@ class RemoteEngine:
 
     def stream(self, prompts: list[Any], params: list[Any], *,
                owner: Any = None) -> Iterator[list[Any]]:
+        params = [_as_wire(sp) for sp in params]
         finished: list[Any] = []  # the outputs of the slices already answered
         records: dict[str, list] = {}
         for start, stop, vectors in self._slices(prompts, params):
@@ -395,3 +406,8 @@ def connected_copy(model: str) -> Path:
     if engine is None:
         raise VlensError(f"{model} is no live connection's model: vlens.connect to it first")
     return engine.local_copy()
+def _as_wire(sp: Any) -> dict[str, Any]:
+    """A request's params as the server takes them: the runner's wire dict
+    as it is, a vLLM ``SamplingParams`` (a caller's own) through
+    :func:`~vlens.remote.wire.params_to_wire`."""
+    return sp if isinstance(sp, Mapping) else params_to_wire(sp)

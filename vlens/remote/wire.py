@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlens.errors import VlensError
 
 __all__ = ["FRAME_TYPE", "WireError", "pack", "unpack", "FrameReader", "PARAM_FIELDS",
-           "params_to_wire", "logprobs_to_wire", "output_from_wire", "merge_delta", "RemoteOutput",
+           "params_to_wire", "settings_to_wire", "logprobs_to_wire", "output_from_wire", "merge_delta", "RemoteOutput",
            "RemoteCompletion", "Logprob"]
 
 FRAME_TYPE = "application/x-vlens-frame"
@@ -157,6 +158,37 @@ class FrameReader:
         return len(self._buf)
 
 
+# vLLM's defaults for the sampling settings a Session call may name that do
+# not cross the wire (tests/test_serve.py holds them to SamplingParams()'s)
+OFF_WIRE_DEFAULTS = {"detokenize": True, "logit_bias": None, "allowed_token_ids": None,
+                     "bad_words": []}
+
+
+def _off_wire(name: str) -> VlensError:
+    return VlensError(f"sampling setting {name}= cannot be used on a connected session "
+                      f"(it does not cross the wire); allowed: {', '.join(PARAM_FIELDS)}")
+
+
+def settings_to_wire(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A connected session's request settings (``SamplingParams``'s keywords)
+    -> the whitelisted dict, made without vLLM (a connected kernel may have
+    none, and importing it costs seconds): the server checks the values
+    (:func:`vlens.remote.guard.check_params`) and makes the SamplingParams.
+    A setting outside the list is refused unless it is None or vLLM's default."""
+    out: dict[str, Any] = {}
+    for name, value in settings.items():
+        if name in PARAM_FIELDS:
+            out[name] = value
+        elif name not in OFF_WIRE_DEFAULTS or value not in (None, OFF_WIRE_DEFAULTS[name]):
+            raise _off_wire(name)
+    if isinstance(out.get("stop"), str):  # as SamplingParams takes it
+        out["stop"] = [out["stop"]]
+    for name in ("stop", "stop_token_ids", "logprob_token_ids"):
+        if isinstance(out.get(name), tuple):
+            out[name] = list(out[name])
+    return out
+
+
 def params_to_wire(sp: Any) -> dict[str, Any]:
     """A vLLM ``SamplingParams`` -> its whitelisted fields. A setting outside
     the list that differs from vLLM's default is refused (it would be lost)."""
@@ -167,8 +199,7 @@ def params_to_wire(sp: Any) -> dict[str, Any]:
         if name in PARAM_FIELDS or name in _DERIVED or name.startswith("_"):
             continue
         if getattr(sp, name) != getattr(default, name):
-            raise VlensError(f"sampling setting {name}= cannot be used on a connected session "
-                             f"(it does not cross the wire); allowed: {', '.join(PARAM_FIELDS)}")
+            raise _off_wire(name)
     out = {name: getattr(sp, name) for name in PARAM_FIELDS}
     if out["stop"] is not None:
         out["stop"] = list(out["stop"])
