@@ -14,7 +14,8 @@ from vlens.errors import VlensError
 
 from test_ablation import hf_jobs
 
-pytestmark = pytest.mark.engine
+# one xdist group: patch_session (a module fixture) starts once, not in both test processes
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("patching")]
 
 WORDS = [f"w{(5 + 13 * i) % 240}" for i in range(39)]
 CLEAN = " ".join(WORDS)  # 40 tokens with BOS

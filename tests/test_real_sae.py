@@ -29,7 +29,8 @@ from vlens.models import corpus
 from _sae_reference import reference_encode
 from conftest import _session
 
-pytestmark = pytest.mark.engine
+# one xdist group: its SmolLM2 engine (a module fixture) starts once, not in both test processes
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("real-sae")]
 
 NAME = "smollm2-135m-instruct-sae"
 # the script that trained and measured it: its split, rules and measurements

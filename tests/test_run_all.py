@@ -211,8 +211,12 @@ _ALL_STARTED = """() => {
 }"""
 
 
-def _wait_run_all(page, n_cells: int, deadline: float) -> list[str]:
-    """Poll until every code cell has run (or the run stopped at an error)."""
+def _wait_run_all(page, n_cells: int, deadline: float, poll: float = 0.5,
+                  settle: int = 4) -> list[str]:
+    """Poll until every code cell has run (or the run stopped at an error):
+    no cell queued or running ("[*]"), some numbered, and the kernel idle,
+    ``settle`` polls running (Run All queues every cell at once, so no
+    cell shows "[*]" only once the last has run)."""
     settled = 0
     while True:
         prompts = page.evaluate(_PROMPTS)
@@ -221,13 +225,13 @@ def _wait_run_all(page, n_cells: int, deadline: float) -> list[str]:
         idle = page.locator(".jp-StatusBar-TextItem", has_text="Idle").count() > 0
         if not busy and idle and len(prompts) == n_cells and numbered:
             settled += 1
-            if settled >= 3:  # idle three polls running: the run is over
+            if settled >= settle:
                 return prompts
         else:
             settled = 0
         if time.monotonic() > deadline:
             raise AssertionError(f"Run All did not finish in {RUN_ALL_S} s: {prompts}")
-        time.sleep(2)
+        time.sleep(poll)
 
 
 def _saved_with_every_run(page, path: Path, wait: float = 60.0) -> None:

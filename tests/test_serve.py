@@ -32,7 +32,8 @@ from vlens.keywords import SAMPLING
 from vlens.remote.wire import (FRAME_TYPE, OFF_WIRE_DEFAULTS, PARAM_FIELDS, FrameReader, pack,
                                params_to_wire)
 
-pytestmark = pytest.mark.engine
+# one xdist group: its server subprocess (a module fixture) starts once, not in both test processes
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("serve")]
 
 ROOT = Path(__file__).resolve().parents[1]
 N_CLIENTS = 8

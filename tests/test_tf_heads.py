@@ -142,7 +142,16 @@ def _check_shapes(s, got: dict, sharp: bool = True) -> None:
     assert any(x.restarts > 0 for x in got["ablated"]), "no ablated request was preempted"
 
 
-@pytest.fixture(scope="module", params=[("gpt_neox", False), ("olmo2", False), ("gpt_neox", True)],
+def _one_process(arch: str, compiled: bool):
+    """A fixture parameter whose tests share one xdist group: under two
+    test processes its engine (a module fixture) is built in one of them."""
+    return pytest.param((arch, compiled), marks=pytest.mark.xdist_group(
+        f"tf-heads-{arch}{'-compiled' if compiled else ''}"))
+
+
+@pytest.fixture(scope="module", params=[_one_process("gpt_neox", False),
+                                        _one_process("olmo2", False),
+                                        _one_process("gpt_neox", True)],
                 ids=["gpt_neox-transformers", "olmo2-transformers",
                      "gpt_neox-transformers-compiled"])
 def measured(request, tf_models, tmp_path_factory):
@@ -225,6 +234,7 @@ def llama_routes(tiny_llama, llama_session):
     return tf, native
 
 
+@pytest.mark.xdist_group("tf-heads-llama")  # llama_routes is built once
 def test_llama_transformers_backend_equals_native_heads(llama_routes):
     tf, native = llama_routes
     assert tf["one"].token_ids == native["one"].token_ids
@@ -238,6 +248,7 @@ def test_llama_transformers_backend_equals_native_heads(llama_routes):
             assert diff <= TOL, (site, a.index, a.sample, a.restarts, diff)
 
 
+@pytest.mark.xdist_group("tf-heads-llama")
 def test_llama_transformers_backend_ablates_and_patches_heads_as_native(llama_routes):
     tf, native = llama_routes
     for a, b in zip(tf["ablated"], native["ablated"]):
