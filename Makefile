@@ -36,10 +36,12 @@ demo: $(STAMP)
 # Two pytest-xdist processes, each with its own engines (one process leaves
 # a core idle most of the run). --dist loadgroup keeps the browser tests
 # and the install test in one process (their xdist_group), and the Run-All
-# notebooks in one (theirs). TEST_WORKERS=0 runs everything in one process.
+# notebooks in one (theirs); --no-loadscope-reorder hands the work out in
+# the order tests/conftest.py gives it (those groups first, the
+# Transformers-backend tests last). TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(BROWSER_STAMP)
-	VLENS_NO_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	VLENS_NO_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/01_tour.ipynb

@@ -201,9 +201,25 @@ def moby_dick_folder(vlens_home) -> Path:
         return registry.get("moby-dick", quiet=True)
 
 
+# the xdist groups handed out first, in this order: `make test` passes
+# --no-loadscope-reorder, so pytest-xdist hands work out in the order below
+# (its default puts the groups with the most tests first, which would start
+# a Transformers-backend group early). The Run-All notebooks are the longest
+# group (a process's first ~24 min); the OpenAI clients' and the browsers'
+# go to the other process first, as before.
+FIRST_GROUPS = ("run-all", "openai-clients", "ui")
+
+
+def _first_rank(item) -> int:
+    groups = [m.args[0] for m in item.iter_markers("xdist_group") if m.args]
+    return min((FIRST_GROUPS.index(g) for g in groups if g in FIRST_GROUPS),
+               default=len(FIRST_GROUPS))
+
+
 def pytest_collection_modifyitems(config, items):
     """Run tests that start the Transformers-backend engine last (and the
-    Mixtral engine first, before any other engine exists).
+    Mixtral engine first, before any other engine exists); the groups of
+    ``FIRST_GROUPS`` before everything.
 
     In the engine's own process, vLLM's Transformers backend patches Hugging
     Face's model class for torch.compile support (LlamaModel gains a base
@@ -226,7 +242,7 @@ def pytest_collection_modifyitems(config, items):
     first = [i for i in items if "[mixtral" in i.nodeid]
     late = [i for i in items if uses_tf_backend(i) and i not in first]
     early = [i for i in items if i not in late and i not in first]
-    items[:] = first + early + late
+    items[:] = sorted(first + early + late, key=_first_rank)  # (a stable sort)
 
 
 @pytest.hookimpl(hookwrapper=True)

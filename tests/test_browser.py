@@ -1,7 +1,8 @@
 """A real browser drives the explorer in JupyterLab.
 
-Starts JupyterLab on loopback (a free port, a random token) over a copy of
-``notebooks/01_tour.ipynb``, opens it in Debian's Chromium through Python
+Starts JupyterLab on loopback (a free port, a random token; one server for
+the module, each test's notebook in a workspace of its own and its kernels
+shut down after it) over a copy of ``notebooks/01_tour.ipynb``, opens it in Debian's Chromium through Python
 Playwright, runs every cell, moves the explorer's layer slider and
 shift-clicks two token chips, then checks in the page (the heatmap's marks)
 and in the kernel (``ex.layer``, ``ex.span``) that both took effect. The
@@ -242,13 +243,38 @@ def _lab_server(work: Path, tmp: Path, env_extra: dict[str, str] | None = None):
     shutil.copy(tmp / "jupyter.log", ARTIFACTS / "jupyter.log")
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """(url, token) of a JupyterLab server over the test notebooks."""
+@pytest.fixture(scope="module")
+def _lab_of_module(tmp_path_factory):
+    """One JupyterLab server for this module's tests (a start is ~7 s of the
+    busy machine's time); each test opens its notebook in a workspace of its
+    own and shuts its kernels at the end (``lab``)."""
     _browser_ready()
-    work = _prepare(tmp_path)
-    with _lab_server(work, tmp_path) as served:
-        yield served
+    tmp = tmp_path_factory.mktemp("lab")
+    work = _prepare(tmp)
+    with _lab_server(work, tmp) as (url, token):
+        yield url, token, work
+
+
+@pytest.fixture
+def lab(_lab_of_module):
+    """(url, token, work) of the JupyterLab server over the test notebooks
+    (``work``: its folder); the test's kernels (and their engines) are shut
+    down after it."""
+    url, token, work = _lab_of_module
+    try:
+        yield url, token, work
+    finally:
+        _shut_kernels(url, token)
+
+
+def _shut_kernels(url: str, token: str) -> None:
+    """Shut every kernel of the server down (each holds an engine)."""
+    with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=10) as r:
+        kernels = json.load(r)
+    for k in kernels:
+        req = urllib.request.Request(f"{url}/api/kernels/{k['id']}?token={token}",
+                                     method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
 
 
 def _run_cell_and_read(page, code: str, marker: str) -> str:
@@ -318,10 +344,10 @@ def _figure_data(figure) -> str:
     return figure.evaluate("el => JSON.stringify([el.data[0].x, el.data[0].z])")
 
 
-def test_explorer_in_a_real_browser(lab, tmp_path):
+def test_explorer_in_a_real_browser(lab):
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
+    url, token, work = lab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         console: list[str] = []
@@ -461,7 +487,7 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
             snap = browser.new_page(viewport={"width": 1400, "height": 1000})
             fetched: list[str] = []
             snap.on("request", lambda r: fetched.append(r.url))
-            snap.goto((tmp_path / "work" / "explorer-snapshot.html").as_uri())
+            snap.goto((work / "explorer-snapshot.html").as_uri())
             snap_plots = snap.locator(".js-plotly-plot")
             snap_plots.first.locator(".xtick").first.wait_for(timeout=30_000)
             snap_count = snap_plots.count()
@@ -513,13 +539,13 @@ def test_explorer_in_a_real_browser(lab, tmp_path):
     assert all(u.startswith(("file:", "data:", "blob:")) for u in fetched), fetched
 
 
-def _open_and_run_all(page, url: str, token: str, name: str, workspace: str = "") -> None:
-    """Open notebook ``name`` in the lab and run every cell. ``workspace``:
-    open it in a workspace of its own, with no other notebook restored."""
+def _open_and_run_all(page, url: str, token: str, name: str) -> None:
+    """Open notebook ``name`` in the lab and run every cell, in a workspace
+    of its own (named after it): no notebook an earlier page opened on the
+    same server is restored beside it."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    where = f"workspaces/{workspace}/" if workspace else ""
-    page.goto(f"{url}/lab/{where}tree/{name}?token={token}")
+    page.goto(f"{url}/lab/workspaces/{Path(name).stem}/tree/{name}?token={token}")
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
     accept = page.locator(".jp-Dialog .jp-mod-accept")  # which kernel: the notebook's own
     try:
@@ -544,7 +570,7 @@ def _click_at(page, box: dict, fx: float, fy: float) -> None:
 def test_attention_and_patching_views_in_a_real_browser(lab):
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
+    url, token, work = lab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         # tall enough that a whole view fits on screen for its screenshot
@@ -649,7 +675,7 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
     from playwright.sync_api import sync_playwright
     from test_serve import _Server
 
-    url, token = lab
+    url, token, work = lab
     (tmp_path / "serve").mkdir(exist_ok=True)
     server = _Server(tmp_path / "serve")
     server.start()
@@ -660,7 +686,7 @@ def test_explorer_on_a_connected_session(lab, tmp_path):
     book.cells = [nbformat.v4.new_code_cell(
         f"import vlens\ns = vlens.connect({server.url!r}, token={server.tokens['c0']!r})\n"
         f"{explore}\nex")]
-    nbformat.write(book, tmp_path / "work" / "connected.ipynb")
+    nbformat.write(book, work / "connected.ipynb")
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
@@ -709,7 +735,7 @@ def test_a_conversation_in_the_explorer_shows_roles_and_whitespace(lab):
     same way."""
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
+    url, token, work = lab
     with sync_playwright() as p:
         console: list[str] = []
         browser, page = _open_page(p, 1600, console)
@@ -765,7 +791,7 @@ def test_feature_view_in_a_real_browser(lab):
     and streamed both texts."""
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
+    url, token, work = lab
     with sync_playwright() as p:
         console: list[str] = []
         browser, page = _open_page(p, 2000, console)
@@ -866,14 +892,14 @@ _BRANCH_CELLS = [
 ]
 
 
-def test_branch_view_in_a_real_browser(lab, tmp_path):
+def test_branch_view_in_a_real_browser(lab):
     """Click a generated token, then one of its alternatives: the branch's
     text appears and equals what ``s.continue_from`` gives."""
     import nbformat
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
-    nbformat.write(_notebook_of(_BRANCH_CELLS), tmp_path / "work" / "branches.ipynb")
+    url, token, work = lab
+    nbformat.write(_notebook_of(_BRANCH_CELLS), work / "branches.ipynb")
     with sync_playwright() as p:
         console: list[str] = []
         browser, page = _open_page(p, 1400, console)

@@ -33,14 +33,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from _helpers import notebook_model, set_parameters
 from test_browser import (ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _browser_ready, _lab_server,
-                          _open_and_run_all, _quiet_lab_settings)
+                          _open_and_run_all, _quiet_lab_settings, _shut_kernels)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -252,16 +251,6 @@ def _saved_with_every_run(page, path: Path, wait: float = 60.0) -> None:
         page.keyboard.press("Control+s")
 
 
-def _shut_kernels(url: str, token: str) -> None:
-    """Shut every kernel of the server down (each holds an engine)."""
-    with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=10) as r:
-        kernels = json.load(r)
-    for k in kernels:
-        req = urllib.request.Request(f"{url}/api/kernels/{k['id']}?token={token}",
-                                     method="DELETE")
-        urllib.request.urlopen(req, timeout=30).close()
-
-
 def _outputs_text(book) -> str:
     parts = []
     for cell in book.cells:
@@ -295,7 +284,7 @@ def test_run_all_draws_every_view(lab_all, request, name):
         page.add_init_script(_LONG_FRAMES)
         try:
             t0 = time.monotonic()
-            _open_and_run_all(page, url, token, name, workspace=Path(name).stem)
+            _open_and_run_all(page, url, token, name)
             prompts = _wait_run_all(page, n_cells, t0 + RUN_ALL_S)
             took = time.monotonic() - t0
             # figures draw as their state arrives; the last cell's may still be on its way
