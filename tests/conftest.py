@@ -201,16 +201,19 @@ def moby_dick_folder(vlens_home) -> Path:
         return registry.get("moby-dick", quiet=True)
 
 
-# the xdist groups handed out first, in this order: `make test` passes
-# --no-loadscope-reorder, so pytest-xdist hands work out in the order below
-# (its default puts the groups with the most tests first, which would start
-# a Transformers-backend group early). The Run-All notebooks are the longest
-# group (a process's first ~24 min); the OpenAI clients' and the browsers'
-# go to the other process first, as before.
+# the xdist groups handed out first, in this order, after the Mixtral test:
+# `make test` passes --no-loadscope-reorder, so pytest-xdist hands work out
+# in the order below (its default puts the groups with the most tests
+# first, which would start a Transformers-backend group early, and an
+# engine before Mixtral's). The Run-All notebooks are the longest group (a
+# process's first ~24 min); the OpenAI clients' and the browsers' go to the
+# other process, after Mixtral, its first engine (tests/test_models.py).
 FIRST_GROUPS = ("run-all", "openai-clients", "ui")
 
 
 def _first_rank(item) -> int:
+    if "[mixtral" in item.nodeid:
+        return -1
     groups = [m.args[0] for m in item.iter_markers("xdist_group") if m.args]
     return min((FIRST_GROUPS.index(g) for g in groups if g in FIRST_GROUPS),
                default=len(FIRST_GROUPS))

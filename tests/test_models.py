@@ -153,9 +153,10 @@ def _needs_a_fresh_process(name: str) -> bool:
     """Whether a dense engine came first in this process, so vLLM has no
     expert-parallel group for Mixtral (it makes one only for a process's
     first engine: test_mixtral_after_a_dense_engine_says_what_to_do).
-    pytest_collection_modifyitems puts Mixtral first, but pytest-xdist hands
-    the large groups out before single tests, so a worker may have started
-    another engine by then."""
+    pytest_collection_modifyitems puts Mixtral first, and `make test` hands
+    work out in that order; under another order (pytest-xdist's default
+    puts the large groups first) a worker may have started another engine
+    by then."""
     if name != "MixtralForCausalLM" or os.environ.get(_CHILD):
         return False
     import vllm.distributed.parallel_state as ps

@@ -174,7 +174,7 @@ def test_a_call_over_the_servers_limits_goes_as_several():
     engine._held = {"a": "A", "b": "B", "c": "C"}
 
     def naming(*ids):
-        return engine.wire_params({"extra_args": {"plan": {"adds": [{"vec": v} for v in ids]}}})
+        return engine.request_params({"extra_args": {"plan": {"adds": [{"vec": v} for v in ids]}}})
 
     params = [naming("a"), naming("b"), naming("c"), naming(), naming(), naming(), naming("a")]
     got = engine._slices([{}] * len(params), params)

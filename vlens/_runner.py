@@ -200,11 +200,8 @@ class Runner:
                 extra_args=spec.extra_args(),
                 **args,
             )
-            if self.remote:  # no vLLM here: the server checks them and makes them
-                return self.engine.wire_params(settings)
-            from vllm import SamplingParams
-
-            return SamplingParams(**settings)
+            # vLLM's SamplingParams; a connected engine's: the wire's dict (no vLLM)
+            return self.engine.request_params(settings)
         except VlensError:
             raise
         except Exception as exc:  # vLLM's own validation errors vary by version

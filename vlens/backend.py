@@ -65,6 +65,13 @@ class EngineAPI(Protocol):
         one else holds."""
         ...
 
+    def request_params(self, settings: Mapping[str, Any]) -> Any:
+        """One request's params from ``SamplingParams``'s keywords: vLLM's
+        ``SamplingParams`` (its own checks), or on a connection the wire's
+        dict of them (the server checks them and makes them; the client
+        imports no vLLM)."""
+        ...
+
     def generate(self, prompts: list[Any], params: list[Any], progress: Any = None, *,
                  owner: Any = None) -> list[Any]:
         """Run one batch of requests (sharing engine steps with other

@@ -294,6 +294,12 @@ class Engine:
             for vid in gone:
                 del self._vectors[vid]
 
+    def request_params(self, settings: Mapping[str, Any]) -> Any:
+        """vLLM's ``SamplingParams`` of one request's settings."""
+        from vllm import SamplingParams
+
+        return SamplingParams(**settings)
+
     def generate(self, prompts: list[Any], params: list[Any], progress: Any = None, *,
                  owner: Any = None) -> list[Any]:
         """Run one batch of requests and return their final outputs, in

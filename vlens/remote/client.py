@@ -33,8 +33,7 @@ from vlens.models import toychat_path, toyworld_path
 from vlens.protocol.features import FeatureSpec
 from vlens.protocol.tensors import decode_tensor, encode_tensor
 from vlens.remote.wire import (FRAME_TYPE, FrameReader, merge_delta, output_from_wire, pack,
-                               params_to_wire, settings_to_wire,
-                               unpack_one)
+                               params_to_wire, settings_to_wire, unpack_one)
 
 __all__ = ["RemoteEngine", "connected_copy"]
 
@@ -246,11 +245,9 @@ class RemoteEngine:
             raise VlensError(REMOTE_EDIT)
         raise VlensError(f"{method} is not available on a connected session")
 
-    @staticmethod
-    def wire_params(settings: Mapping[str, Any]) -> dict[str, Any]:
-        """A request's sampling settings as they cross to the server: the
-        Session's runner asks for these instead of vLLM's SamplingParams,
-        which the server makes once it has checked them."""
+    def request_params(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """A request's sampling settings as they cross to the server, made
+        without vLLM: the server checks them and makes the SamplingParams."""
         return settings_to_wire(settings)
 
     def _logprob_bytes(self, prompt: Any, sp: dict[str, Any]) -> int:
@@ -406,6 +403,8 @@ def connected_copy(model: str) -> Path:
     if engine is None:
         raise VlensError(f"{model} is no live connection's model: vlens.connect to it first")
     return engine.local_copy()
+
+
 def _as_wire(sp: Any) -> dict[str, Any]:
     """A request's params as the server takes them: the runner's wire dict
     as it is, a vLLM ``SamplingParams`` (a caller's own) through

@@ -17,6 +17,7 @@ in :data:`PARAM_FIELDS` only.
 from __future__ import annotations
 
 import json
+import operator
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ from typing import Any
 from vlens.errors import VlensError
 
 __all__ = ["FRAME_TYPE", "WireError", "pack", "unpack", "FrameReader", "PARAM_FIELDS",
-           "params_to_wire", "settings_to_wire", "logprobs_to_wire", "output_from_wire", "merge_delta", "RemoteOutput",
-           "RemoteCompletion", "Logprob"]
+           "params_to_wire", "settings_to_wire", "logprobs_to_wire", "output_from_wire",
+           "merge_delta", "RemoteOutput", "RemoteCompletion", "Logprob"]
 
 FRAME_TYPE = "application/x-vlens-frame"
 _HEAD = struct.Struct("<II")
@@ -183,9 +184,11 @@ def settings_to_wire(settings: Mapping[str, Any]) -> dict[str, Any]:
             raise _off_wire(name)
     if isinstance(out.get("stop"), str):  # as SamplingParams takes it
         out["stop"] = [out["stop"]]
-    for name in ("stop", "stop_token_ids", "logprob_token_ids"):
-        if isinstance(out.get(name), tuple):
-            out[name] = list(out[name])
+    if isinstance(out.get("stop"), tuple):
+        out["stop"] = list(out["stop"])
+    for name in ("stop_token_ids", "logprob_token_ids"):  # numpy ints too; a float is refused
+        if out.get(name) is not None:
+            out[name] = [operator.index(t) for t in out[name]]
     return out
 
 
