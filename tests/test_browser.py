@@ -2,8 +2,8 @@
 
 Starts JupyterLab on loopback (a free port, a random token; one server for
 the module, each test's notebook in a workspace of its own and its kernels
-shut down after it) over a copy of ``notebooks/01_tour.ipynb``, opens it in Debian's Chromium through Python
-Playwright, runs every cell, moves the explorer's layer slider and
+shut down after it) over a copy of ``notebooks/01_tour.ipynb``, opens it
+in Debian's Chromium through Python Playwright, runs every cell, moves the explorer's layer slider and
 shift-clicks two token chips, then checks in the page (the heatmap's marks)
 and in the kernel (``ex.layer``, ``ex.span``) that both took effect. The
 tour's logit-lens view of a whole story (50+ tokens) is checked for legibility (no
