@@ -182,10 +182,9 @@ def settings_to_wire(settings: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = value
         elif name not in OFF_WIRE_DEFAULTS or value not in (None, OFF_WIRE_DEFAULTS[name]):
             raise _off_wire(name)
-    if isinstance(out.get("stop"), str):  # as SamplingParams takes it
-        out["stop"] = [out["stop"]]
-    if isinstance(out.get("stop"), tuple):
-        out["stop"] = list(out["stop"])
+    stop = out.get("stop")
+    if stop is not None:  # a string or a sequence of them, as SamplingParams takes it
+        out["stop"] = [stop] if isinstance(stop, str) else list(stop)
     for name in ("stop_token_ids", "logprob_token_ids"):  # numpy ints too; a float is refused
         if out.get(name) is not None:
             out[name] = [operator.index(t) for t in out[name]]
@@ -203,12 +202,7 @@ def params_to_wire(sp: Any) -> dict[str, Any]:
             continue
         if getattr(sp, name) != getattr(default, name):
             raise _off_wire(name)
-    out = {name: getattr(sp, name) for name in PARAM_FIELDS}
-    if out["stop"] is not None:
-        out["stop"] = list(out["stop"])
-    if out["stop_token_ids"] is not None:
-        out["stop_token_ids"] = [int(t) for t in out["stop_token_ids"]]
-    return out
+    return settings_to_wire({name: getattr(sp, name) for name in PARAM_FIELDS})
 
 
 @dataclass
