@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 import vlens
 from vlens.errors import VlensError
+from _hf_forks import run_script
 
 pytestmark = pytest.mark.engine
 
@@ -34,9 +33,7 @@ def hf_jobs(path, jobs, tmp_path):
     """Run tests/_hf_methods.py in a fresh process (see its docstring)."""
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"path": str(path), "jobs": jobs}))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_hf_methods.py"), str(spec),
-                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env)
+    proc = run_script(ROOT / "tests" / "_hf_methods.py", spec, tmp_path / "out.pt")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp_path / "out.pt")
 

@@ -14,9 +14,6 @@ Also the result's frame and figure, and the plan's wire form and rules.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from vlens.checks import ModelFacts, check_read
 from vlens.methods import attribution, traces
 from vlens.protocol.plan import Plan, Read, parse_plan
 from vlens.results.attribution import Attribution
+from _hf_forks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -41,10 +39,8 @@ def hf_reference(path, jobs, tmp_path) -> list[dict]:
     """Run tests/_hf_attribution.py in a fresh process (see its docstring)."""
     spec = tmp_path / "dla-spec.json"
     spec.write_text(json.dumps({"path": str(path), "jobs": jobs}))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     out = tmp_path / "dla-out.pt"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_hf_attribution.py"),
-                           str(spec), str(out)], capture_output=True, text=True, env=env)
+    proc = run_script(ROOT / "tests" / "_hf_attribution.py", spec, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 

@@ -10,8 +10,6 @@ engine per tokenizer kind. Hugging Face values come from a fresh process.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ import vlens
 from vlens.errors import VlensError
 from vlens.prompts import content_spans, normalise
 from vlens.tiny_chat import CHAT_TEMPLATES, TOKENIZER_KINDS, make_chat_model, make_chat_tokenizer
+from _hf_forks import run_code
 
 SYSTEM = "You are a helpful assistant."
 CONV = [
@@ -47,8 +46,8 @@ torch.save(hs, out)
 
 def _hf_resid_pre(path, id_lists, tmp_path):
     out = tmp_path / "hf.pt"
-    subprocess.run([sys.executable, "-c", _HF, str(path), json.dumps(id_lists), str(out)],
-                   check=True, capture_output=True)
+    proc = run_code(_HF, path, json.dumps(id_lists), out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
 

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ import torch
 from vlens.lens import LogitLens
 from vlens.protocol.final_norm import FinalNorm, final_logits, norm_of
 from vlens.results.diff import Diff, DiffText
+from _hf_forks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "w3 w14 , w15 . w92 w65 , w35 . w89 w79 ."
@@ -54,9 +52,7 @@ def hf_logits(jobs: dict[Path, torch.Tensor], tmp_path: Path) -> dict[str, torch
     """Hugging Face's logits of each folder's rows, from a fresh process."""
     spec, out = tmp_path / "final-norm-in.pt", tmp_path / "final-norm-out.pt"
     torch.save({str(p): r for p, r in jobs.items()}, spec)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_hf_final_norm.py"),
-                           str(spec), str(out)], capture_output=True, text=True, env=env)
+    proc = run_script(ROOT / "tests" / "_hf_final_norm.py", spec, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 

@@ -38,6 +38,7 @@ import torch
 from vlens.protocol.architectures import ARCHITECTURES, check_model_config
 from vlens.errors import VlensError
 from vlens.protocol.sites import HEAD_SITES, SITES, WRITABLE
+from _hf_forks import run_script
 
 pytestmark = pytest.mark.engine
 
@@ -95,11 +96,7 @@ def hf_refs(tiny_models, tmp_path_factory) -> dict:
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"prompt": PROMPT, "write_layer": WRITE_LAYER,
                                 "models": models}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_hf_reference.py"), str(spec), str(tmp / "ref.pt")],
-        capture_output=True, text=True, env=env,
-    )
+    proc = run_script(ROOT / "tests" / "_hf_reference.py", spec, tmp / "ref.pt")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(tmp / "ref.pt")
 

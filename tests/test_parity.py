@@ -6,12 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from _hf_forks import run_code
 
 pytestmark = pytest.mark.engine
 
@@ -62,11 +62,8 @@ def _hf_values(path, prompt_ids, tmp_path):
     cached = Path(os.environ["VLENS_HF_REFERENCE_DIR"]) / f"{key.hexdigest()}.pt"
     if not cached.exists():
         out_file = tmp_path / "hf.pt"
-        subprocess.run(
-            [sys.executable, "-c", _HF_SCRIPT, str(path), json.dumps(prompt_ids), str(out_file)],
-            check=True,
-            capture_output=True,
-        )
+        proc = run_code(_HF_SCRIPT, path, json.dumps(prompt_ids), out_file)
+        assert proc.returncode == 0, proc.stderr[-3000:]
         os.replace(out_file, cached)
     return torch.load(cached)
 

@@ -230,16 +230,12 @@ def test_an_sae_released_by_one_session_is_shipped_again_for_another(llama_sessi
 
 def hf_clamp(path, jobs, tmp_path):
     """Run tests/_hf_clamp.py in a fresh process (as tests/test_ablation.py does)."""
-    import os
-    import subprocess
-    import sys
+    from _hf_forks import run_script
 
     root = Path(__file__).resolve().parents[1]
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"path": str(path), "jobs": jobs}))
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
-    proc = subprocess.run([sys.executable, str(root / "tests" / "_hf_clamp.py"), str(spec),
-                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env)
+    proc = run_script(root / "tests" / "_hf_clamp.py", spec, tmp_path / "out.pt")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp_path / "out.pt")
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import vlens
+from _hf_forks import run_script
 
 pytestmark = [pytest.mark.engine, pytest.mark.tf_backend]
 
@@ -88,9 +89,7 @@ def _crowded(path, **kw):
 def _hf(path: Path, ids: list[list[int]], jobs: list[dict], tmp: Path) -> dict:
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"path": str(path), "ids": ids, "jobs": jobs}))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_hf_heads.py"), str(spec),
-                           str(tmp / "ref.pt")], capture_output=True, text=True, env=env)
+    proc = run_script(ROOT / "tests" / "_hf_heads.py", spec, tmp / "ref.pt")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / "ref.pt")
 
