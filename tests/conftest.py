@@ -300,6 +300,16 @@ def _fill_modelinfos(config) -> None:
     log.close()
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """Say so when the modelinfos filler failed (the suite is then only
+    slower: each engine inspects its architecture itself)."""
+    filler = config.stash.get(_FILLER, None)
+    if filler is not None and filler.poll() not in (None, 0):
+        terminalreporter.write_line(
+            f"tests/_modelinfos.py exited {filler.returncode}: see {_RUN_DIR / 'modelinfos.log'}",
+            yellow=True)
+
+
 def pytest_unconfigure(config):
     filler = config.stash.get(_FILLER, None)
     if filler is not None and filler.poll() is None:
