@@ -97,10 +97,12 @@ def _child(job: dict) -> None:
         sys.argv = [job["script"], *job["args"]]
         sys.path[:0] = [str(Path(job["script"]).parent)]
         runpy.run_path(job["script"], run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int) and exc.code is not None:
+    except SystemExit as exc:  # as Python ends: None is 0, a message goes to stderr as 1
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
