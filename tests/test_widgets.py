@@ -406,6 +406,51 @@ def test_logit_lens_view_tracks_one_token_exactly_with_the_offline_lens(run, off
     assert view.mode == "track" and view.track == int(ids[1, 2, 0])
 
 
+def _with_worker_lens(lens: LogitLens, k: int = 3):
+    """A trace that read ``resid_post`` in full and, as the worker would have
+    computed it, ``lens``'s top ``k`` of the same rows."""
+    acts = random_trace().activations("resid_post")
+    ids, probs = lens.top(acts, k=k)
+    return make_run([make_trace(
+        PROMPT_IDS, OUTPUT_IDS, token_strings=words, layers=list(range(N_LAYERS)),
+        reads={"resid_post": acts, "resid_post:logit_lens": (ids, probs)})]), acts
+
+
+def test_logit_lens_view_tracks_exactly_from_the_worker_top_k_without_the_vocabulary(
+        offline_lens, monkeypatch):
+    run, acts = _with_worker_lens(offline_lens)
+    full = offline_lens.logits(acts).softmax(-1)
+    view = LogitLensView(run, token_strings=words, offline_lens=offline_lens)
+    drawn = view.figure.data[0]
+    view.track = WORDS.index("far")  # a click sets the token, then the mode
+    assert view.figure.data[0] is drawn  # the top-token grid was not drawn again for it
+    whole = []  # whole-vocabulary logits computed from here on
+    monkeypatch.setattr(offline_lens, "logits", lambda r: whole.append(r) or LogitLens.logits(
+        offline_lens, r))
+    view.mode = "track"
+    assert view.track_source == "exact" and whole == []
+    assert torch.allclose(_cells(view.figure), full[..., WORDS.index("far")], atol=1e-6)
+    assert view.tracked_values(WORDS.index("far"), rank=False)[2] is None  # not needed yet
+    view.track_quantity = "rank"  # the rank needs every logit: computed now, exactly
+    rank = (full > full[..., WORDS.index("far"), None]).sum(-1) + 1
+    assert whole and [list(r) for r in view.figure.data[0].text] == [
+        [f"#{int(v)}" for v in col] for col in rank.T]
+
+
+def test_logit_lens_view_computes_the_whole_vocabulary_when_the_top_k_is_another_lens(
+        offline_lens):
+    other = LogitLens(torch.ones(HIDDEN), offline_lens.unembed * 1.5, 1e-6)  # a logit scale
+    run, acts = _with_worker_lens(other)
+    assert offline_lens.logsumexp_from_top(acts, *other.top(acts, k=3)) is None
+    assert other.logsumexp_from_top(acts, *other.top(acts, k=3)) is not None
+    assert offline_lens.logsumexp_from_top(acts, *offline_lens.top(acts, k=1)) is None  # k=1
+    view = LogitLensView(run, token_strings=words, offline_lens=offline_lens)
+    view.track_word("dog")
+    full = offline_lens.logits(acts).softmax(-1)[..., WORDS.index("dog")]
+    assert view.track_source == "exact"
+    assert torch.allclose(_cells(view.figure), full, atol=1e-6)  # the offline lens's own
+
+
 def test_logit_lens_view_shows_the_worker_read_and_tracks_within_its_top_k():
     g = torch.Generator().manual_seed(3)
     ids = torch.stack([torch.randperm(len(WORDS), generator=g)[:3] for _ in range(2 * 9)])
@@ -704,6 +749,21 @@ def test_explore_shares_one_selection(toy_session, calls):
     assert calls_of(calls, "stream_compare")[-1]["steer"].layer == RECIPE["layer"]
     assert ex.clone_reads_toggle.copied_bytes == ex.steering_panel.comparison.steered.copied_bytes
     assert len(calls_of(calls, "trace")) == 1
+
+
+@engine
+def test_explorer_tracks_exactly_from_the_engine_lens_top_k(toy_session):
+    ex = explore(toy_session, PROMPT, max_new_tokens=4)
+    view, t = ex.logit_lens_view, ex.logit_lens_view.run[0]
+    acts, lens = t.activations("resid_post"), view.offline_lens
+    # the worker's lens and the checkpoint's agree: each row's log-sum-exp follows
+    lse = lens.logsumexp_from_top(acts, *t.logit_lens("resid_post"))
+    assert lse is not None and torch.allclose(lse, lens.logits(acts).logsumexp(-1), atol=1e-4)
+    token = view.track_word("happy")
+    assert view.tracked_values(token, rank=False)[2] is None  # no whole-vocabulary pass
+    full = lens.logits(acts).softmax(-1)[..., token]
+    assert view.track_source == "exact"
+    assert torch.allclose(_cells(view.figure), full, atol=1e-5)
 
 
 @engine

@@ -49,6 +49,19 @@ class Checkpoint:
         logits = final_logits(resid, plain, self.unembed, project=self.project)
         return softcap(logits + self.unembed_bias, self.norm.softcap)
 
+    def token_logits(self, resid: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The logits :meth:`logits` gives, of ``ids`` only: ``[..., hidden]``
+        rows and ``[..., k]`` token ids (each row its own) -> ``[..., k]``.
+        Reads k rows of the unembedding per row, not the whole vocabulary."""
+        x = self.norm.normalize(resid)
+        if self.project is not None:
+            x = x @ self.project.float().to(x.device).T
+        weight = self.unembed.float().to(x.device)
+        out = torch.stack([(x * weight[ids[..., j]]).sum(-1) for j in range(ids.shape[-1])], -1)
+        if self.unembed_bias is not None:
+            out = out + self.unembed_bias.float().to(x.device)[ids]
+        return softcap(out, self.norm.softcap)
+
 
 def _config(folder: Path) -> dict[str, Any]:
     cfg = json.loads((folder / "config.json").read_text())

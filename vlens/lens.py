@@ -58,12 +58,38 @@ class LogitLens:
             gain = torch.ones(got.unembed.shape[-1])
         return cls(gain, got.unembed, got.norm.eps, got)
 
+    def _checkpoint(self) -> Checkpoint:
+        if self.checkpoint is not None:
+            return self.checkpoint
+        return Checkpoint(FinalNorm("rms", self.norm_weight, eps=self.eps), self.unembed)
+
     def logits(self, resid: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` residual stream -> ``[..., vocab]`` logits."""
-        if self.checkpoint is not None:
-            return self.checkpoint.logits(resid)
-        return Checkpoint(FinalNorm("rms", self.norm_weight, eps=self.eps),
-                          self.unembed).logits(resid)
+        return self._checkpoint().logits(resid)
+
+    def token_logits(self, resid: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``ids``' logits only (``[..., k]``, each row its own ids), as
+        :meth:`logits` gives them."""
+        return self._checkpoint().token_logits(resid, ids)
+
+    def logsumexp_from_top(self, resid: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+                           tol: float = 1e-3) -> torch.Tensor | None:
+        """Each row's log-sum-exp of the logits (``[...]``), from a top-k of
+        the same rows (``ids`` and ``probs`` ``[..., k]``, k >= 2: the
+        worker's ``logit_lens`` read) and k rows of the unembedding: each
+        of the k gives ``logit - log p``. None when the k disagree by more
+        than ``tol`` anywhere (the top-k was not of this lens: another model,
+        dtype or logit scale), or k < 2 (nothing to check it by). With it a
+        token's probability anywhere is ``exp(token_logits - lse)``, without
+        the whole vocabulary's logits."""
+        if ids.shape[-1] < 2 or ids.shape != probs.shape or ids.shape[:-1] != resid.shape[:-1]:
+            return None
+        each = self.token_logits(resid, ids) - probs.float().log()
+        usable = probs > 1e-30  # a k-th probability that underflowed says nothing
+        spread = torch.where(usable, each - each[..., :1], 0.0).abs().amax()
+        if not bool(usable[..., 0].all()) or not float(spread) <= tol:
+            return None
+        return each[..., 0]
 
     def top(self, resid: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k token ids and their probabilities, each ``[..., k]``."""

@@ -15,8 +15,12 @@ Tracking a token needs its probability everywhere, which a top-k read does
 not have: with an offline lens and a full ``resid_post`` the view computes
 it exactly (the final norm and unembedding applied here); without, it shows
 the probability where the token is in the top-k and marks the other cells
-"not in the top k" (a note says which). Lens values are computed once per
-run (and per tracked token); choosing layers or a span only re-plots.
+"not in the top k" (a note says which). Where the run has both, the
+worker's top-k gives each row's log-sum-exp, so an exact probability needs
+only the tracked token's row of the unembedding; the rank still needs the
+whole vocabulary's logits, computed when it is shown. Lens values are
+computed once per run (and per tracked token); choosing layers or a span
+only re-plots.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class LogitLensView(View):
         self._offline = offline_lens
         self._top: tuple[list[int], Any, Any, list] | None = None  # layers, ids, probs, words
         self._tracked: dict[tuple[int, str], tuple] = {}
+        self._lse: tuple | None = None  # (the run's [L, T] log-sum-exp or None,) once known
         self.layer_picker = LayerPicker(
             n_layers, value=tuple(layer_range) if layer_range else (0, n_layers - 1),
             description="layers",
@@ -130,6 +135,7 @@ class LogitLensView(View):
     def offline_lens(self, lens: Any) -> None:
         self._offline = lens
         self._tracked.clear()
+        self._lse = None
 
     def top_tokens(self, t: Trace) -> tuple[list[int], Any, Any]:
         """``(layers read, top ids [L, T, k], their probabilities [L, T, k])`` of ``t``."""
@@ -144,29 +150,55 @@ class LogitLensView(View):
             "resid_post in full and pass offline_lens=LogitLens.from_pretrained(model)"
         )
 
-    def tracked_values(self, token_id: int) -> tuple[list[int], Any, Any, Any, str]:
+    def tracked_values(self, token_id: int, rank: bool = True
+                       ) -> tuple[list[int], Any, Any, Any, str]:
         """``(layers, p [L, T], rank [L, T], floor [L, T] or None, source)`` of
         ``token_id`` in the shown run: exact from the offline lens where the
         run read ``resid_post`` in full, else from the top-k (NaN where the
-        token is not among the k)."""
+        token is not among the k). ``rank=False`` may leave the exact rank
+        None: it needs every row's whole-vocabulary logits, which the exact
+        probability does not where the run also has the worker's top-k
+        (each row's log-sum-exp follows from it, :meth:`LogitLens.logsumexp_from_top`)."""
         t = self.run[0]
         lens = self.offline_lens if "resid_post" in t.read_keys else None
         key = (int(token_id), "exact" if lens is not None else "top-k")
         if key not in self._tracked:
             if lens is not None:
-                p, rank = [], []
-                for acts in t.activations("resid_post"):  # one layer at a time: [T, vocab]
-                    probs = lens.logits(acts).softmax(-1)
-                    mine = probs[:, int(token_id)]
-                    p.append(mine)
-                    rank.append((probs > mine[:, None]).sum(-1).float() + 1)
-                self._tracked[key] = (t.layers_read("resid_post"), torch.stack(p),
-                                      torch.stack(rank), None, "exact")
+                self._tracked[key] = self._exact(t, lens, int(token_id), rank)
             else:
                 layers, ids, probs, _ = self._top
-                p, rank, floor = lens_token_values(ids, probs, token_id)
-                self._tracked[key] = (layers, p, rank, floor, f"top-{ids.shape[-1]}")
+                p, ranks, floor = lens_token_values(ids, probs, token_id)
+                self._tracked[key] = (layers, p, ranks, floor, f"top-{ids.shape[-1]}")
+        elif rank and self._tracked[key][2] is None:
+            self._tracked[key] = self._exact(t, lens, int(token_id), rank)
         return self._tracked[key]
+
+    def _exact(self, t: Trace, lens: Any, token_id: int, rank: bool) -> tuple:
+        layers = t.layers_read("resid_post")
+        lse = None if rank else self._logsumexp(t, lens)
+        if lse is not None:  # the token's own logit at every row, against the row's lse
+            acts = t.activations("resid_post")
+            mine = lens.token_logits(acts, torch.full((*acts.shape[:-1], 1), token_id))
+            return layers, (mine[..., 0] - lse).exp(), None, None, "exact"
+        p, ranks = [], []
+        for acts in t.activations("resid_post"):  # one layer at a time: [T, vocab]
+            probs = lens.logits(acts).softmax(-1)
+            mine = probs[:, token_id]
+            p.append(mine)
+            ranks.append((probs > mine[:, None]).sum(-1).float() + 1)
+        return layers, torch.stack(p), torch.stack(ranks), None, "exact"
+
+    def _logsumexp(self, t: Trace, lens: Any) -> Any:
+        """``[L, T]`` log-sum-exp of the offline lens's logits at every row
+        the run read, from the run's own top-k where it has one that agrees
+        (computed once per run); None otherwise."""
+        if self._lse is None:
+            self._lse = (None,)
+            if (_LENS_KEY in t.read_keys
+                    and t.layers_read(_LENS_KEY) == t.layers_read("resid_post")):
+                ids, probs = t.logit_lens("resid_post")
+                self._lse = (lens.logsumexp_from_top(t.activations("resid_post"), ids, probs),)
+        return self._lse[0]
 
     def track_word(self, word: str) -> int:
         """Track ``word``: an id whose text is ``word`` among the run's tokens
@@ -193,6 +225,7 @@ class LogitLensView(View):
     def _on_run(self, change) -> None:
         self._top = None
         self._tracked.clear()
+        self._lse = None
         if self.run is None:
             return
         t = self.run[0]
@@ -207,6 +240,8 @@ class LogitLensView(View):
         self.replot()
 
     def _redraw(self, change) -> None:
+        if change["name"] in ("track", "track_quantity") and self.mode != "track":
+            return  # the top-token grid shows neither: a click sets track, then mode
         self.replot()
 
     def _on_span(self, change) -> None:
@@ -249,7 +284,8 @@ class LogitLensView(View):
                                 "</small>")
             return logit_lens_grid([words[i] for i in rows], probs[rows], t.tokens,
                                    [read[i] for i in rows], **marks)
-        layers, p, rank, floor, source = self.tracked_values(self.track)
+        layers, p, rank, floor, source = self.tracked_values(
+            self.track, rank=self.track_quantity == "rank")
         keep = [i for i, layer in enumerate(layers) if layer in {read[r] for r in rows}]
         word = self.token_strings([self.track])[0].strip()
         self.track_source = source
