@@ -76,6 +76,28 @@ def test_text_colour_reaches_4_5_on_every_colour_of_a_scale():
     assert wcag_contrast("#444444", "#808080") < 4.5 <= wcag_contrast(text_colour("#808080"), "#808080")
 
 
+def test_cell_labels_take_the_colour_each_cell_picks_on_its_own():
+    """cell_text_traces parses the scale once for the whole grid: every
+    cell still gets what text_colour(colour_at(...)) picks for it alone."""
+    from vlens.plots._cells import EMPTY, cell_text_traces
+
+    values = [[i / 400 + j / 40 for j in range(40)] for i in range(10)]
+    values[3][5], values[4][6] = None, math.nan  # empty cells: the background's text
+    for name, reverse, lo, hi in (("Blues", False, 0.0, 1.0), ("Viridis", True, -0.5, 0.7),
+                                  ("RdBu", False, 0.3, 0.3)):
+        heat = go.Heatmap(z=values, colorscale=name, reversescale=reverse, zmin=lo, zmax=hi)
+        text = [[f"{r},{c}" for c in range(40)] for r in range(10)]
+        black, white = cell_text_traces(heat, text)
+        for r in range(10):
+            for c in range(40):
+                want = text_colour(colour_at(heat.colorscale, values[r][c], lo, hi,
+                                             reverse=reverse))
+                got = {black.textfont.color: black.text[r][c],
+                       white.textfont.color: white.text[r][c]}
+                assert got[want] == text[r][c] and "" in got.values(), (name, r, c)
+    assert colour_at(heat.colorscale, None, 0, 1) == EMPTY
+
+
 def test_token_text_is_intact_with_its_whitespace_visible():
     fig = plots.baseline_vs_steered([" the", "\n", "", "<s>"], [" the", "\t", " a", "<s>"],
                                     [-1.0] * 4, [-1.0] * 4)

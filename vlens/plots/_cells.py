@@ -57,25 +57,41 @@ def _hex(r: float, g: float, b: float) -> str:
     return "#" + "".join(f"{max(0, min(255, round(v))):02x}" for v in (r, g, b))
 
 
+def _channel(v: float) -> float:
+    v /= 255
+    return v / 12.92 if v <= 0.04045 else ((v + 0.055) / 1.055) ** 2.4
+
+
+def _luminance_of(r: float, g: float, b: float) -> float:
+    return 0.2126 * _channel(r) + 0.7152 * _channel(g) + 0.0722 * _channel(b)
+
+
 def luminance(colour: str) -> float:
     """WCAG relative luminance (0 black … 1 white)."""
-    def channel(v: float) -> float:
-        v /= 255
-        return v / 12.92 if v <= 0.04045 else ((v + 0.055) / 1.055) ** 2.4
+    return _luminance_of(*rgb(colour))
 
-    r, g, b = (channel(v) for v in rgb(colour))
-    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+def _contrast(la: float, lb: float) -> float:
+    la, lb = sorted((la, lb), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
 
 
 def contrast_ratio(a: str, b: str) -> float:
     """WCAG contrast ratio of two colours (1 … 21; text wants >= 4.5)."""
-    la, lb = sorted((luminance(a), luminance(b)), reverse=True)
-    return (la + 0.05) / (lb + 0.05)
+    return _contrast(luminance(a), luminance(b))
+
+
+_LUM_BLACK, _LUM_WHITE = luminance(BLACK), luminance(WHITE)
+
+
+def _text_for(lum: float) -> str:
+    """Black or white text on a cell of luminance ``lum``."""
+    return BLACK if _contrast(_LUM_BLACK, lum) >= _contrast(_LUM_WHITE, lum) else WHITE
 
 
 def text_colour(cell: str) -> str:
     """Black or white: whichever contrasts more with ``cell`` (>= 4.58 always)."""
-    return BLACK if contrast_ratio(BLACK, cell) >= contrast_ratio(WHITE, cell) else WHITE
+    return _text_for(luminance(cell))
 
 
 def colour_at(colorscale: Sequence[Sequence[Any]], value: float | None, zmin: float,
@@ -85,18 +101,31 @@ def colour_at(colorscale: Sequence[Sequence[Any]], value: float | None, zmin: fl
     ``value`` is placed linearly between ``zmin`` and ``zmax`` (clamped) and
     the stops are blended in RGB, as plotly.js does. ``None`` / NaN: the
     empty cell's colour."""
+    got = _painted(_stops(colorscale), value, zmin, zmax, reverse)
+    return EMPTY if got is None else _hex(*got)
+
+
+def _stops(colorscale: Sequence[Sequence[Any]]) -> list[tuple[float, tuple[float, ...]]]:
+    return [(float(p), rgb(c)) for p, c in colorscale]
+
+
+def _painted(stops: list[tuple[float, tuple[float, ...]]], value: float | None, zmin: float,
+             zmax: float, reverse: bool) -> tuple[float, ...] | None:
+    """:func:`colour_at`'s colour as 0-255 channels, rounded as its hex is
+    (None: an empty cell), from stops parsed once."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return EMPTY
+        return None
     t = 0.5 if zmax == zmin else (float(value) - zmin) / (zmax - zmin)
     t = min(1.0, max(0.0, t))
     if reverse:
         t = 1.0 - t
-    stops = [(float(p), rgb(c)) for p, c in colorscale]
+    mixed = stops[-1][1]
     for (p0, c0), (p1, c1) in zip(stops, stops[1:]):
         if t <= p1:
             f = 0.0 if p1 == p0 else (t - p0) / (p1 - p0)
-            return _hex(*(a + f * (b - a) for a, b in zip(c0, c1)))
-    return _hex(*stops[-1][1])
+            mixed = tuple(a + f * (b - a) for a, b in zip(c0, c1))
+            break
+    return tuple(float(max(0, min(255, round(v)))) for v in mixed)
 
 
 def cell_text_traces(heat: go.Heatmap, text: Sequence[Sequence[str]],
@@ -109,13 +138,17 @@ def cell_text_traces(heat: go.Heatmap, text: Sequence[Sequence[str]],
     show the plot background: black text."""
     scale = heat.colorscale
     reverse = bool(heat.reversescale)
+    zmin, zmax = heat.zmin, heat.zmax
     z = [list(row) for row in heat.z]
+    stops = _stops(scale)  # parsed once, not per cell
+    empty = _text_for(luminance(EMPTY))
+    decided = [[empty if c is None else _text_for(_luminance_of(*c))
+                for c in (_painted(stops, v, zmin, zmax, reverse) for v in zrow)] for zrow in z]
     out = []
     for colour in (BLACK, WHITE):
         zz, tt = [], []
-        for zrow, trow in zip(z, text):
-            keep = [text_colour(colour_at(scale, v, heat.zmin, heat.zmax, reverse=reverse))
-                    == colour for v in zrow]
+        for zrow, trow, drow in zip(z, text, decided):
+            keep = [d == colour for d in drow]
             zz.append([v if k else None for v, k in zip(zrow, keep)])
             tt.append([t if k else "" for t, k in zip(trow, keep)])
         out.append(go.Heatmap(

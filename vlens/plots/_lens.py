@@ -125,12 +125,19 @@ def logit_lens_grid(
     chars = _cell_chars(n_l, width or 900)
     cols = [f"layer {x}" for x in layers]
     z = probs[..., 0].T.tolist()
+    p = probs.tolist()  # plain floats: indexing a tensor per value is slow
+    shown: dict[str, str] = {}  # each distinct word's hover text, made once
+
+    def word(w: Any) -> str:
+        got = shown.get(w)
+        if got is None:
+            got = shown[w] = token_text(str(w))
+        return got
+
     text = [[token_text(_fit(str(words[l][t][0]), chars)) for l in range(n_l)]
             for t in range(n_t)]
-    hover = [[
-        "<br>".join(f"{token_text(str(words[l][t][j]))!s}: {float(probs[l, t, j]):.3f}"
-                    for j in range(k))
-        for l in range(n_l)] for t in range(n_t)]
+    hover = [["<br>".join(f"{word(w)}: {v:.3f}" for w, v in zip(words[l][t], p[l][t]))
+              for l in range(n_l)] for t in range(n_t)]
     labels = token_labels(tokens)
     heat = go.Heatmap(
         z=z, x=cols, y=labels, text=text, customdata=hover,
@@ -197,16 +204,17 @@ def logit_lens_track(
                          f"[{n_l} layers, {n_t} tokens]")
     fl = None if floor is None else as_float(floor)
     known = ~torch.isnan(vals)
+    v_rows, known_rows = vals.T.tolist(), known.T.tolist()  # plain values, not tensor indexing
     if quantity == "probability":
         z = vals
-        text = [[f"{float(v):.2f}" if ok else "–" for v, ok in zip(r, kn)]
-                for r, kn in zip(vals.T, known.T)]
+        text = [[f"{v:.2f}" if ok else "–" for v, ok in zip(r, kn)]
+                for r, kn in zip(v_rows, known_rows)]
         scale = {"colorscale": "Viridis", "zmin": 0, "zmax": 1}
         bar = f"p({plain_text(token)})"
     else:
         z = torch.log10(vals.clamp_min(1))  # rank 1 -> 0: the brightest
         text = [[f"#{int(v)}" if ok else "–" for v, ok in zip(r, kn)]
-                for r, kn in zip(vals.T, known.T)]
+                for r, kn in zip(v_rows, known_rows)]
         top = max(1.0, float(z[known].max()) if known.any() else 1.0)
         scale = {"colorscale": "Viridis", "reversescale": True, "zmin": 0, "zmax": top,
                  "colorbar_tickvals": [0, 1, 2, 3, 4][: int(top) + 1],
@@ -214,15 +222,16 @@ def logit_lens_track(
         bar = f"rank of {plain_text(token)}"
     word = plain_text(token)
     hover = []
+    fl_rows = None if fl is None else fl.T.tolist()
     for t in range(n_t):
         row = []
         for li in range(n_l):
-            if known[li, t]:
-                v = float(vals[li, t])
+            if known_rows[t][li]:
+                v = v_rows[t][li]
                 row.append(f"p({word}) = {v:.4f}" if quantity == "probability"
                            else f"{word} is #{int(v)}")
-            elif fl is not None:
-                row.append(f"{word} not in the top {k or ''}: p < {float(fl[li, t]):.3f}")
+            elif fl_rows is not None:
+                row.append(f"{word} not in the top {k or ''}: p < {fl_rows[t][li]:.3f}")
             else:
                 row.append(f"{word}: unknown")
         hover.append(row)
