@@ -295,10 +295,13 @@ class Engine:
                 del self._vectors[vid]
 
     def request_params(self, settings: Mapping[str, Any]) -> Any:
-        """vLLM's ``SamplingParams`` of one request's settings."""
+        """vLLM's ``SamplingParams`` of one request's settings. Made fresh for
+        that one request and never touched again, so vLLM may take it without
+        its deep copy (``skip_clone``, as vLLM's own OpenAI server does): the
+        copy walked the plan in ``extra_args``, ~0.16 ms a request."""
         from vllm import SamplingParams
 
-        return SamplingParams(**settings)
+        return SamplingParams(**settings, skip_clone=True)
 
     def generate(self, prompts: list[Any], params: list[Any], progress: Any = None, *,
                  owner: Any = None) -> list[Any]:
