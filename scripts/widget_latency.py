@@ -160,6 +160,8 @@ def corrupt_of(s, clean: str, n: int) -> str:
 def view_latency(args: argparse.Namespace) -> dict:
     """The click-to-draw table (``--views``): one row per (view, action,
     prompt length) with the engine call's median beside it."""
+    from plotly.callbacks import Points
+
     import vlens
     from vlens.lens import LogitLens
     from vlens.models import corpus
@@ -269,10 +271,11 @@ def view_latency(args: argparse.Namespace) -> dict:
 
             def thumbnail_click() -> None:
                 layer, head = next(heads)
-                with attn.hold_trait_notifications():  # what a thumbnail click does
-                    attn.head = head
-                attn.layer = layer
-                assert attn.error == "", attn.error
+                grid = attn.thumbnails.data[0]  # a click on the thumbnail's first cell
+                step = int(grid.meta["step"])
+                cell = [attn.layers.index(layer) * step, attn.heads.index(head) * step]
+                attn._on_thumbnail(grid, Points(point_inds=[cell]), None)
+                assert attn.error == "" and (attn.layer, attn.head) == (layer, head), attn.error
 
             row("attention", "thumbnail click", n_tok, [], _many(n, thumbnail_click))
             del attn
