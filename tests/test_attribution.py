@@ -416,6 +416,10 @@ def test_cycling_answers_keeps_the_probed_projections(llama_session, monkeypatch
         return got
 
     monkeypatch.setattr(worker, "_linear_t", counted)  # seen where the worker is in-process
+    # earlier tests on this engine probed its layers already (kept for the
+    # engine's life): start from empty caches, as a fresh engine would
+    worker._CACHE.clear()
+    worker._PROBED.clear()
     s = llama_session
     prompt = _prompt(6, 5)
     for i in range(300):
@@ -425,3 +429,4 @@ def test_cycling_answers_keeps_the_probed_projections(llama_session, monkeypatch
     # every layer's projection was looked at, and probed (a copy) at most once
     assert len(probes) >= s.n_layers, f"the worker looked at {len(probes)} projections"
     assert sum(probes) <= s.n_layers, f"{sum(probes)} probes for {s.n_layers} layers"
+    assert all(len(c) <= worker._CACHE_MAX + 1 for c in worker._CACHE.values())
