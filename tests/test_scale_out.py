@@ -2,11 +2,21 @@
 
 vLLM reads its process settings once per process, so each mode runs in a
 fresh Python: the isolation, HF-parity and steering-isolation tests re-run
-unchanged with the engine core out of process (``mp``), with
-``tensor_parallel_size=2`` (``tp2``; see VLENS_TEST_ENGINE in conftest) and
-in vLLM's compiled mode (``compiled``, with the recompute tests too), on
-the engines each mode changes (SELECTED). The tp2 run's Llama engine also
-reads what this process's TP=1 engine reads (tests/_scale_out_tp2.py).
+unchanged with ``tensor_parallel_size=2`` and the engine core out of process
+(``tp2``; see VLENS_TEST_ENGINE in conftest) and in vLLM's compiled mode
+(``compiled``, with the recompute tests too), on the engines each mode
+changes (SELECTED). The tp2 run's Llama engine also reads what this
+process's TP=1 engine reads (tests/_scale_out_tp2.py).
+
+The core out of process with one worker (``VLENS_TEST_ENGINE=mp``) is not a
+run of its own here: ``tp2`` puts the core out of process too
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``), and every vlens path that differs
+out of process (``Engine.in_process``: the quiet start, the step lock, the
+frozen heap, the prefix-cache marks, the shutdown; the RPCs through the core
+client) is the same with one worker or two. Its three tests are a subset of
+tp2's (the native Llama's isolation, parity and steering isolation);
+conftest keeps the mode, to run those three by hand with
+``VLENS_TEST_ENGINE=mp``.
 """
 
 from __future__ import annotations
@@ -34,21 +44,18 @@ RECOMPUTE = [
 # Each engine a child starts costs most of its time, so each mode re-runs
 # the tests on the engines whose code paths the mode changes.
 SELECTED = {
-    # the engine core in another process: the same process boundary for every
-    # model and backend, so the native Llama engine carries all three checks
-    "mp": [f"{ISOLATION}[native]", f"{PARITY}[llama_session-tiny_llama]",
-           f"{STEERING}[native]"],
     # TP=2 shards each differently: native Llama, Qwen2's two KV heads (one
     # per rank) and the Transformers backend (its own tp plan); the TP=2 Llama
     # engine also reads what this process's TP=1 engine reads
-    # (tests/_scale_out_tp2.py)
+    # (tests/_scale_out_tp2.py). Its engine core is out of process, for
+    # every model and backend.
     "tp2": [ISOLATION, PARITY, STEERING, "tests/_scale_out_tp2.py"],
     # compiled graphs differ by backend: native and Transformers-backend
     # Llama, and vLLM's recompute paths (preemption, the prefix cache)
     "compiled": [ISOLATION, f"{PARITY}[llama_session-tiny_llama]",
                  f"{PARITY}[llama_tf_session-tiny_llama]", STEERING, *RECOMPUTE],
 }
-PASSES = {"mp": 3, "tp2": 8, "compiled": 9}
+PASSES = {"tp2": 8, "compiled": 9}
 
 
 def _env(mode: str) -> dict[str, str]:
@@ -57,7 +64,7 @@ def _env(mode: str) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("mode", ["mp", "tp2", "compiled"])
+@pytest.mark.parametrize("mode", ["tp2", "compiled"])
 def test_isolation_parity_and_steering_pass_unchanged(mode, request, tmp_path):
     env = _env(mode)
     if mode == "tp2":

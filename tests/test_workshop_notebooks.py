@@ -51,13 +51,13 @@ _vs.Session.__init__ = _counted_start
 # the server, within its limits), not the lesson's statistics: the notebooks
 # whose parameters size their work run it smaller here (Run All, in
 # tests/test_run_all.py, runs them as shipped). 06's head sweep is still
-# 720 requests, over the server's 256 a call.
+# 288 requests, over the server's 256 a call.
 SMALLER = {
     "02_steering": "N_HELD_OUT = 10",
-    "06_attention": "N_PROBES = 10",
+    "06_attention": "N_PROBES = 4",
     "08_features": "N_HELD_OUT = 8",
-    "11_real_model": "N_HELD_OUT = 4",
-    "12_real_features": "HARVEST_TOKENS = 2000\nCLAMP_TOKENS = 600",
+    "11_real_model": "N_HELD_OUT = 2",
+    "12_real_features": "HARVEST_TOKENS = 1200\nCLAMP_TOKENS = 300",
 }
 
 # put in last: the kernel's sessions were all connected
