@@ -123,8 +123,9 @@ def test_the_converter_parses_each_gguf_once(tmp_path):
     """Inside ``_parse_once`` every open of one GGUF gets the same reader
     (transformers opens it three times) and gguf's tensor-name table is made
     once per (architecture, layers); outside it, gguf's own functions are
-    back. The real conversion through it is checked by the fetch above
-    (the folder, its config and tokenizer, Paris against Hugging Face)."""
+    back. The real conversion through it is checked by the real fetch
+    (``smollm2_folder``, in the tests below: the folder, its config and
+    tokenizer, Paris against Hugging Face)."""
     gguf = pytest.importorskip("gguf")
     np = pytest.importorskip("numpy")
     from vlens.models import convert
