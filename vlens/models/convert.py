@@ -42,12 +42,12 @@ def _parse_once() -> Iterator[None]:
     import gguf
 
     plain_reader, plain_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], object] = {}
+    readers: dict[str, object] = {}  # resolved path -> its read-only reader
 
     def reader(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
         if mode != "r":  # a writable map is not shared
             return plain_reader(path, mode)
+        key = str(Path(path).resolve())
         if key not in readers:
             readers[key] = plain_reader(path, mode)
         return readers[key]
