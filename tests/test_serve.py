@@ -922,6 +922,28 @@ def test_a_reader_that_stops_reading_ends_its_call(server, toy_session):
         sock.close()
 
 
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    """A client reuses an idle connection until its own expiry (httpx, the
+    openai client and vlens.connect: 5 s). The server must not close it
+    first: a request sent as the server closes is lost ("Server disconnected
+    without sending a response"). One raw connection, idle past 5 s, serves
+    its next request."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        for pause in (0.0, 6.0):  # uvicorn's default keep-alive is 5 s
+            time.sleep(pause)
+            conn.request("GET", "/v1/status", headers=server.headers("c11"))
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.status
+            assert json.loads(resp.read())["calls"] >= 0
+            assert conn.sock is not None  # still the same connection
+            assert (resp.getheader("connection") or "").lower() != "close"
+    finally:
+        conn.close()
+
+
 def test_calls_past_the_queue_get_429_with_retry_after_on_live_connections(server):
     """--max-concurrent 2, --max-queued 8: of 14 calls at once, 10 run (2,
     then the 8 in line, in turn) and 4 are refused with Retry-After; every

@@ -87,6 +87,19 @@ def test_only_loopback_hosts_pass_without_a_warning():
     assert not _loopback("workshop.example.org")
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
+def test_a_keep_alive_that_is_not_a_positive_number_of_seconds_is_refused(value, capsys):
+    from vlens.remote.launch import KEEP_ALIVE, main
+
+    # refused by the command line, before any engine starts
+    with pytest.raises(SystemExit) as exit_:
+        main(["--token-file", "unused", "--timeout-keep-alive", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout-keep-alive: must be a number of seconds above 0" in err, err
+    assert KEEP_ALIVE > 120  # past httpx's, openai's and aiohttp's idle expiry and proxies'
+
+
 def test_a_token_with_odd_characters_is_refused_without_showing_it():
     import vlens
 

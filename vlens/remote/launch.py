@@ -23,7 +23,30 @@ from vlens.remote.routes import install_docs
 from vlens.remote.server import Server, make_app
 from vlens.remote.tokens import load_tokens
 
-__all__ = ["main", "is_loopback"]
+__all__ = ["KEEP_ALIVE", "main", "is_loopback"]
+
+#: seconds an idle connection is kept open between calls. A client reuses an
+#: idle connection until its own expiry (httpx and the openai client, which
+#: vlens.connect and most tools use: 5 s; aiohttp 15 s; reverse proxies 60 s
+#: to 2 min). A server that closes first can close a connection while the
+#: client's next request is on its way, and that request is lost
+#: ("Server disconnected without sending a response"). Holding longer than
+#: the clients do leaves the close to them. An idle connection costs one
+#: socket.
+KEEP_ALIVE = 150.0
+
+
+def _positive_seconds(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def _parser():
@@ -71,6 +94,10 @@ def _parser():
     g.add_argument("--chat-template", default=None,
                    help="the chat template of the OpenAI chat route (a file or a Jinja "
                         "string; default: the tokenizer's)")
+    g.add_argument("--timeout-keep-alive", type=_positive_seconds, default=KEEP_ALIVE,
+                   help="seconds an idle connection stays open between calls: longer than "
+                        "clients keep theirs (httpx and openai 5 s, proxies up to 2 min), so "
+                        "the client ends it and no call is sent on a closing connection")
     return AsyncEngineArgs.add_cli_args(p)
 
 
@@ -148,7 +175,8 @@ async def _serve(args: Any, argv: list[str]) -> None:
         routes.install(app)
         install_docs(app, routes.bodies, server)
         config = uvicorn.Config(app, host=args.host, port=args.port,
-                                log_level="warning", timeout_graceful_shutdown=5)
+                                log_level="warning", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=args.timeout_keep_alive)
         mode = ("compiled (CUDA graphs)" if compiled and has_gpu() else "compiled (torch.compile)"
                 if compiled else "eager (--enforce-eager)")
         if threads is not None:
