@@ -944,6 +944,37 @@ def test_an_idle_connection_outlives_the_clients_keep_alive(server):
         conn.close()
 
 
+def test_a_head_that_does_not_arrive_gets_408_and_a_closed_connection(server):
+    """uvicorn alone holds a silent connection, or one that stops inside its
+    request line or headers, for good (a socket each, no token needed).
+    Every head must arrive within --body-timeout (3 s here): on a new
+    connection, in mid-header, and for the second request of a reused one."""
+    head = f"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.tokens['c11']}"
+    silent = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    partial = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    reused = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    socks = (silent, partial, reused)
+    try:
+        partial.sendall(head.encode())  # no blank line: the headers never end
+        reused.sendall(head.encode() + b"\r\n\r\n")
+        first = reused.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first[:200]
+        reused.sendall(b"GET /v1/sta")  # the next request stops in its line
+        start = time.monotonic()
+        for sock in socks:
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+            assert b"head took over 3 s" in reply, reply
+        # 3 s, give or take a busy machine; uvicorn alone waited for ever
+        assert time.monotonic() - start < 25
+        assert server.status()["calls"] == 0  # and the server serves on
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_calls_past_the_queue_get_429_with_retry_after_on_live_connections(server):
     """--max-concurrent 2, --max-queued 8: of 14 calls at once, 10 run (2,
     then the 8 in line, in turn) and 4 are refused with Retry-After; every

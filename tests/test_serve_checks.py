@@ -88,7 +88,7 @@ def test_only_loopback_hosts_pass_without_a_warning():
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
-def test_a_keep_alive_that_is_not_a_positive_number_of_seconds_is_refused(value, capsys):
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(value, capsys):
     from vlens.remote.launch import KEEP_ALIVE, main
 
     # refused by the command line, before any engine starts
@@ -97,6 +97,10 @@ def test_a_keep_alive_that_is_not_a_positive_number_of_seconds_is_refused(value,
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--timeout-keep-alive: must be a number of seconds above 0" in err, err
+    with pytest.raises(SystemExit):
+        main(["--token-file", "unused", "--body-timeout", value])
+    err = capsys.readouterr().err
+    assert "--body-timeout: must be a number of seconds above 0" in err, err
     assert KEEP_ALIVE > 120  # past httpx's, openai's and aiohttp's idle expiry and proxies'
 
 

@@ -16,6 +16,7 @@ from vlens.errors import VlensError
 from vlens.models.recipes import is_toyworld
 from vlens.remote.schema import parse_body
 from vlens.remote.guard import Limits
+from vlens.remote.heads import http_protocol
 from vlens.remote.names import ServerNames, parse_named
 from vlens.remote.openai_routes import OpenAIRoutes
 from vlens.remote.presets import Presets, load_presets
@@ -76,8 +77,9 @@ def _parser():
     g.add_argument("--max-requests", type=int, default=256, help="engine requests per call")
     g.add_argument("--max-body-mb", type=float, default=64, help="request body size (MiB)")
     g.add_argument("--max-calls", type=int, default=256, help="calls in flight, all clients")
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client may take to send one request body")
+    g.add_argument("--body-timeout", type=_positive_seconds, default=30.0,
+                   help="seconds a client may take to send one request's head (its line "
+                        "and headers), and as long again for its body")
     g.add_argument("--stall-timeout", type=float, default=30.0,
                    help="seconds a client may stop reading a call's answer before the call "
                         "is ended")
@@ -176,7 +178,8 @@ async def _serve(args: Any, argv: list[str]) -> None:
         install_docs(app, routes.bodies, server)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level="warning", timeout_graceful_shutdown=5,
-                                timeout_keep_alive=args.timeout_keep_alive)
+                                timeout_keep_alive=args.timeout_keep_alive,
+                                http=http_protocol(args.body_timeout))
         mode = ("compiled (CUDA graphs)" if compiled and has_gpu() else "compiled (torch.compile)"
                 if compiled else "eager (--enforce-eager)")
         if threads is not None:
