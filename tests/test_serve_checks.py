@@ -104,6 +104,62 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(value, ca
     assert KEEP_ALIVE > 120  # past httpx's, openai's and aiohttp's idle expiry and proxies'
 
 
+def test_the_head_deadline_closes_without_writing_into_an_answer_being_sent():
+    """heads.py on a real uvicorn (no engine): a silent connection gets a 408
+    at the deadline; a head pipelined behind an answer that is still
+    streaming, which then stops, ends the connection at the deadline with
+    no 408 written into the middle of that answer."""
+    import asyncio
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from vlens.remote.heads import http_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(30):  # 3 s of chunks
+            await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
+            await asyncio.sleep(0.1)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off", http=http_protocol(0.5)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+
+    def read_all(sock: socket.socket) -> bytes:
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        return reply
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            reply = read_all(silent)
+        assert reply.startswith(b"HTTP/1.1 408") and b"head took over 0.5 s" in reply, reply
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HT")
+            reply = read_all(sock)
+            took = time.monotonic() - start
+        assert reply.startswith(b"HTTP/1.1 200") and b"tick" in reply, reply[:200]
+        assert b"408" not in reply, reply
+        assert took < 2.5, took  # closed at the deadline, before the 3 s answer's end
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def test_a_token_with_odd_characters_is_refused_without_showing_it():
     import vlens
 

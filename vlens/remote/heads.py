@@ -62,8 +62,12 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         self._head_timer = None
         if self.transport.is_closing():
             return
-        msg = f"the request's head took over {self.head_seconds:g} s to arrive".encode()
-        self.transport.write(_TIMEOUT % (len(msg), msg))
+        if self.cycle is None or self.cycle.response_complete:
+            msg = f"the request's head took over {self.head_seconds:g} s to arrive".encode()
+            self.transport.write(_TIMEOUT % (len(msg), msg))
+        # else the late head was pipelined behind an answer still being
+        # sent: a 408 now would land inside that answer, so the connection
+        # is only closed (its client stopped mid-request on it)
         self.transport.close()
 
 
