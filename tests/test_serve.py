@@ -949,27 +949,20 @@ def test_a_head_that_does_not_arrive_gets_408_and_a_closed_connection(server):
     request line or headers, for good (a socket each, no token needed).
     Every head must arrive within --body-timeout (3 s here): on a new
     connection, in mid-header, and for the second request of a reused one."""
+    import http.client
+
     head = f"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.tokens['c11']}"
     silent = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     partial = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    reused = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    socks = (silent, partial, reused)
+    reused = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         partial.sendall(head.encode())  # no blank line: the headers never end
-        reused.sendall(head.encode() + b"\r\n\r\n")
-        first = b""  # the whole first answer: its head, then content-length bytes
-        while b"\r\n\r\n" not in first:
-            first += reused.recv(65536)
-        top, _, body = first.partition(b"\r\n\r\n")
-        assert top.startswith(b"HTTP/1.1 200"), top
-        length = int(next(line.split(b":")[1] for line in top.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        while len(body) < length:
-            body += reused.recv(65536)
-        assert len(body) == length and json.loads(body)["calls"] >= 0
-        reused.sendall(b"GET /v1/sta")  # the next request stops in its line
+        reused.request("GET", "/v1/status", headers=server.headers("c11"))
+        first = reused.getresponse()  # read whole, to its content-length
+        assert first.status == 200 and json.loads(first.read())["calls"] >= 0
+        reused.sock.sendall(b"GET /v1/sta")  # the next request stops in its line
         start = time.monotonic()
-        for sock in socks:
+        for sock in (silent, partial, reused.sock):
             reply = b""
             while chunk := sock.recv(65536):
                 reply += chunk
@@ -979,8 +972,9 @@ def test_a_head_that_does_not_arrive_gets_408_and_a_closed_connection(server):
         assert time.monotonic() - start < 25
         assert server.status()["calls"] == 0  # and the server serves on
     finally:
-        for sock in socks:
-            sock.close()
+        silent.close()
+        partial.close()
+        reused.close()
 
 
 def test_calls_past_the_queue_get_429_with_retry_after_on_live_connections(server):
