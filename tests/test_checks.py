@@ -115,3 +115,26 @@ def test_old_ablate_keyword_query_heads_names_heads():
     assert list(vlens.Ablate("z", 0, heads=[0]).heads) == [0]
     with pytest.raises(TypeError, match=r"takes heads= now \(query_heads="):
         vlens.Ablate("z", 0, query_heads=[0])
+
+
+def test_a_batch_of_text_prompts_is_tokenized_at_once_as_one_by_one(tiny_llama):
+    """normalise() encodes a batch's text prompts in one tokenizer call:
+    each prompt's ids and character offsets are those it gets alone
+    (bundled and tiny-model tokenizers; repeats, odd spacing and Unicode),
+    beside token-id prompts in the same batch."""
+    from transformers import AutoTokenizer
+
+    from vlens.models import toyworld_path
+    from vlens.prompts import normalise
+
+    for path in (toyworld_path(), tiny_llama):
+        tok = AutoTokenizer.from_pretrained(str(path))
+        texts = ["once upon a time, a happy dog", "  two  spaces  ", "ünïcode 🙂 here",
+                 "a\nnewline\tand a tab", "once upon a time, a happy dog", "the"]
+        batch = texts[:3] + [{"prompt_token_ids": [3, 4, 5]}] + texts[3:]
+        together = normalise(batch, tok, 512)
+        alone = [normalise(p, tok, 512)[0] for p in batch]
+        assert len(together) == len(alone) == 7
+        for a, b in zip(together, alone):
+            assert a.ids == b.ids and a.offsets == b.offsets and a.text == b.text
+        assert together[0].ids == together[5].ids and len(together[0].ids) > 3  # the repeat

@@ -126,7 +126,7 @@ def test_a_cpu_worker_encodes_a_few_rows_later_with_other_steps_rows():
 
     from vlens.protocol.features import top_features
     from vlens.worker.features import DEFER_ROWS, LazyPart
-    from vlens.worker.records import StepLog
+    from vlens.worker.steplog import StepLog
 
     width, d_sae, k = 16, 40, 4
     w = _sae(width, d_sae, 3)

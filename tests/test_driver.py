@@ -69,6 +69,34 @@ def test_a_call_while_a_stream_is_open_gives_both_what_they_get_alone(llama_sess
     _clean(s)
 
 
+def test_calls_at_once_reading_one_site_two_ways_each_get_their_own(llama_session):
+    """A stream's logit lens of top 3 and a cell's of top 5 share steps: the
+    same read key, read two ways in one step. Each gets what it gets alone
+    (the cell's call used to fail with "the hook never saw some of this
+    request's rows": the step kept one group's rows per key)."""
+    s = llama_session
+    kw_stream = dict(layers=[0, 2], logit_lens=3, max_new_tokens=40, ignore_eos=True)
+    kw_cell = dict(layers=[0, 2], logit_lens=5, max_new_tokens=4)
+    alone_stream = s.trace(PROMPTS, **kw_stream)
+    alone_cell = s.trace(["w20 w21 w22 w23"], **kw_cell)
+    it = s.stream(PROMPTS, **kw_stream)
+    next(it)  # 39 of the stream's steps are still to come
+    mid = s.trace(["w20 w21 w22 w23"], **kw_cell)
+    frames = list(it)
+    assert all(len(t.output_token_ids) == 40 for t in frames[-1])
+    for got, ref, k in ((mid, alone_cell, 5), (frames[-1], alone_stream, 3)):
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            assert a.output_token_ids == b.output_token_ids
+            assert torch.allclose(a.activations("resid_post"), b.activations("resid_post"),
+                                  atol=1e-5)
+            ids_a, p_a = a.logit_lens()
+            ids_b, p_b = b.logit_lens()
+            assert ids_a.shape == ids_b.shape == (2, len(a.token_ids), k)
+            assert torch.equal(ids_a, ids_b) and torch.allclose(p_a, p_b, atol=1e-5)
+    _clean(s)
+
+
 def test_a_stream_whose_body_calls_the_session(llama_session):
     s = llama_session
     ref = s.trace(PROMPTS, **KW)

@@ -315,7 +315,7 @@ def test_a_one_position_read_keeps_that_row_through_chunks_and_restarts(reqs, da
     chunk ran it, whatever recompute came after; a full read beside it in
     the same group keeps every row; a position served from the prefix
     cache is an error, never another row."""
-    from vlens.worker.records import StepLog
+    from vlens.worker.steplog import StepLog
 
     records: dict[str, RequestRecord] = {}
     plans_of, at_of = {}, {}
@@ -367,6 +367,53 @@ def test_a_one_position_read_keeps_that_row_through_chunks_and_restarts(reqs, da
             got = decode_tensor(packed["reads"]["resid_post:norm"]["value"])
             want = (number[rid] * 1000 + torch.arange(first_seen, length)).float()
             assert torch.equal(got[0, :, 0], want)
+
+
+def test_two_groups_reading_one_key_differently_each_keep_their_own_rows():
+    """Calls running at once may read one key two ways in one step (a logit
+    lens's top 3 beside its top 5: the key is the same, the groups are
+    two). The step log keeps each group's rows and each request packs its
+    own group's; the second group's rows used to replace the first's, and
+    the first call failed with "the hook never saw some of this request's
+    rows". A group alone in its step takes the stacked way, with the same
+    values."""
+    from vlens.worker.steplog import StepLog
+
+    def ids(rows, k, layer):  # what a group's hook keeps: [rows, k], telling rows apart
+        return torch.as_tensor(rows)[:, None].expand(-1, k) * 10 + layer
+
+    reads = {"a": Read("resid_post", (0, 1), "logit_lens", k=3),
+             "b": Read("resid_post", (0, 1), "logit_lens", k=5),
+             "c": Read("resid_post", (0, 1), "logit_lens", k=5, position=-1)}
+    for batch in (["a", "b"], ["a", "c"], ["b"], ["c"]):
+        lens = {"a": 2, "b": 3, "c": 4}
+        plans = [Plan(tag=r, reads=(reads[r],), prompt_len=lens[r]) for r in batch]
+        qsl = [0]
+        for r in batch:
+            qsl.append(qsl[-1] + lens[r])
+        sp = plan_step(batch, plans, qsl, [0] * len(batch))
+        log, records = StepLog(), {}
+        for rid, (plan, span) in sp.requests.items():
+            pos = list(range(span.first_position, span.first_position + span.length))
+            records[rid] = RequestRecord(plan, rid)
+            records[rid].begin_step(span.first_position, span.length, pos, pos, log)
+        for (_, layer), groups in sp.reads.items():
+            assert len(groups) == len(batch)  # one key, read as many ways as there are calls
+            for g in groups:
+                log.put((g.read.key, "ids", layer), ids(g.rows(), g.read.k, layer), g)
+        for i, rid in enumerate(batch):
+            packed = records[rid].pack()
+            assert packed["errors"] == [], (batch, rid)
+            got = decode_tensor(packed["reads"]["resid_post:logit_lens"]["ids"])
+            rows = list(range(qsl[i], qsl[i + 1]))[-1:] if rid == "c" else range(qsl[i], qsl[i + 1])
+            want = torch.stack([ids(list(rows), reads[rid].k, layer) for layer in (0, 1)])
+            assert torch.equal(got, want), (batch, rid)
+            assert packed["copied_bytes"] == want.numel() * want.element_size()
+            # for a client in the worker's process: the same rows as a tensor
+            # owning its memory (not a view of the group's stacked rows)
+            raw = records[rid].pack(tensors=True)["reads"]["resid_post:logit_lens"]["ids"]
+            assert isinstance(raw, torch.Tensor) and torch.equal(raw, want)
+            assert raw.is_contiguous() and raw.untyped_storage().nbytes() == raw.nbytes
 
 
 def test_a_gap_in_the_rows_is_reported_not_hidden():

@@ -177,7 +177,7 @@ def test_a_read_with_the_wrong_rows_fails_alone_when_the_step_log_is_cut():
 
     import torch
 
-    from vlens.worker.records import StepLog
+    from vlens.worker.steplog import StepLog
 
     span = lambda key, a, b: SimpleNamespace(key=key, start=a, stop=b)  # noqa: E731
     good = SimpleNamespace(spans=(span("r1", 0, 2), span("r2", 2, 5)))

@@ -439,7 +439,9 @@ class _InFlight:
 
     def finish(self, assemble: Callable[[list, dict, Any], Any], outputs: list,
                runs: Any) -> Any:
-        collected = self.engine.rpc("vlens_collect", self.tags)[0] if self.tags else {}
+        # an engine in this process hands the reads over as tensors (no bytes)
+        raw = bool(getattr(self.engine, "in_process", False))
+        collected = self.engine.rpc("vlens_collect", self.tags, raw)[0] if self.tags else {}
         result = assemble(outputs, collected, runs)
         self.done = True
         return result

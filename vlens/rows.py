@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from vlens.calls import RequestSpec
 from vlens.errors import EngineError
 from vlens.protocol.plan import Add
@@ -72,8 +74,8 @@ def cut_rows(rec: dict[str, Any], n: int, adds: Sequence[Add]) -> dict[str, Any]
             continue
         cut = dict(parts)
         for part, value in parts.items():
-            if isinstance(value, dict):
-                t = decode_tensor(value)
+            if isinstance(value, (dict, torch.Tensor)):  # bytes, or a tensor (in process)
+                t = value if isinstance(value, torch.Tensor) else decode_tensor(value)
                 t = t[:, :, :n, : start + n] if key == "attn_pattern" else t[:, :n]
                 cut[part] = t.contiguous()
             reads[key] = cut

@@ -15,7 +15,6 @@ each is divided by the frozen scale.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -110,8 +109,7 @@ def logit_attribution_call(session: Any, prompts: Any, answer: Any, wrong: Any,
     def assemble(outputs: list, collected: dict, runs: calls.Assembler) -> Attribution:
         run = runs.build_run([p.label for p in plist], requests, outputs, collected, False)
         # each read holds the one row at the prompt's position: [layers, 1, ...]
-        parts = [_parts(t, 0, {r.site: r.key for r in req.plan.reads})
-                 for t, req in zip(run, requests)]
+        parts = _parts(run, 0, [{r.site: r.key for r in req.plan.reads} for req in requests])
         texts = [session.token_strings([a])[0] for a in answers]
         return Attribution(
             prompts=[p.label for p in plist],
@@ -119,28 +117,30 @@ def logit_attribution_call(session: Any, prompts: Any, answer: Any, wrong: Any,
             position=int(position), positions=positions,
             answer=[int(a) for a in answers], wrong=list(wrongs), answer_text=texts,
             wrong_text=[None if w is None else session.token_strings([w])[0] for w in wrongs],
-            **{key: _stack([q[key] for q in parts]) for key in parts[0]},
+            **parts,
         )
 
     return Call(requests, assemble)
 
 
-def _stack(values: Sequence[Any]) -> torch.Tensor | None:
-    return None if values[0] is None else torch.stack(list(values))
+def _parts(run: Any, k: int, keys: list[dict[str, str]]) -> dict[str, Any]:
+    """Every trace's components at row ``k`` of its reads, divided by the
+    frozen scale, stacked over the prompts (``keys``: each trace's read key
+    of each site; a prompt's answer is part of its keys, and the prompts of
+    one call read the same sites)."""
+    def read(site: str) -> torch.Tensor:  # [prompts, layers, w]
+        return torch.stack([t.activations(key[site])[:, k] for t, key in zip(run, keys)])
 
-
-def _parts(t: Any, k: int, keys: dict[str, str]) -> dict[str, Any]:
-    """One trace's components at row ``k`` of its reads, divided by the
-    frozen scale (``keys``: each site's read key)."""
-    x, scale, bias, logit = t.activations(keys["resid_post"])[0, k].unbind(-1)
-    heads = t.activations(keys["z"])[:, k] / scale if "z" in keys else None
+    _, scale, bias, logit = read("resid_post")[:, 0].unbind(-1)  # [prompts] each
+    per = scale[:, None]
+    heads = read("z") / per[..., None] if "z" in keys[0] else None
     # the heads and the projection's bias term sum to the layer's attn_out part
-    attn = heads.sum(-1) if heads is not None else t.activations(keys["attn_out"])[:, k, 0] / scale
+    attn = heads.sum(-1) if heads is not None else read("attn_out")[..., 0] / per
     return {
-        "embed": t.activations(keys["resid_pre"])[0, k, 0] / scale,
+        "embed": read("resid_pre")[:, 0, 0] / scale,
         "attn": attn,
-        "mlp": t.activations(keys["mlp_out"])[:, k, 0] / scale,
-        "heads": None if heads is None else heads[:, :-1],
-        "head_bias": heads[:, -1] if heads is not None else torch.zeros_like(attn),
+        "mlp": read("mlp_out")[..., 0] / per,
+        "heads": None if heads is None else heads[..., :-1],
+        "head_bias": heads[..., -1] if heads is not None else torch.zeros_like(attn),
         "bias": bias, "scale": scale, "logit_diff": logit,
     }

@@ -48,7 +48,7 @@ from vlens.protocol.final_norm import FinalNorm, final_logits, norm_of
 from vlens.protocol.plan import Read
 from vlens.protocol.sites import ModelSites, resolve_sites
 
-__all__ = ["dla_rows", "DLA_SITES"]
+__all__ = ["DLA_SITES", "Later", "dla_part", "dla_rows"]
 
 #: the sites a "dla" read may name
 DLA_SITES = ("resid_pre", "attn_out", "mlp_out", "z", "resid_post")
@@ -225,6 +225,56 @@ def _heads(model: nn.Module, sites: ModelSites, layer: int, t: Target, key: tupl
         cache.clear()
     cache[("heads", layer, key)] = got
     return got
+
+
+class Later:
+    """A DLA read's reduced rows, standing in a step's log until the log is
+    cut after the run (``later``: see ``steplog.py``): the shape and dtype
+    now, the values from :meth:`tensor`, computed once."""
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+    later = True
+
+    def __init__(self, make: Any, shape: tuple[int, ...]) -> None:
+        self._make, self._value = make, None
+        self.shape = torch.Size(shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def tensor(self) -> torch.Tensor:
+        if self._value is None:
+            self._value, self._make = self._make(), None
+        return self._value
+
+
+#: what each site's DLA read ships per row (``z``: a column per head and one
+#: for the projection's bias term)
+_WIDTH = {"resid_pre": 1, "attn_out": 1, "mlp_out": 1, "resid_post": 4}
+
+
+def dla_part(model: nn.Module, rows: torch.Tensor, read: Read, layer: int
+             ) -> torch.Tensor | Later:
+    """:func:`dla_rows` of ``rows`` (a gathered copy, never a view of engine
+    memory), on a CPU reduced after the step: inside a compiled step each
+    small torch operation costs 3 to 8 times what it costs outside it, and
+    a DLA read is a few of them per (site, layer), ~0.1 ms a visit on a
+    2-core CPU. The directions are looked up in the step (once per target,
+    site and layer), so a read that cannot be attributed fails its requests
+    there, as before. Reads on an accelerator are reduced at once."""
+    if rows.device.type != "cpu" or (read.site not in _WIDTH and read.site != "z"):
+        return dla_rows(model, rows, read, layer)
+    cache = _CACHE.setdefault(model, {})
+    key = ("checked", read.site, read.target, layer)
+    if key not in cache:
+        sites = resolve_sites(model)
+        t = _target(model, sites, read.target)
+        if read.site == "z":
+            _heads(model, sites, layer, t, read.target)
+        cache[key] = True
+    width = rows.shape[1] + 1 if read.site == "z" else _WIDTH[read.site]
+    return Later(lambda: dla_rows(model, rows, read, layer), (rows.shape[0], width))
 
 
 def dla_rows(model: nn.Module, rows: torch.Tensor, read: Read, layer: int) -> torch.Tensor:

@@ -124,7 +124,7 @@ class RequestBook:
         }
         self.bad_plans = {r: m for r, m in self.bad_plans.items() if r in self.plans}
 
-    def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
+    def collect(self, tags: list[str], tensors: bool = False) -> dict[str, list[dict[str, Any]]]:
         wanted = set(tags)
         if self.vectors.matrix.device.type == "cuda":
             torch.cuda.synchronize()  # the steps' reads were copied non-blocking
@@ -134,7 +134,7 @@ class RequestBook:
         self.journal.forget(journaled)
         for req_id in [r for r, rec in self.records.items() if rec.plan.tag in wanted]:
             rec = self.records.pop(req_id)
-            out[rec.plan.tag].append(rec.pack())
+            out[rec.plan.tag].append(rec.pack(tensors))
         self._forget_plans(wanted)
         self._close(tags)
         return out

@@ -158,9 +158,12 @@ class VlensWorkerExtension:
             book.edit_fns.pop(i, None)
         return len(book.edit_fns)
 
-    def vlens_collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
-        """Hand back (and forget) what was read for requests with these tags."""
-        return self._vlens().collect(list(tags))
+    def vlens_collect(self, tags: list[str], tensors: bool = False
+                      ) -> dict[str, list[dict[str, Any]]]:
+        """Hand back (and forget) what was read for requests with these tags
+        (``tensors``: reads on the host as tensors of their own, for a caller
+        in this process; else as bytes, which cross any process)."""
+        return self._vlens().collect(list(tags), bool(tensors))
 
     def vlens_drop(self, tags: list[str] | None = None) -> int:
         """Forget what was read for these tags (all when None)."""

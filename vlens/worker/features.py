@@ -93,6 +93,7 @@ class LazyPart:
     log is cut after the run (:meth:`tensor`)."""
 
     device = torch.device("cpu")
+    later = True  # a stand-in the step log asks for its tensor when it is cut
 
     def __init__(self, read: _Deferred, name: str, shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:

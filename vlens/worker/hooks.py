@@ -30,7 +30,8 @@ from vlens.worker.head_sites import HeadSites
 from vlens.worker.journal import StepArrays, kept, rows_of
 from vlens.worker.layout import token_axis
 from vlens.worker.planner import StepPlan, plan_step
-from vlens.worker.records import StepLog, to_host
+from vlens.worker.records import to_host
+from vlens.worker.steplog import StepLog
 from vlens.worker.site_ops import apply_adds, apply_sets, reduce_rows, run_edit
 from vlens.worker.vectors import VectorStore
 from vlens.worker.features import FeatureStore
@@ -146,8 +147,8 @@ class WorkerHooks:
 
     # -- per step -----------------------------------------------------------
     # -- the RPCs' part: what the client collects, drops, and sees ---------
-    def collect(self, tags: list[str]) -> dict[str, list[dict[str, Any]]]:
-        return self.book.collect(tags)
+    def collect(self, tags: list[str], tensors: bool = False) -> dict[str, list[dict[str, Any]]]:
+        return self.book.collect(tags, tensors)
 
     def drop(self, tags: list[str] | None) -> int:
         return self.book.drop(tags)
@@ -427,7 +428,8 @@ class WorkerHooks:
         the run)."""
         log = self.log
         # rows the planner built from the step's offsets: inside the step
-        if g.bounds is not None and g.read.reduce in ("norm", "dla"):  # a new tensor: a view
+        view = g.bounds is not None and g.read.reduce in ("norm", "dla")  # a new tensor: a view
+        if view:
             rows = flat[g.bounds[0] : g.bounds[1]]
         else:
             rows = flat.index_select(0, g.index_on(flat.device))
@@ -435,7 +437,7 @@ class WorkerHooks:
             rows = self.heads.gather_heads(rows, -1)
             rows = rows.reshape(rows.shape[0], heads * self.tp, -1)
         t0 = time.perf_counter_ns()
-        parts = reduce_rows(self.model, rows, g.read, self.features, layer)
+        parts = reduce_rows(self.model, rows, g.read, self.features, layer, copied=not view)
         self.counters.reduce_ns += time.perf_counter_ns() - t0
         if not self.reader or log is None:  # a non-reading rank joined a collective
             return

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from vlens.protocol.plan import Plan
-from vlens.worker.records import RequestRecord, StepLog
+from vlens.worker.records import RequestRecord
+from vlens.worker.steplog import StepLog
 
 __all__ = ["Journal", "StepArrays", "kept", "rows_of"]
 

@@ -53,6 +53,38 @@ GATHERED = ("q", "k", "v", "z", "attn_pattern")
 Key = tuple[str, int]  # (site, layer)
 
 
+class _Picks:
+    """The requests a read group takes rows of: the step's layout and the
+    batch indices of each plan group (or ``(batch indices, the position
+    each keeps)`` for a read of one position). The step's groups that pick
+    the same requests (every site and layer one call reads) share one, so
+    their spans are made once, and are one list the step log can tell by
+    identity."""
+
+    __slots__ = ("layout", "picks", "_spans")
+
+    def __init__(self, layout: StepLayout | None, picks: Sequence) -> None:
+        self.layout = layout
+        self.picks = picks
+        self._spans: tuple[RowSpan, ...] | None = None
+
+    @property
+    def spans(self) -> tuple[RowSpan, ...]:
+        if self._spans is None:
+            every = self.layout.spans if self.layout is not None else ()
+            spans: list[RowSpan] = []
+            for pick in self.picks:
+                if isinstance(pick, tuple):  # (batch indices, the one position each keeps)
+                    for i, p in zip(*(a.tolist() for a in pick)):
+                        sp = every[i]
+                        row = sp.start + p - sp.first_position
+                        spans.append(RowSpan(sp.key, row, row + 1, p))
+                else:
+                    spans.extend(every[i] for i in pick.tolist())
+            self._spans = tuple(spans)
+        return self._spans
+
+
 class ReadGroup:
     """Requests reading one (site, layer) the same way in one step.
 
@@ -65,10 +97,12 @@ class ReadGroup:
     def __init__(self, read: Read, spans: Sequence[RowSpan] | None = None,
                  index: np.ndarray | None = None, rows_t: torch.Tensor | None = None,
                  bounds: tuple[int, int] | None = None, *,
-                 pick: tuple[StepLayout, list[np.ndarray]] | None = None) -> None:
+                 pick: _Picks | tuple[StepLayout, list[np.ndarray]] | None = None) -> None:
         self.read = read  # a representative (same key and k for the whole group)
         self._spans = None if spans is None else tuple(spans)
-        self._pick = pick  # (layout, batch indices of each plan group)
+        # the requests whose rows it reads: (layout, batch indices of each
+        # plan group), shared by the step's groups that pick the same ones
+        self._pick = pick if pick is None or isinstance(pick, _Picks) else _Picks(*pick)
         #: [sum of span lengths] int64 step rows of the spans, one after
         #: another (built once per step with array arithmetic)
         self.index = index
@@ -81,30 +115,26 @@ class ReadGroup:
     @property
     def spans(self) -> tuple[RowSpan, ...]:
         if self._spans is None:
-            layout, picks = self._pick or (None, [])
-            every = layout.spans if layout is not None else ()
-            spans: list[RowSpan] = []
-            for pick in picks:
-                if isinstance(pick, tuple):  # (batch indices, the one position each keeps)
-                    for i, p in zip(*(a.tolist() for a in pick)):
-                        sp = every[i]
-                        row = sp.start + p - sp.first_position
-                        spans.append(RowSpan(sp.key, row, row + 1, p))
-                else:
-                    spans.extend(every[i] for i in pick.tolist())
-            self._spans = tuple(spans)
+            self._spans = () if self._pick is None else self._pick.spans
         return self._spans
 
     def __repr__(self) -> str:
         return f"ReadGroup({self.read!r}, {len(self.spans)} spans)"
 
-    def on(self, layout: StepLayout) -> ReadGroup:
+    def on(self, layout: StepLayout, shared: dict | None = None) -> ReadGroup:
         """The same rows in another step with the same row layout (a decode
-        step reusing the last one's plan): spans from ``layout``."""
+        step reusing the last one's plan): spans from ``layout``, one list
+        for the groups that picked the same requests (``shared``: a dict
+        for one step's groups)."""
         if self._pick is None:
             raise ValueError("only a group the planner made can move to another step")
-        return ReadGroup(self.read, None, self.index, self.rows_t, self.bounds,
-                         pick=(layout, self._pick[1]))
+        old = self._pick
+        pick = None if shared is None else shared.get(id(old))
+        if pick is None:
+            pick = _Picks(layout, old.picks)
+            if shared is not None:
+                shared[id(old)] = pick
+        return ReadGroup(self.read, None, self.index, self.rows_t, self.bounds, pick=pick)
 
     def index_on(self, device: torch.device) -> torch.Tensor:
         """:meth:`rows` as an int64 tensor on ``device`` (the planner makes
@@ -216,9 +246,10 @@ def plan_step(
     )
     basis = (qsl, first, layout.num_padded, groups, vector_version)
     if previous is not None and _same_decode(previous.basis, basis):
+        moved: dict[int, _Picks] = {}
         return StepPlan(
             layout, StepRequests(plans, layout, groups.planned),
-            {key: tuple(g.on(layout) for g in gs) for key, gs in previous.reads.items()},
+            {key: tuple(g.on(layout, moved) for g in gs) for key, gs in previous.reads.items()},
             previous.adds, previous.sets, previous.edits, previous.problems, basis,
             previous.scratch,
         )
@@ -293,8 +324,9 @@ def _plan_reads(groups: BatchGroups, live, qsl: np.ndarray, first: np.ndarray,
                     group = read_spans[where][how] = [read, [], []]
                 group[1].append(entry[2])
                 group[2].append(entry[:2])
+    shared: dict[tuple[int, ...], _Picks] = {}  # the same picks (by identity): one spans list
     return {
-        key: tuple(_read_group(g[0], layout, g[1], g[2]) for g in groups_.values())
+        key: tuple(_read_group(g[0], layout, g[1], g[2], shared) for g in groups_.values())
         for key, groups_ in read_spans.items()
     }
 
@@ -334,9 +366,11 @@ def _same_decode(last: tuple | None, now: tuple) -> bool:
 
 
 def _read_group(read: Read, layout: StepLayout, picks: list[np.ndarray],
-                rows: list[tuple]) -> ReadGroup:
+                rows: list[tuple], shared: dict[tuple[int, ...], _Picks]) -> ReadGroup:
     """One read group from each plan group's batch indices and (rows, rows
-    as a tensor)."""
+    as a tensor); ``shared``: the step's picks so far, by the identity of
+    what they pick (made once per plan group and position, and alive for
+    the whole planning)."""
     if len(rows) == 1:
         index, index_t = rows[0]
     else:
@@ -346,7 +380,11 @@ def _read_group(read: Read, layout: StepLayout, picks: list[np.ndarray],
     if index.size and int(index[-1]) - int(index[0]) + 1 == index.size and (
             index.size == 1 or bool((index[1:] > index[:-1]).all())):
         bounds = (int(index[0]), int(index[-1]) + 1)
-    return ReadGroup(read, None, index, index_t, bounds, pick=(layout, picks))
+    same = tuple(map(id, picks))
+    pick = shared.get(same)
+    if pick is None:
+        pick = shared[same] = _Picks(layout, picks)
+    return ReadGroup(read, None, index, index_t, bounds, pick=pick)
 
 
 def _positions(position: int, prompt_len: np.ndarray | None, idx: np.ndarray) -> np.ndarray:

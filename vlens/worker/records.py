@@ -21,9 +21,10 @@ counts this); when the record is empty, ``first`` is where it starts
 hands the client therefore always describes one pass over positions
 ``[start, end)``. Pure torch: no vLLM import.
 
-A :class:`StepLog` holds one step's reads for all its requests at once (one
-tensor per read, site and layer); a record's step points into it and takes
-its own rows only when packed, after the run.
+A :class:`~vlens.worker.steplog.StepLog` (``steplog.py``) holds one step's
+reads for all its requests at once (one tensor per read, site and layer); a
+record's step points into it and takes its own rows only when packed, after
+the run.
 """
 
 from __future__ import annotations
@@ -35,89 +36,9 @@ import torch
 
 from vlens.protocol.tensors import encode_tensor
 from vlens.protocol.plan import Plan
-from vlens.worker.features import LazyPart
+from vlens.worker.steplog import ReadKey, StepLog, host_copies
 
-__all__ = ["RequestRecord", "StepLog"]
-
-ReadKey = tuple[str, str, int]  # (read key, part, layer)
-
-
-class StepLog:
-    """The reads of one engine step, kept once for every request in it.
-
-    A hook that reads a group of requests keeps the group's gathered (and
-    reduced) rows as one tensor, ``[sum of the requests' rows, ...]``, with
-    the group (its spans say whose rows are where). Nothing is cut per
-    request inside the forward: :meth:`get` slices one request's rows out
-    when the records are packed, after the run."""
-
-    def __init__(self) -> None:
-        # (read key, part, layer) -> (rows of the whole group, the group)
-        self.entries: dict[ReadKey, tuple[torch.Tensor, Any]] = {}
-        self._cut: dict[Any, tuple] | None = None
-
-    def put(self, key: ReadKey, rows: torch.Tensor, group: Any) -> None:
-        """``group``: whose rows are where (a ``ReadGroup``: its ``spans``,
-        asked for only when the log is cut)."""
-        self.entries[key] = (rows, group)
-        self._cut = None
-
-    def _per_request(self) -> dict[Any, tuple[int, dict[ReadKey, torch.Tensor], int,
-                                                 dict[ReadKey, int]]]:
-        """req_id -> (its most rows of a key, key -> its rows of key, bytes
-        of them, key -> the sequence position of its first row where the
-        span says (a read of one position)): every entry cut once, when the
-        first record is packed (after the run)."""
-        if self._cut is None:
-            cut: dict[Any, list] = {}
-            lengths: dict[int, list[int]] = {}  # one list per group of spans
-            for key, (rows, group) in self.entries.items():
-                if isinstance(rows, LazyPart):  # a feature read encoded after its step
-                    rows = rows.tensor()
-                    self.entries[key] = (rows, group)
-                spans = group.spans
-                n = lengths.get(id(spans))
-                if n is None:
-                    n = lengths[id(spans)] = [sp.stop - sp.start for sp in spans]
-                if rows.dim() == 0 or rows.shape[0] != sum(n):
-                    # a read whose rows do not match its group's spans fails its
-                    # own requests (their records miss it), never the step's others
-                    continue
-                row_bytes = rows[:1].numel() * rows.element_size()
-                for sp, m, chunk in zip(spans, n, rows.split(n)):
-                    per = cut.get(sp.key)
-                    if per is None:
-                        per = cut[sp.key] = [0, {}, 0, {}, 0]
-                    per[0] = max(per[0], m)
-                    per[1][key] = chunk
-                    per[2] += m * row_bytes
-                    p0 = getattr(sp, "first_position", None)
-                    if p0 is not None:
-                        per[3][key] = p0
-                        per[4] = max(per[4], p0 + m)
-            self._cut = {k: tuple(v) for k, v in cut.items()}
-        return self._cut
-
-    def of(self, req_id: Any) -> tuple[int, dict[ReadKey, torch.Tensor], int]:
-        """Request ``req_id``'s most rows of a key this step, its rows of
-        each key it read, and their bytes."""
-        return self._per_request().get(req_id, (0, {}, 0, {}, 0))[:3]
-
-    def starts(self, req_id: Any) -> tuple[dict[ReadKey, int], int]:
-        """The sequence position of the first row of each key request
-        ``req_id`` read this step (a read of one position: that one), and
-        one past the last position any of them holds."""
-        got = self._per_request().get(req_id)
-        return (got[3], got[4]) if got is not None else ({}, 0)
-
-    def to_host(self) -> None:
-        """Move this step's tensors to the host: one device-to-host copy
-        per dtype, into pinned memory, not blocking the device."""
-        items = [(k, t) for k, (t, _) in self.entries.items() if t.device.type != "cpu"]
-        for key, host in zip([k for k, _ in items], _host_copies([t for _, t in items])):
-            self.entries[key] = (host, self.entries[key][1])
-        self._cut = None
-
+__all__ = ["RequestRecord"]
 
 @dataclass
 class _StepRows:
@@ -139,6 +60,25 @@ class _StepRows:
             self.first, n, self.token_ids[:n], self.positions[:n],
             {k: v[:n] for k, v in self.reads.items()}, self.log, self.req_id,
         )
+
+    def summary(self) -> tuple[dict[str, set[str]], int] | None:
+        """Each read key's parts among this step's rows and the bytes of
+        those in the log, as :meth:`kept` would say them, without cutting a
+        row; None where a recompute cut this step (then :meth:`kept` says)."""
+        parts: dict[str, set[str]] = {}
+        for key, part, _ in self.reads:
+            parts.setdefault(key, set()).add(part)
+        if self.log is None:
+            return parts, 0
+        m, logged, nbytes, reach = self.log.summary(self.req_id)
+        if not logged:
+            return parts, 0
+        end = self.first + self.n
+        if self.first + m > end or reach > end:
+            return None
+        for key, got in logged.items():
+            parts.setdefault(key, set()).update(got)
+        return parts, nbytes
 
     def kept(self) -> tuple[dict[ReadKey, torch.Tensor], int]:
         """Every read of this step's rows (kept here, or in the step's log),
@@ -287,17 +227,53 @@ class RequestRecord:
             return torch.stack(per_layer).transpose(1, 2).contiguous()
         return torch.stack(per_layer)
 
-    def pack(self) -> dict[str, Any]:
+    def _from_log(self, key: str, part: str, layers: tuple[int, ...],
+                  at: int | None) -> torch.Tensor | None:
+        """What :meth:`_stacked` gives, taken at once from the one step that
+        holds the read's rows (the only step of the record, or the step
+        that ran position ``at``) where its log stacks them for the whole
+        group; None where it does not (more steps, rows kept in the
+        forward, a recompute's cut): then layer by layer."""
+        if at is None:
+            steps = self.steps if len(self.steps) == 1 else ()
+        else:
+            steps = [s for s in self.steps if s.first <= at < s.first + s.n]
+        if len(steps) != 1 or steps[0].log is None or steps[0].reads:
+            return None
+        s = steps[0]
+        got = s.log.stacked(self.req_id, key, part, layers)
+        if got is None:
+            return None
+        rows, p0 = got
+        if at is None:  # every row the step ran for the request, from its first
+            ok = rows.shape[1] == s.n and p0 in (None, s.first)
+        else:
+            ok = rows.shape[1] == 1 and p0 == at
+        return rows if ok else None
+
+    def pack(self, tensors: bool = False) -> dict[str, Any]:
         """Plain data for the client: token ids, positions and reads of the
-        one clean pass over ``[start, end)``, and what went wrong."""
+        one clean pass over ``[start, end)``, and what went wrong. Reads are
+        bytes (``encode_tensor``), or with ``tensors`` (a client in this
+        process) host tensors owning their memory, as decoding would give."""
         reads: dict[str, dict[str, Any]] = {}
-        both = [s.kept() for s in self.steps]
-        kept = [k for k, _ in both]
-        logged = sum(b for _, b in both)
+        # each step's read keys, parts and bytes, from the logs' layouts
+        # without cutting a row; a step a recompute cut says it by kept()
+        said = [s.summary() for s in self.steps]
+        kept: list[dict[ReadKey, torch.Tensor]] | None = None
         parts_of: dict[str, set[str]] = {}
-        for k in kept:
-            for key, part, _ in k:
-                parts_of.setdefault(key, set()).add(part)
+        if all(x is not None for x in said):
+            logged = sum(nbytes for _, nbytes in said)
+            for parts, _ in said:
+                for key, got in parts.items():
+                    parts_of.setdefault(key, set()).update(got)
+        else:
+            both = [s.kept() for s in self.steps]
+            kept = [k for k, _ in both]
+            logged = sum(b for _, b in both)
+            for k in kept:
+                for key, part, _ in k:
+                    parts_of.setdefault(key, set()).add(part)
         for read in self.plan.reads:
             parts = sorted(parts_of.get(read.key, ()))
             out: dict[str, Any] = {"layers": list(read.layers), "site": read.site,
@@ -306,10 +282,16 @@ class RequestRecord:
             if at is not None:  # [layers, 1, ...]: the row at this position alone
                 out["position"] = at
             for part in parts or ["value"]:
-                stacked = self._stacked(read.key, part, read.layers, kept, at)
+                stacked = self._from_log(read.key, part, read.layers, at)
+                if stacked is None:
+                    if kept is None:  # cut from the logs only now, for the layer-by-layer way
+                        kept = [k for k, _ in (s.kept() for s in self.steps)]
+                    stacked = self._stacked(read.key, part, read.layers, kept, at)
                 if stacked is None:
                     break
-                out[part] = encode_tensor(stacked)
+                out[part] = (stacked.clone(memory_format=torch.contiguous_format)
+                             if tensors and stacked.device.type == "cpu"
+                             else encode_tensor(stacked))
             else:
                 reads[read.key] = out
         return {
@@ -332,24 +314,5 @@ def to_host(records: list[RequestRecord]) -> None:
     device) instead of one per read. Called once at the end of a step."""
     kept = [(s.reads, k, t) for r in records if r.steps for s in (r.steps[-1],)
             for k, t in s.reads.items() if t.device.type != "cpu"]
-    for (reads, key, _), host in zip(kept, _host_copies([t for _, _, t in kept])):
+    for (reads, key, _), host in zip(kept, host_copies([t for _, _, t in kept])):
         reads[key] = host
-
-
-def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of device ``tensors``, in order: one non-blocking copy
-    per dtype into pinned memory."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, idx in by_dtype.items():
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        host = torch.empty(flat.shape, dtype=dtype, device="cpu", pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        at = 0
-        for i in idx:
-            t = tensors[i]
-            out[i] = host[at : at + t.numel()].view(t.shape)
-            at += t.numel()
-    return out

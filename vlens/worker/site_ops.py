@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vlens.worker.attribution import dla_rows
+from vlens.worker.attribution import dla_part, dla_rows
 from vlens.worker.layout import StepLayout, add_rows, narrow, token_axis, widen
 from vlens.protocol.plan import EditContext, Read
 from vlens.worker.planner import EditCall
@@ -190,18 +190,22 @@ def run_edit(fn: Callable, layout: StepLayout, site: str, get_value: Getter,
 
 
 def reduce_rows(model: Any, rows: torch.Tensor, read: Read,
-                features: Any = None, layer: int = 0) -> dict[str, torch.Tensor]:
+                features: Any = None, layer: int = 0, copied: bool = False
+                ) -> dict[str, torch.Tensor]:
     """``rows`` is a gathered copy ([n, ...]), or a view where the
     reduction makes a new tensor; kept values never alias engine buffers
     that later kernels or steps overwrite. They stay on the model's device
     until the step ends (the worker copies them to the host in one go).
     ``layer``: the layer the rows are of (direct logit attribution's heads
-    and post norms)."""
+    and post norms); ``copied``: ``rows`` is a gathered copy, which a DLA
+    read on a CPU may reduce after the step (``attribution.dla_part``)."""
     if read.reduce == "full":
         return {"value": rows.float()}
     if read.sae:  # feature activations of an SAE the worker holds (``features``)
         return features.reduce(rows, read.sae, read.k if read.reduce == "sae_top" else 0)
     if read.reduce == "dla":  # direct logit attribution (worker/attribution.py)
+        if copied:
+            return {"value": dla_part(model, rows, read, layer)}
         return {"value": dla_rows(model, rows, read, layer)}
     if read.reduce == "norm":
         if rows.dtype == torch.float32:  # no dtype argument: a shorter path in torch
