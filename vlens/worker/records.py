@@ -40,6 +40,7 @@ from vlens.worker.steplog import ReadKey, StepLog, host_copies
 
 __all__ = ["RequestRecord"]
 
+
 @dataclass
 class _StepRows:
     """The rows of one request in one engine step."""
