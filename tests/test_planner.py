@@ -414,6 +414,11 @@ def test_two_groups_reading_one_key_differently_each_keep_their_own_rows():
             raw = records[rid].pack(tensors=True)["reads"]["resid_post:logit_lens"]["ids"]
             assert isinstance(raw, torch.Tensor) and torch.equal(raw, want)
             assert raw.is_contiguous() and raw.untyped_storage().nbytes() == raw.nbytes
+            # one stack per group where the group is the key's only one this step
+            stacked = log.stacked(rid, "resid_post:logit_lens", "ids", (0, 1))
+            assert (stacked is None) == (len(batch) > 1), (batch, rid)
+            if stacked is not None:
+                assert torch.equal(stacked[0], want)
 
 
 def test_a_gap_in_the_rows_is_reported_not_hidden():
