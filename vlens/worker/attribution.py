@@ -30,7 +30,8 @@ Per site (``Read.reduce == "dla"``, ``Read.target == (a, w or -1)``):
   term, and the logit difference through the model's own final-norm module,
   projection and unembedding rows (pre-softcap, times the scale).
 
-Imports only ``protocol/``, torch and (for the tensor-parallel size) vLLM.
+Imports ``protocol/``, torch, the step log's stand-in (``steplog.Later``) and
+(for the tensor-parallel size) vLLM.
 Tensor parallelism is refused: each rank holds part of the unembedding
 and of each output projection.
 """
@@ -47,8 +48,9 @@ from torch import nn
 from vlens.protocol.final_norm import FinalNorm, final_logits, norm_of
 from vlens.protocol.plan import Read
 from vlens.protocol.sites import ModelSites, resolve_sites
+from vlens.worker.steplog import Later
 
-__all__ = ["DLA_SITES", "Later", "dla_part", "dla_rows"]
+__all__ = ["DLA_SITES", "dla_part", "dla_rows"]
 
 #: the sites a "dla" read may name
 DLA_SITES = ("resid_pre", "attn_out", "mlp_out", "z", "resid_post")
@@ -227,28 +229,6 @@ def _heads(model: nn.Module, sites: ModelSites, layer: int, t: Target, key: tupl
     return got
 
 
-class Later:
-    """A DLA read's reduced rows, standing in a step's log until the log is
-    cut after the run (``later``: see ``steplog.py``): the shape and dtype
-    now, the values from :meth:`tensor`, computed once."""
-
-    device = torch.device("cpu")
-    dtype = torch.float32
-    later = True
-
-    def __init__(self, make: Any, shape: tuple[int, ...]) -> None:
-        self._make, self._value = make, None
-        self.shape = torch.Size(shape)
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def tensor(self) -> torch.Tensor:
-        if self._value is None:
-            self._value, self._make = self._make(), None
-        return self._value
-
-
 #: what each site's DLA read ships per row (``z``: a column per head and one
 #: for the projection's bias term)
 _WIDTH = {"resid_pre": 1, "attn_out": 1, "mlp_out": 1, "resid_post": 4}
@@ -274,7 +254,8 @@ def dla_part(model: nn.Module, rows: torch.Tensor, read: Read, layer: int
             _heads(model, sites, layer, t, read.target)
         cache[key] = True
     width = rows.shape[1] + 1 if read.site == "z" else _WIDTH[read.site]
-    return Later(lambda: dla_rows(model, rows, read, layer), (rows.shape[0], width))
+    return Later(lambda: dla_rows(model, rows, read, layer), (rows.shape[0], width),
+                 torch.float32)
 
 
 def dla_rows(model: nn.Module, rows: torch.Tensor, read: Read, layer: int) -> torch.Tensor:

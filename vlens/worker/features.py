@@ -28,6 +28,7 @@ import torch
 
 from vlens.protocol.features import FeatureSpec, encode, output_scale, top_features
 from vlens.protocol.tensors import decode_tensor
+from vlens.worker.steplog import Later
 
 __all__ = ["DEFER_ROWS", "FeatureStore", "LazyPart"]
 
@@ -87,23 +88,15 @@ class _Deferred:
         return self.parts[name]
 
 
-class LazyPart:
+class LazyPart(Later):
     """One part of a deferred feature read, standing in a step's log for its
     tensor: the shape and dtype are known in the step, the values when the
     log is cut after the run (:meth:`tensor`)."""
 
-    device = torch.device("cpu")
-    later = True  # a stand-in the step log asks for its tensor when it is cut
-
     def __init__(self, read: _Deferred, name: str, shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:
-        self.read, self.name, self.shape, self.dtype = read, name, torch.Size(shape), dtype
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def tensor(self) -> torch.Tensor:
-        return self.read.part(self.name)
+        super().__init__(lambda: read.part(name), shape, dtype)
+        self.read, self.name = read, name
 
 
 class FeatureStore:

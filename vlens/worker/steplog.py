@@ -16,16 +16,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReadKey", "StepLog", "host_copies"]
+__all__ = ["Later", "ReadKey", "StepLog", "host_copies"]
 
 ReadKey = tuple[str, str, int]  # (read key, part, layer)
 
 
-def _later(rows: Any) -> bool:
-    """Whether ``rows`` stands in for a tensor made when the log is cut
-    (``later`` on its class: a feature read's ``LazyPart``, a DLA read's
-    ``Later``), rather than being one."""
-    return getattr(type(rows), "later", False)
+class Later:
+    """Rows standing in a step's log for a tensor made when the log is cut,
+    after the run (a feature read encoded with other steps' rows, a DLA
+    read reduced outside the compiled step): the shape and dtype now, the
+    values from :meth:`tensor`, made once by ``make()``."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, make: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._make, self._value = make, None
+        self.shape, self.dtype = torch.Size(shape), dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def tensor(self) -> torch.Tensor:
+        if self._value is None:  # a failed make() raises again when asked again
+            self._value, self._make = self._make(), None
+        return self._value
 
 
 class _Layout:
@@ -87,7 +101,7 @@ class StepLog:
             by: dict[int, _Layout] = {}
             for key, held in self.entries.items():
                 for j, (rows, group) in enumerate(held):
-                    if _later(rows):  # a feature read encoded, or a DLA reduced, after its step
+                    if isinstance(rows, Later):  # made after its step
                         rows = rows.tensor()
                         held[j] = (rows, group)
                     spans = group.spans
@@ -172,8 +186,7 @@ class StepLog:
             return False
         spans = held[0][0][1].spans
         rows = [h[0][0] for h in held]
-        if any(h[0][1].spans is not spans for h in held) or any(
-                _later(r) for r in rows):
+        if any(h[0][1].spans is not spans for h in held):
             return False
         lay = next((x for x in layouts if x.spans is spans), None)
         first = rows[0]
