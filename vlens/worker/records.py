@@ -62,23 +62,25 @@ class _StepRows:
             {k: v[:n] for k, v in self.reads.items()}, self.log, self.req_id,
         )
 
-    def summary(self) -> tuple[dict[str, set[str]], int] | None:
+    def summary(self) -> tuple[dict[str, set[str]], int]:
         """Each read key's parts among this step's rows and the bytes of
-        those in the log, as :meth:`kept` would say them, without cutting a
-        row; None where a recompute cut this step (then :meth:`kept` says)."""
+        those in the log, as :meth:`kept` says them: from the log's layouts
+        without cutting a row, unless a recompute cut this step."""
         parts: dict[str, set[str]] = {}
+        if self.log is not None:
+            m, logged, nbytes, reach = self.log.summary(self.req_id)
+            end = self.first + self.n
+            if logged and (self.first + m > end or reach > end):  # cut by a recompute
+                rows, nbytes = self.kept()
+                for key, part, _ in rows:
+                    parts.setdefault(key, set()).add(part)
+                return parts, nbytes
+            for key, got in logged.items():
+                parts.setdefault(key, set()).update(got)
+        else:
+            nbytes = 0
         for key, part, _ in self.reads:
             parts.setdefault(key, set()).add(part)
-        if self.log is None:
-            return parts, 0
-        m, logged, nbytes, reach = self.log.summary(self.req_id)
-        if not logged:
-            return parts, 0
-        end = self.first + self.n
-        if self.first + m > end or reach > end:
-            return None
-        for key, got in logged.items():
-            parts.setdefault(key, set()).update(got)
         return parts, nbytes
 
     def kept(self) -> tuple[dict[ReadKey, torch.Tensor], int]:
@@ -258,23 +260,15 @@ class RequestRecord:
         bytes (``encode_tensor``), or with ``tensors`` (a client in this
         process) host tensors owning their memory, as decoding would give."""
         reads: dict[str, dict[str, Any]] = {}
-        # each step's read keys, parts and bytes, from the logs' layouts
-        # without cutting a row; a step a recompute cut says it by kept()
+        # each step's read keys, parts and bytes (from the logs' layouts
+        # without cutting a row, where no recompute cut the step)
         said = [s.summary() for s in self.steps]
-        kept: list[dict[ReadKey, torch.Tensor]] | None = None
+        logged = sum(nbytes for _, nbytes in said)
         parts_of: dict[str, set[str]] = {}
-        if all(x is not None for x in said):
-            logged = sum(nbytes for _, nbytes in said)
-            for parts, _ in said:
-                for key, got in parts.items():
-                    parts_of.setdefault(key, set()).update(got)
-        else:
-            both = [s.kept() for s in self.steps]
-            kept = [k for k, _ in both]
-            logged = sum(b for _, b in both)
-            for k in kept:
-                for key, part, _ in k:
-                    parts_of.setdefault(key, set()).add(part)
+        for parts, _ in said:
+            for key, got in parts.items():
+                parts_of.setdefault(key, set()).update(got)
+        kept: list[dict[ReadKey, torch.Tensor]] | None = None
         for read in self.plan.reads:
             parts = sorted(parts_of.get(read.key, ()))
             out: dict[str, Any] = {"layers": list(read.layers), "site": read.site,
