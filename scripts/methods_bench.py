@@ -18,7 +18,10 @@ repetition's ratio is quoted; machines are noisy):
   against the slower model's trace of the same prompts alone, reading the
   same sites (goal <= 1.3: each model reads its own continuation as it
   writes it, then the other's teacher-forced; ``diff_apart`` with each
-  engine in a process of its own, where the two run at once).
+  engine in a process of its own, where the two run at once). Beside it,
+  the floor of any diff on these engines: the same two Sessions doing only
+  the engine work (both traces at once, then each model reading the
+  other's text at once), and the two traces at once alone.
 
 The table between the ``methods-bench`` markers of docs/methods.md is
 rewritten (``--no-doc``: left alone). ``make bench`` runs it too.
@@ -167,9 +170,23 @@ def diff(reps: int) -> dict:
     try:
         prompts = example_prompts(32)
         trace = {"sites": ["resid_post"], "max_new_tokens": 16}
+
+        def floor() -> None:
+            """The engine work any diff has to do, and nothing else: both
+            models' traces at once, then each model reading the other's text
+            (its prompt and continuation, one token) at once."""
+            runs = at_once(lambda: story.trace(prompts, **trace), lambda: chat.trace(prompts, **trace))
+            texts = [[{"prompt_token_ids": t.prompt_token_ids + t.output_token_ids} for t in run]
+                     for run in runs]
+            at_once(lambda: story.trace(texts[1], sites=["resid_post"], max_new_tokens=1),
+                    lambda: chat.trace(texts[0], sites=["resid_post"], max_new_tokens=1))
+
         ways = {"story": lambda: story.trace(prompts, **trace),
                 "chat": lambda: chat.trace(prompts, **trace),
-                "diff": lambda: vlens.diff(story, chat, prompts)}
+                "diff": lambda: vlens.diff(story, chat, prompts),
+                "floor": floor,
+                "both": lambda: at_once(lambda: story.trace(prompts, **trace),
+                                        lambda: chat.trace(prompts, **trace))}
         times = interleaved(ways, reps)
     finally:
         chat.close()
@@ -177,7 +194,28 @@ def diff(reps: int) -> dict:
     slower = [max(a, b) for a, b in zip(times["story"], times["chat"])]
     return {"prompts": len(prompts), "times_s": times, "goal": 1.3,
             "median_s": {k: statistics.median(v) for k, v in times.items()},
-            "ratio": statistics.median(d / x for d, x in zip(times["diff"], slower))}
+            "ratio": statistics.median(d / x for d, x in zip(times["diff"], slower)),
+            "floor_ratio": statistics.median(f / x for f, x in zip(times["floor"], slower)),
+            "both_ratio": statistics.median(f / x for f, x in zip(times["both"], slower)),
+            "over_floor": ratio(times, "diff", "floor")}
+
+
+def at_once(a, b) -> list:
+    """``[a(), b()]``, b on a thread of its own (as ``vlens.diff`` runs its two models)."""
+    import threading
+
+    out: list = [None, None]
+
+    def run_b() -> None:
+        out[1] = b()
+
+    worker = threading.Thread(target=run_b)
+    worker.start()
+    out[0] = a()
+    worker.join()
+    if out[1] is None:
+        raise RuntimeError("the second of the two runs failed (its error is above)")
+    return out
 
 
 def grid(reps: int, model: str) -> dict:
@@ -272,6 +310,14 @@ def table(res: dict, what: dict = WHAT) -> str:
         a = res["atp"]
         notes.append(f"AtP vs activation patching on {a['cells']} cells: correlation "
                      f"{a['correlation']:.3f}; the twin: {a['twin']}.")
+    for name in ("diff", "diff_apart"):
+        if name in res and "error" not in res[name] and "floor_ratio" in res[name]:
+            d, where = res[name], "in the kernel" if name == "diff" else "apart"
+            notes.append(f"The floor of any diff {where} (the same Sessions doing only the engine "
+                         f"work: both traces at once, then each model reading the other's text at "
+                         f"once): {d['floor_ratio']:.2f} x the slower trace ({d['both_ratio']:.2f} for "
+                         f"the two traces at once alone); `vlens.diff` took {d['over_floor']:.2f} x "
+                         f"that floor.")
     if "branch" in res and "error" not in res["branch"]:
         notes.append(f"The branches' cached prompt tokens: {res['branch']['cached_tokens']}.")
     return "\n".join(rows) + ("\n\n" + " ".join(notes) if notes else "")

@@ -60,6 +60,22 @@ def test_methods_bench_names_its_parts(capsys):
         assert named in capsys.readouterr().err
 
 
+def test_methods_bench_table_puts_the_diffs_floor_beside_it():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from methods_bench import table
+
+    times = {"story": 0.30, "chat": 0.32, "diff": 0.90, "floor": 0.95, "both": 0.60}
+    res = {"diff": {"median_s": times, "ratio": 2.81, "goal": 1.3, "floor_ratio": 2.97,
+                    "both_ratio": 1.88, "over_floor": 0.95},
+           "diff_apart": {"median_s": times, "ratio": 1.8, "goal": 1.3}}  # no floor: an older run
+    text = table(res)
+    row = next(line for line in text.splitlines() if "both engines in the kernel" in line)
+    assert "0.300 s / 0.320 s / 0.900 s / 0.950 s / 0.600 s | 2.81 | <= 1.3" in row
+    assert ("any diff in the kernel" in text and "2.97 x the slower trace (1.88 for the two "
+            "traces at once alone)" in text and "took 0.95 x that floor" in text)
+    assert "any diff apart" not in text
+
+
 def _tables(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("|")]
 
