@@ -8,6 +8,7 @@ this process, set before vLLM is imported.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -308,6 +309,20 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"tests/_modelinfos.py exited {filler.returncode}: see {_RUN_DIR / 'modelinfos.log'}",
             yellow=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """Collect the run's garbage now, while pytest still reports what its
+    finalizers raise, then freeze what is left. pytest's own last sweep
+    (five ``gc.collect()`` calls after the session) would otherwise walk
+    every object a worker still holds (engines, tensors) five times, and
+    under pytest-xdist that sweep comes after the worker has said it is
+    done: past 5 s, execnet sends the worker a SIGINT to end it, and the
+    KeyboardInterrupt lands in whatever runs then (once, in a gc callback,
+    as an unraisable warning at the end of the log)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_unconfigure(config):
