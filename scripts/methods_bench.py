@@ -205,16 +205,22 @@ def at_once(a, b) -> list:
     import threading
 
     out: list = [None, None]
+    errors: list[BaseException] = []
 
     def run_b() -> None:
-        out[1] = b()
+        try:
+            out[1] = b()
+        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread
+            errors.append(exc)
 
     worker = threading.Thread(target=run_b)
     worker.start()
-    out[0] = a()
-    worker.join()
-    if out[1] is None:
-        raise RuntimeError("the second of the two runs failed (its error is above)")
+    try:
+        out[0] = a()
+    finally:
+        worker.join()
+    if errors:
+        raise errors[0]
     return out
 
 
