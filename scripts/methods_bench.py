@@ -162,6 +162,7 @@ def diff_apart(reps: int) -> dict:
 
 def diff(reps: int) -> dict:
     import vlens
+    from vlens.methods.diff import _both  # how vlens.diff runs its two models at once
     from vlens.models import toychat_path, toyworld_path
     from vlens.models.world import example_prompts
 
@@ -175,18 +176,17 @@ def diff(reps: int) -> dict:
             """The engine work any diff has to do, and nothing else: both
             models' traces at once, then each model reading the other's text
             (its prompt and continuation, one token) at once."""
-            runs = at_once(lambda: story.trace(prompts, **trace), lambda: chat.trace(prompts, **trace))
+            runs = _both(story, chat, lambda _, s: s.trace(prompts, **trace))
             texts = [[{"prompt_token_ids": t.prompt_token_ids + t.output_token_ids} for t in run]
                      for run in runs]
-            at_once(lambda: story.trace(texts[1], sites=["resid_post"], max_new_tokens=1),
-                    lambda: chat.trace(texts[0], sites=["resid_post"], max_new_tokens=1))
+            _both(story, chat, lambda k, s: s.trace(texts[1 - k], sites=["resid_post"],
+                                                    max_new_tokens=1))
 
         ways = {"story": lambda: story.trace(prompts, **trace),
                 "chat": lambda: chat.trace(prompts, **trace),
                 "diff": lambda: vlens.diff(story, chat, prompts),
                 "floor": floor,
-                "both": lambda: at_once(lambda: story.trace(prompts, **trace),
-                                        lambda: chat.trace(prompts, **trace))}
+                "both": lambda: _both(story, chat, lambda _, s: s.trace(prompts, **trace))}
         times = interleaved(ways, reps)
     finally:
         chat.close()
@@ -198,30 +198,6 @@ def diff(reps: int) -> dict:
             "floor_ratio": statistics.median(f / x for f, x in zip(times["floor"], slower)),
             "both_ratio": statistics.median(f / x for f, x in zip(times["both"], slower)),
             "over_floor": ratio(times, "diff", "floor")}
-
-
-def at_once(a, b) -> list:
-    """``[a(), b()]``, b on a thread of its own (as ``vlens.diff`` runs its two models)."""
-    import threading
-
-    out: list = [None, None]
-    errors: list[BaseException] = []
-
-    def run_b() -> None:
-        try:
-            out[1] = b()
-        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread
-            errors.append(exc)
-
-    worker = threading.Thread(target=run_b)
-    worker.start()
-    try:
-        out[0] = a()
-    finally:
-        worker.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 def grid(reps: int, model: str) -> dict:
